@@ -1,0 +1,1 @@
+"""Shared parts of the experiments: data, models, attention choice, metrics, process groups."""

@@ -1,0 +1,68 @@
+"""Process-group setup, device choice, rank-0 printing and teardown.
+
+Every experiment runs either as a plain process (`python train.py`) or under torchrun, which sets RANK,
+WORLD_SIZE and LOCAL_RANK. On a GPU machine the backend is NCCL (RCCL on ROCm, where torch.cuda and "nccl" map
+to AMD's libraries); on a CPU-only machine it is gloo, so the same scripts and tests run anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None  # None when no process group was created (a single plain process)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(timeout_minutes: int = 30) -> DistInfo:
+    """Create the default process group when launched by torchrun; pick this rank's device."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise SystemExit(
+                f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPU(s) are visible: "
+                "lower --nproc_per_node or check CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES"
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if "WORLD_SIZE" not in os.environ:
+        return DistInfo(rank=0, world_size=1, local_rank=0, device=device, backend=None)
+    # Passing device_id binds the NCCL communicator to this GPU eagerly, which avoids a lazy init on the first
+    # collective (and a warning from recent PyTorch); gloo has no such notion.
+    dist.init_process_group(
+        backend=backend,
+        timeout=timedelta(minutes=timeout_minutes),
+        device_id=device if backend == "nccl" else None,
+    )
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
+
+
+def print0(*args, **kwargs) -> None:
+    """print() on rank 0 only (every rank when no process group exists)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,288 @@
+"""Step timing, communication time, tokens/s, peak memory and MFU; the step line; metrics.jsonl and summary.json.
+
+Definitions (DESIGN.md section 5, as in the seed table):
+- step_ms: wall time of one optimizer step (forward, backward, communication, optimizer), excluding data loading,
+  with the device synchronised before the clock is read.
+- comm_ms: time inside collectives per step, from torch.profiler over a window of steps: NCCL/RCCL kernels on
+  the GPU timeline, gloo's own events on CPU. Overlapping intervals are merged, so a collective that runs while
+  the GPU also computes is counted once. Profiling adds a little overhead to the steps it covers.
+- tokens/s: real (non-pad) tokens of the step over all ranks / step time.
+- peak memory: torch.cuda.max_memory_reserved() per device; on CPU the process's peak resident set size.
+- MFU: tokens/s x training FLOPs per token (common/models.py) / (dense bf16 peak per device x devices).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# Dense (no sparsity) bf16 tensor-core peak per device, TFLOP/s, from the vendors' data sheets. Matched in order
+# against torch.cuda.get_device_name(), so more specific names come first. MI250X and MI250 are listed per GCD,
+# since each GCD is one PyTorch device.
+PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
+    ("H200", 989.4),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.4),  # SXM
+    ("A100", 312.0),
+    ("L40S", 362.05),
+    ("MI300X", 1307.4),
+    ("MI250X", 191.5),
+    ("MI250", 181.0),
+    ("MI210", 181.0),
+    ("MI100", 92.3),
+]
+
+
+def peak_flops_per_device(device_name: str) -> float | None:
+    """Dense bf16 FLOP/s of one device, or None when unknown (CPU included: MFU is then reported as null)."""
+    lowered = device_name.lower()
+    for key, tflops in PEAK_BF16_TFLOPS:
+        if key.lower() in lowered:
+            return tflops * 1e12
+    return None
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float | None, n_devices: int) -> float | None:
+    if peak_flops is None:
+        return None
+    return tokens_per_s * flops_per_token / (peak_flops * n_devices)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 2**30
+    # ru_maxrss is in KiB on Linux (bytes on macOS).
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30
+
+
+def memory_label(device: torch.device) -> str:
+    return "max_memory_reserved" if device.type == "cuda" else "peak RSS of the process (CPU)"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def hardware_info(device: torch.device, world_size: int) -> dict:
+    return dict(
+        device_kind=device.type if device.type == "cpu" else ("rocm" if torch.version.hip else "cuda"),
+        device_name=device_name(device),
+        device_count=torch.cuda.device_count() if device.type == "cuda" else 1,
+        world_size=world_size,
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        hip=torch.version.hip,
+        cpu=_cpu_model(),
+        cpu_cores=_cpu_count(),
+        python=platform.python_version(),
+    )
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_count() -> int | None:
+    import os
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Communication time
+
+
+def _merged_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def collective_ms(profiler) -> float:
+    """Milliseconds covered by collectives in a finished torch.profiler run (overlaps merged)."""
+    intervals = []
+    for event in profiler.events():
+        name = event.name.lower()
+        on_device = event.device_type != torch.autograd.DeviceType.CPU
+        if (on_device and ("nccl" in name or "rccl" in name)) or (not on_device and name.startswith("gloo:")):
+            intervals.append((event.time_range.start, event.time_range.end))  # microseconds
+    return _merged_length(intervals) / 1000.0
+
+
+class CollectiveTimer:
+    """Profiles steps [first_step, first_step + n_steps) one at a time and reports each one's comm_ms.
+
+    With no process group there are no collectives: comm_ms is 0 and nothing is profiled.
+    """
+
+    def __init__(self, device: torch.device, first_step: int, n_steps: int):
+        self.device = device
+        self.window = range(first_step, first_step + n_steps)
+        self.profiler = None
+
+    def start(self, step: int) -> None:
+        if not dist.is_initialized() or step not in self.window:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiler = torch.profiler.profile(activities=activities)
+        self.profiler.__enter__()
+
+    def stop(self, step: int) -> float | None:
+        """comm_ms of this step; None when the step was not profiled."""
+        if not dist.is_initialized():
+            return 0.0
+        if self.profiler is None:
+            return None
+        self.profiler.__exit__(None, None, None)
+        value = collective_ms(self.profiler)
+        self.profiler = None
+        return value
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The step line, metrics.jsonl and summary.json
+
+STEP_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens", "loss_tokens", "step_ms", "comm_ms", "tokens_per_s",
+               "peak_mem_gib", "mfu")
+AVERAGED = ("step_ms", "comm_ms", "tokens_per_s", "peak_mem_gib", "mfu")
+
+
+def format_step_line(record: dict, total_steps: int) -> str:
+    def optional(value, fmt):
+        return "-" if value is None else format(value, fmt)
+
+    return (f"step {record['step']}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.1e} | "
+            f"grad_norm {record['grad_norm']:.2f} | step_ms {record['step_ms']:.0f} | "
+            f"comm_ms {optional(record['comm_ms'], '.0f')} | tok/s {record['tokens_per_s']:,.0f} | "
+            f"mfu {optional(record['mfu'], '.2f')} | mem {record['peak_mem_gib']:.1f} GiB")
+
+
+@dataclass
+class MetricsLogger:
+    """Collects one record per optimizer step, prints the step line on rank 0 and writes the results files."""
+    out_dir: Path
+    total_steps: int
+    warmup_steps: int  # the first steps (compilation, allocator growth, caches) left out of the averages
+    flops_per_token: float
+    device: torch.device
+    world_size: int
+    is_main: bool
+
+    def __post_init__(self):
+        self.out_dir = Path(self.out_dir)
+        self.records: list[dict] = []
+        self.peak_flops = peak_flops_per_device(device_name(self.device)) if self.device.type == "cuda" else None
+        if self.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "metrics.jsonl").write_text("")
+
+    def log_step(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, loss_tokens: int,
+                 step_ms: float, comm_ms: float | None, print_fn=print) -> dict:
+        """`tokens` are the real tokens of the whole step on all ranks. Returns the record."""
+        tokens_per_s = tokens / (step_ms / 1000.0)
+        record = dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=tokens, loss_tokens=loss_tokens,
+                      step_ms=step_ms, comm_ms=comm_ms, tokens_per_s=tokens_per_s,
+                      peak_mem_gib=peak_memory_gib(self.device),
+                      mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_flops, self.world_size))
+        self.records.append(record)
+        if self.is_main:
+            with open(self.out_dir / "metrics.jsonl", "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+            print_fn(format_step_line(record, self.total_steps))
+        return record
+
+    def averages(self) -> dict:
+        measured = self.records[self.warmup_steps:] or self.records
+        result = {}
+        for key in AVERAGED:
+            values = [r[key] for r in measured if r[key] is not None]
+            result[key] = sum(values) / len(values) if values else None
+        if measured:
+            result["peak_mem_gib"] = max(r["peak_mem_gib"] for r in measured)
+        result["measured_steps"] = len(measured)
+        result["warmup_steps_excluded"] = len(self.records) - len(measured)
+        tokens_per_s = result["tokens_per_s"]
+        result["tokens_per_s_per_device"] = None if tokens_per_s is None else tokens_per_s / self.world_size
+        return result
+
+    def write_summary(self, **fields) -> dict:
+        """Writes summary.json: the caller's fields (experiment, command, config, model, ...) plus the averages."""
+        summary = dict(fields)
+        summary.update(self.averages())
+        summary["final_loss"] = self.records[-1]["loss"] if self.records else None
+        summary["memory_measure"] = memory_label(self.device)
+        if self.is_main:
+            (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+
+SUMMARY_TABLE_FIELDS = ("step_ms", "comm_ms", "tokens_per_s", "tokens_per_s_per_device", "peak_mem_gib", "mfu",
+                        "t_eff", "final_loss", "eval_loss", "packing_efficiency", "n_conversations", "n_truncated")
+
+
+def summary_table(summary: dict) -> str:
+    """A markdown table of a summary.json's headline numbers (the closing table, and devlog tables)."""
+    lines = ["| metric | value |", "|---|---|"]
+    for key in SUMMARY_TABLE_FIELDS:
+        value = summary.get(key)
+        if value is None:
+            text = "-"
+        elif isinstance(value, float):
+            text = f"{value:,.4f}" if abs(value) < 10 else f"{value:,.1f}"
+        else:
+            text = f"{value:,}" if isinstance(value, int) else str(value)
+        lines.append(f"| {key} | {text} |")
+    return "\n".join(lines)
+
+
+class Stopwatch:
+    """perf_counter with a device synchronisation before each reading, so GPU work is counted where it runs."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.start = 0.0
+
+    def reset(self) -> None:
+        synchronize(self.device)
+        self.start = time.perf_counter()
+
+    def elapsed_ms(self) -> float:
+        synchronize(self.device)
+        return (time.perf_counter() - self.start) * 1000.0
+
+
+if __name__ == "__main__":
+    # `python -m common.metrics runs/<run>/summary.json` prints the markdown table for a devlog entry.
+    for path in sys.argv[1:]:
+        summary = json.loads(Path(path).read_text())
+        print(f"### {summary.get('experiment')} ({path})\n\n{summary_table(summary)}\n")

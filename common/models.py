@@ -1,0 +1,154 @@
+"""Model and tokenizer loading, parameter counts and training FLOPs per token.
+
+`--model` takes one of:
+- a preset: `qwen3-tiny`, `qwen3-0.6b`, `qwen3-1.7b`, `qwen3-4b`. The three real sizes use the published Qwen3
+  geometry (hidden size, layers, heads, KV heads, head_dim, MLP width, vocabulary, tied embeddings, RoPE base) with
+  random weights, so throughput and memory are those of the real model without downloading it; `qwen3-tiny` is
+  the same architecture at ~5M parameters for CPU runs and tests. Presets use the byte-level BPE tokenizer in
+  assets/tokenizer/ (8k tokens; the larger embedding tables of the real sizes simply have unused rows).
+- a hub id such as `Qwen/Qwen3-0.6B-Base` (downloaded by transformers, or read from its cache when offline);
+- a local folder written by `save_pretrained` (or by any experiment's `--save-hf`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, Qwen3Config
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizer"
+DEFAULT_GPU_MODEL = "Qwen/Qwen3-0.6B-Base"
+DEFAULT_CPU_MODEL = "qwen3-tiny"
+
+# Published geometry (the config.json of Qwen/Qwen3-{0.6B,1.7B,4B}-Base). All three tie the input embedding
+# and the LM head, use RoPE base 1e6 and RMSNorm eps 1e-6.
+PRESETS: dict[str, dict] = {
+    "qwen3-tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                       head_dim=32, intermediate_size=768, vocab_size=8192),
+    "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=3072, vocab_size=151936),
+    "qwen3-1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=6144, vocab_size=151936),
+    "qwen3-4b": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, intermediate_size=9728, vocab_size=151936),
+}
+PRESET_COMMON = dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+                     rms_norm_eps=1e-6, max_position_embeddings=40960, hidden_act="silu", attention_bias=False)
+
+
+def resolve_model_name(name: str) -> tuple[str, str | None]:
+    """`auto` -> the real 0.6B base model on a GPU machine, the tiny preset on CPU. Returns (name, notice)."""
+    if name != "auto":
+        return name, None
+    if torch.cuda.is_available():
+        return DEFAULT_GPU_MODEL, f"--model auto: a GPU is present, using {DEFAULT_GPU_MODEL}"
+    return DEFAULT_CPU_MODEL, (f"--model auto: no GPU found, using the built-in {DEFAULT_CPU_MODEL} preset "
+                               f"(random init); pass --model {DEFAULT_GPU_MODEL} or a local folder for a real model")
+
+
+def is_preset(name: str) -> bool:
+    return name in PRESETS
+
+
+def _load_failure(name: str, what: str, error: Exception) -> SystemExit:
+    if Path(name).exists():
+        fix = f"the folder {name} exists but holds no loadable {what}: it needs config.json and weights, as written by save_pretrained"
+    elif name.startswith((".", "/")) or name.count("/") > 1:
+        fix = f"no folder {name}: check the path"
+    else:
+        fix = (f"if this machine is offline, download it first on one that is online "
+               f"(`huggingface-cli download {name}`, then copy ~/.cache/huggingface) or pass a local folder; "
+               f"for a run without downloads use a preset: {', '.join(PRESETS)}")
+    return SystemExit(f"could not load the {what} of '{name}': {type(error).__name__}: {error}\nfix: {fix}")
+
+
+def model_config(name: str, tokenizer=None) -> PretrainedConfig:
+    """The model's config without its weights (used to count parameters and FLOPs, or to build on meta)."""
+    if is_preset(name):
+        special = {}
+        if tokenizer is not None:
+            special = dict(bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                           pad_token_id=tokenizer.pad_token_id)
+        return Qwen3Config(**PRESETS[name], **PRESET_COMMON, **special)
+    try:
+        return AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as error:
+        raise _load_failure(name, "config", error) from error
+
+
+def load_tokenizer(name: str):
+    path = str(TOKENIZER_DIR) if is_preset(name) else name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise _load_failure(path, "tokenizer", error) from error
+    if tokenizer.pad_token is None:
+        # Padding only fills row slots that carry no loss and attend to nothing real; any id works, the
+        # end-of-text token is the conventional one.
+        tokenizer.pad_token = tokenizer.eos_token or "<|endoftext|>"
+    return tokenizer
+
+
+def load_model(name: str, tokenizer, attn_implementation: str, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu"):
+    """Presets are built with random init under the current torch seed; other names go through from_pretrained.
+
+    Weights are kept in `dtype` (fp32 for training with mixed precision: the master weights stay fp32 and only
+    the compute runs in bf16 under autocast).
+    """
+    if is_preset(name):
+        config = model_config(name, tokenizer)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn_implementation)
+        except (OSError, ValueError) as error:
+            raise _load_failure(name, "model", error) from error
+    # The vocabulary can be larger than the tokenizer's (padded for speed, or a preset's unused rows), never smaller.
+    if len(tokenizer) > model.config.vocab_size:
+        raise SystemExit(f"tokenizer of '{name}' has {len(tokenizer)} tokens but the model only "
+                         f"{model.config.vocab_size} embedding rows: the model and tokenizer do not belong together")
+    return model.to(device)
+
+
+def count_parameters(config: PretrainedConfig) -> dict[str, int]:
+    """Parameter count from the config alone (no weights needed), checked against real models in the tests.
+
+    per layer = attention  d*(H*hd) [q] + 2*d*(KV*hd) [k, v] + (H*hd)*d [o] + 2*hd [q_norm, k_norm]
+              + MLP        3*d*I [gate, up, down]
+              + norms      2*d
+    total     = V*d [embedding] + L*per_layer + d [final norm] + (V*d if the LM head is not tied)
+    """
+    d, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    H, KV = config.num_attention_heads, config.num_key_value_heads
+    hd = getattr(config, "head_dim", None) or d // H
+    I = config.intermediate_size
+    attention = d * H * hd + 2 * d * KV * hd + H * hd * d + 2 * hd
+    if getattr(config, "attention_bias", False):
+        attention += H * hd + 2 * KV * hd + d
+    per_layer = attention + 3 * d * I + 2 * d
+    embedding = V * d
+    lm_head = 0 if config.tie_word_embeddings else V * d
+    return dict(total=embedding + L * per_layer + d + lm_head, embedding=embedding, per_layer=per_layer,
+                layers=L * per_layer, lm_head_untied=lm_head)
+
+
+def flops_per_token(config: PretrainedConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 * N_matmul + 12 * L * H * hd * S.
+
+    - 6 * N_matmul: each weight in a matrix multiply costs 2 FLOPs (multiply + add) per token in the forward and
+      4 in the backward (gradient w.r.t. the input and w.r.t. the weight). N_matmul counts every weight that
+      multiplies activations: the decoder layers and the LM head (V*d, counted even when it is tied to the
+      embedding, since the head is a matmul while the embedding is a lookup that costs no FLOPs).
+    - 12 * L * H * hd * S: attention scores Q K^T and the weighted sum A V, each 2 * S * hd FLOPs per head per token
+      in the forward, times 3 for forward + backward. The full S x S square is counted (no causal halving), the
+      convention of the PaLM paper (Chowdhery et al. 2022, appendix B), so MFU compares with published numbers.
+      S is --seq-len; with packing the true attention span is each conversation, so this is an upper bound.
+    """
+    counts = count_parameters(config)
+    n_matmul = counts["layers"] + config.vocab_size * config.hidden_size
+    H = config.num_attention_heads
+    hd = getattr(config, "head_dim", None) or config.hidden_size // H
+    return 6.0 * n_matmul + 12.0 * config.num_hidden_layers * H * hd * seq_len

@@ -1,0 +1,129 @@
+"""common/models.py and common/metrics.py: parameter and FLOP counts, MFU, the step line, comm time, load errors."""
+
+import json
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from common.metrics import (MetricsLogger, _merged_length, collective_ms, format_step_line, mfu,
+                            peak_flops_per_device)
+from common.models import PRESET_COMMON, PRESETS, count_parameters, flops_per_token, load_model, model_config, \
+    resolve_model_name
+
+
+@pytest.mark.parametrize("tied,bias", [(True, False), (False, True)])
+def test_parameter_count_matches_a_real_model(tied, bias):
+    config = Qwen3Config(**{**PRESETS["qwen3-tiny"], **PRESET_COMMON, "tie_word_embeddings": tied,
+                            "attention_bias": bias})
+    model = AutoModelForCausalLM.from_config(config)
+    assert count_parameters(config)["total"] == sum(p.numel() for p in model.parameters())
+
+
+def test_qwen3_0_6b_counts_by_hand():
+    config = model_config("qwen3-0.6b")
+    d, layers, vocab = 1024, 28, 151936
+    attention = d * 16 * 128 + 2 * d * 8 * 128 + 16 * 128 * d + 2 * 128  # q, k, v, o, q_norm, k_norm
+    per_layer = attention + 3 * d * 3072 + 2 * d  # + gate/up/down + two RMSNorms
+    counts = count_parameters(config)
+    assert counts["per_layer"] == per_layer == 15_730_944
+    assert counts["total"] == vocab * d + layers * per_layer + d == 596_049_920  # the published "0.6B"
+    assert counts["total"] - counts["embedding"] == 440_467_456  # the published "0.44B non-embedding"
+
+    # 6 x (layers + LM head) + 12 x L x H x head_dim x S
+    expected = 6 * (layers * per_layer + vocab * d) + 12 * layers * 16 * 128 * 1024
+    assert flops_per_token(config, 1024) == expected
+    assert 4.2e9 < expected < 4.35e9  # "about 4.3 GFLOP per token" at seq 1024
+
+
+def test_mfu_by_hand():
+    flops = flops_per_token(model_config("qwen3-0.6b"), 1024)
+    # 100k tokens/s on one H100 SXM (989.4 dense bf16 TFLOP/s) is about 43% MFU
+    value = mfu(100_000, flops, peak_flops_per_device("NVIDIA H100 80GB HBM3"), 1)
+    assert value == pytest.approx(100_000 * flops / 989.4e12)
+    assert 0.42 < value < 0.44
+    # two devices doing the same total work: half the utilisation each
+    assert mfu(100_000, flops, 989.4e12, 2) == pytest.approx(value / 2)
+    assert mfu(100_000, flops, None, 1) is None
+
+
+@pytest.mark.parametrize("name,tflops", [("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.0),
+                                         ("NVIDIA H200", 989.4), ("NVIDIA A100-SXM4-80GB", 312.0),
+                                         ("AMD Instinct MI100", 92.3), ("AMD Instinct MI250X", 191.5),
+                                         ("x86_64", None), ("NVIDIA GeForce GTX 1080", None)])
+def test_peak_flops_table(name, tflops):
+    value = peak_flops_per_device(name)
+    assert (value is None) if tflops is None else value == pytest.approx(tflops * 1e12)
+
+
+def test_step_line_has_the_contract_format():
+    record = dict(step=12, loss=2.31412, lr=3e-4, grad_norm=1.0213, step_ms=812.2, comm_ms=95.4,
+                  tokens_per_s=5031.2, mfu=0.4123, peak_mem_gib=13.61)
+    assert format_step_line(record, 50) == ("step 12/50 | loss 2.3141 | lr 3.0e-04 | grad_norm 1.02 | step_ms 812 | "
+                                            "comm_ms 95 | tok/s 5,031 | mfu 0.41 | mem 13.6 GiB")
+    record.update(comm_ms=None, mfu=None)
+    assert "comm_ms - |" in format_step_line(record, 50) and "mfu - |" in format_step_line(record, 50)
+
+
+def test_merged_intervals_count_overlap_once():
+    assert _merged_length([(0, 10), (5, 15), (20, 25), (21, 22)]) == 20
+    assert _merged_length([]) == 0
+
+
+def test_collective_time_is_seen_by_the_profiler():
+    store = tempfile.NamedTemporaryFile(delete=False).name
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        tensor = torch.randn(1_000_000)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as with_comm:
+            dist.all_reduce(tensor)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as without_comm:
+            tensor @ tensor
+    finally:
+        dist.destroy_process_group()
+    assert collective_ms(with_comm) > 0
+    assert collective_ms(without_comm) == 0
+
+
+def test_summary_excludes_warmup_steps(tmp_path):
+    logger = MetricsLogger(out_dir=tmp_path, total_steps=4, warmup_steps=2, flops_per_token=1e6,
+                           device=torch.device("cpu"), world_size=2, is_main=True)
+    for step, step_ms in enumerate([1000.0, 500.0, 100.0, 300.0], start=1):
+        logger.log_step(step, loss=1.0 / step, lr=1e-3, grad_norm=1.0, tokens=1000, loss_tokens=500,
+                        step_ms=step_ms, comm_ms=None if step < 3 else 10.0, print_fn=lambda line: None)
+    summary = logger.write_summary(experiment="test")
+    assert summary["step_ms"] == pytest.approx(200.0)  # steps 3 and 4 only
+    assert summary["tokens_per_s"] == pytest.approx((10_000 + 1000 / 0.3) / 2)
+    assert summary["tokens_per_s_per_device"] == pytest.approx(summary["tokens_per_s"] / 2)
+    assert summary["comm_ms"] == 10.0 and summary["mfu"] is None and summary["final_loss"] == 0.25
+    assert (summary["measured_steps"], summary["warmup_steps_excluded"]) == (2, 2)
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert set(records[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "loss_tokens", "step_ms", "comm_ms",
+                               "tokens_per_s", "peak_mem_gib", "mfu"}
+
+
+def test_auto_model_on_cpu_is_the_tiny_preset(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    name, notice = resolve_model_name("auto")
+    assert name == "qwen3-tiny" and "no GPU" in notice
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_model_name("auto")[0] == "Qwen/Qwen3-0.6B-Base"
+    assert resolve_model_name("qwen3-4b") == ("qwen3-4b", None)
+
+
+def test_unloadable_models_name_the_fix(tmp_path, tokenizer, monkeypatch):
+    with pytest.raises(SystemExit, match="check the path"):
+        load_model(str(tmp_path / "missing-model"), tokenizer, "sdpa")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="needs config.json"):
+        load_model(str(tmp_path / "empty"), tokenizer, "sdpa")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(SystemExit, match="huggingface-cli download .*qwen3-tiny"):
+        load_model("no-such-org/no-such-model", tokenizer, "sdpa")

@@ -1,0 +1,121 @@
+"""single-ft, the reference: batch-split invariance, packing invariance, learning, export, LoRA, CLI contract."""
+
+import json
+from contextlib import nullcontext
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.data import build_data, evaluate
+from conftest import REPO_ROOT, load_experiment
+
+single_ft = load_experiment("single-ft")
+
+
+def run(tmp_path, name, data, *args):
+    out = tmp_path / name
+    summary = single_ft.main(["--data", str(data), "--seq-len", "128", "--out-dir", str(out), "--dtype", "fp32",
+                              *map(str, args)])
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return summary, losses
+
+
+def test_any_split_of_the_batch_is_the_same_step(tmp_path, small_data):
+    _, four_by_one = run(tmp_path, "4x1", small_data, "--steps", 4, "--micro-batch-size", 4, "--grad-accum", 1)
+    _, one_by_four = run(tmp_path, "1x4", small_data, "--steps", 4, "--micro-batch-size", 1, "--grad-accum", 4)
+    _, two_by_two = run(tmp_path, "2x2", small_data, "--steps", 4, "--micro-batch-size", 2, "--grad-accum", 2)
+    assert len(four_by_one) == 4
+    assert one_by_four == pytest.approx(four_by_one, rel=1e-5)
+    assert two_by_two == pytest.approx(four_by_one, rel=1e-5)
+    assert four_by_one[-1] != pytest.approx(four_by_one[0], rel=1e-3)  # the steps really trained
+
+
+def test_activation_checkpointing_changes_nothing_but_memory(tmp_path, small_data):
+    _, plain = run(tmp_path, "plain", small_data, "--steps", 3, "--micro-batch-size", 2)
+    _, recomputed = run(tmp_path, "ckpt", small_data, "--steps", 3, "--micro-batch-size", 2,
+                        "--activation-checkpointing")
+    assert recomputed == pytest.approx(plain, rel=1e-5)
+
+
+def test_packed_and_unpacked_eval_loss_are_equal(tmp_path, small_data):
+    packed, _ = run(tmp_path, "packed", small_data, "--steps", 0, "--eval-fraction", 0.2)
+    unpacked, _ = run(tmp_path, "unpacked", small_data, "--steps", 0, "--eval-fraction", 0.2, "--no-packing")
+    assert packed["data"]["n_eval_rows"] < unpacked["data"]["n_eval_rows"]  # packing really changed the rows
+    assert packed["eval_loss"] == pytest.approx(unpacked["eval_loss"], rel=1e-5)
+
+
+def test_loss_falls(tmp_path, small_data):
+    _, losses = run(tmp_path, "learn", small_data, "--steps", 40, "--micro-batch-size", 2, "--warmup-steps", 5)
+    first, last = losses[0], sum(losses[-5:]) / 5
+    assert last < first - 3.0, (first, last)
+
+
+def test_bf16_tracks_fp32(tmp_path, small_data):
+    _, fp32 = run(tmp_path, "fp32", small_data, "--steps", 4, "--micro-batch-size", 2)
+    _, bf16 = run(tmp_path, "bf16", small_data, "--steps", 4, "--micro-batch-size", 2, "--dtype", "bf16")
+    # bf16 rounds every matmul input to 8 bits of mantissa: losses agree to about 1%, not to 1e-5.
+    assert bf16 == pytest.approx(fp32, rel=2e-2)
+    assert bf16 != pytest.approx(fp32, rel=1e-6)
+
+
+def test_save_hf_reloads_with_the_same_eval_loss(tmp_path, small_data):
+    export = tmp_path / "hf"
+    summary, _ = run(tmp_path, "export", small_data, "--steps", 3, "--save-hf", export)
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    data = build_data(small_data, tokenizer, 128, seed=0)
+    reloaded = evaluate(model, data, 1, torch.device("cpu"), nullcontext)
+    assert reloaded == pytest.approx(summary["eval_loss"], rel=1e-5)
+
+
+def test_lora_trains_only_adapters_and_merges(tmp_path, small_data):
+    export = tmp_path / "merged"
+    summary, losses = run(tmp_path, "lora", small_data, "--steps", 6, "--micro-batch-size", 2, "--lora-rank", 4,
+                          "--save-hf", export, "--merge-lora")
+    layers, d, inter = 4, 256, 768
+    q, kv = 8 * 32, 4 * 32  # query and key/value widths of qwen3-tiny
+    # rank x (in + out) per adapted projection: q, k, v, o, gate, up, down
+    per_layer = 4 * ((d + q) + 2 * (d + kv) + (q + d) + 2 * (d + inter) + (inter + d))
+    assert summary["model"]["trainable_parameters"] == layers * per_layer
+    assert losses[-1] < losses[0]
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    assert not any("lora" in name for name, _ in model.named_parameters())
+    data = build_data(small_data, AutoTokenizer.from_pretrained(export), 128, seed=0)
+    reloaded = evaluate(model, data, 1, torch.device("cpu"), nullcontext)
+    assert reloaded == pytest.approx(summary["eval_loss"], rel=1e-5)
+
+
+def test_bad_data_stops_before_training_with_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "completion": "b"}\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    with pytest.raises(SystemExit, match=rf"{re.escape(str(bad))}:2: conversation has no assistant turn"):
+        single_ft.main(["--data", str(bad), "--out-dir", str(tmp_path / "out")])
+
+
+def test_command_line_run_writes_the_results_contract(tmp_path, small_data):
+    out = tmp_path / "cli"
+    result = subprocess.run([sys.executable, "experiments/single-ft/train.py", "--data", str(small_data),
+                             "--steps", "3", "--seq_len", "128", "--out-dir", str(out)],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert sum(line.startswith("config: {") for line in lines) == 1
+    step_line = re.compile(r"^step (\d+)/3 \| loss \d+\.\d{4} \| lr \d\.\de[-+]\d\d \| grad_norm \d+\.\d\d \| "
+                           r"step_ms \d+ \| comm_ms (\d+|-) \| tok/s [\d,]+ \| mfu (\d\.\d\d|-) \| mem \d+\.\d GiB$")
+    assert [int(m.group(1)) for m in map(step_line.match, lines) if m] == [1, 2, 3]
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("experiment", "command", "config", "hardware", "model", "step_ms", "comm_ms", "tokens_per_s",
+                "tokens_per_s_per_device", "peak_mem_gib", "mfu", "t_eff", "final_loss", "eval_loss",
+                "packing_efficiency", "n_conversations", "n_truncated", "warmup_steps_excluded"):
+        assert key in summary, key
+    assert summary["experiment"] == "single-ft" and summary["t_eff"] == 128
+    assert summary["config"]["seq_len"] == 128 and summary["config"]["model"] == "qwen3-tiny"
+    assert summary["hardware"]["torch"] == torch.__version__
+    assert summary["model"]["parameters"] == summary["model"]["trainable_parameters"] > 1_000_000
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert summary["final_loss"] == records[-1]["loss"]
