@@ -28,8 +28,15 @@ class DistInfo:
         return self.rank == 0
 
 
+_created_group = False  # whether init_distributed created the default group (and so teardown destroys it)
+
+
 def init_distributed(timeout_minutes: int = 30) -> DistInfo:
-    """Create the default process group when launched by torchrun; pick this rank's device."""
+    """Create the default process group when launched by torchrun; pick this rank's device.
+
+    If a group already exists (a test driver running several configurations in one launch), it is reused.
+    """
+    global _created_group
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -47,6 +54,9 @@ def init_distributed(timeout_minutes: int = 30) -> DistInfo:
         backend = "gloo"
     if "WORLD_SIZE" not in os.environ:
         return DistInfo(rank=0, world_size=1, local_rank=0, device=device, backend=None)
+    if dist.is_initialized():
+        return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device,
+                        backend=dist.get_backend())
     # Passing device_id binds the NCCL communicator to this GPU eagerly, which avoids a lazy init on the first
     # collective (and a warning from recent PyTorch); gloo has no such notion.
     dist.init_process_group(
@@ -54,6 +64,7 @@ def init_distributed(timeout_minutes: int = 30) -> DistInfo:
         timeout=timedelta(minutes=timeout_minutes),
         device_id=device if backend == "nccl" else None,
     )
+    _created_group = True
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
 
 
@@ -64,5 +75,8 @@ def print0(*args, **kwargs) -> None:
 
 
 def teardown() -> None:
-    if dist.is_initialized():
+    """Destroy the process group if init_distributed created it."""
+    global _created_group
+    if _created_group and dist.is_initialized():
         dist.destroy_process_group()
+    _created_group = False

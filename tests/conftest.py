@@ -32,3 +32,22 @@ def small_data(tmp_path_factory) -> Path:
     lines = SAMPLE_DATA.read_text(encoding="utf-8").splitlines(keepends=True)[:400]
     path.write_text("".join(lines), encoding="utf-8")
     return path
+
+
+def torchrun(experiment: str, runs: list[list], nproc: int = 2, timeout: int = 900) -> None:
+    """Launch tests/run_many.py under torchrun with `nproc` ranks; fail with the ranks' output if it fails."""
+    import json
+    import subprocess
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(REPO_ROOT / "tests" / "run_many.py"), experiment, json.dumps([[str(a) for a in r] for r in runs])]
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        raise AssertionError(f"torchrun {experiment} failed ({result.returncode}):\n{result.stdout[-5000:]}\n"
+                             f"{result.stderr[-10000:]}")
+
+
+def read_losses(out_dir: Path) -> list[float]:
+    import json
+
+    return [json.loads(line)["loss"] for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]

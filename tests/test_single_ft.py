@@ -119,3 +119,20 @@ def test_command_line_run_writes_the_results_contract(tmp_path, small_data):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert summary["final_loss"] == records[-1]["loss"]
+
+
+def test_resume_equals_the_uninterrupted_run(tmp_path, small_data):
+    args = ("--steps", 6, "--micro-batch-size", 2, "--warmup-steps", 2)
+    _, uninterrupted = run(tmp_path, "whole", small_data, *args)
+    _, first_half = run(tmp_path, "first", small_data, *args, "--checkpoint-every", 3)
+    checkpoints = tmp_path / "first" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-3", "step-6"]
+    # A save killed half-way leaves only a .tmp folder; the previous checkpoint is what resuming uses.
+    (checkpoints / "step-6").rename(checkpoints / "step-6.tmp")
+    (checkpoints / "step-6.tmp" / ".metadata").unlink()
+    with pytest.raises(SystemExit, match="unfinished checkpoint"):
+        single_ft.main(["--data", str(small_data), "--resume", str(checkpoints / "step-6.tmp")])
+    _, resumed = run(tmp_path, "resumed", small_data, *args, "--resume", checkpoints / "step-3")
+    assert first_half == pytest.approx(uninterrupted, rel=1e-5)
+    assert len(resumed) == 3
+    assert resumed == pytest.approx(uninterrupted[3:], rel=1e-5)

@@ -26,6 +26,7 @@ import torch
 from transformers import HfArgumentParser
 
 from common.attention import setup_attention
+from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import DataError, build_data, describe, evaluate, token_loss_sum
 from common.dist import init_distributed, print0, teardown
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, hardware_info, summary_table
@@ -61,6 +62,8 @@ class Config:
     timing_warmup_steps: int = 2  # first steps left out of the averages in summary.json (allocator, caches, compilation)
     comm_profile_steps: int = 3  # steps profiled with torch.profiler for comm_ms (starting after the timing warm-up)
     out_dir: str | None = None  # where metrics.jsonl and summary.json go; default runs/single-ft-<UTC time>
+    checkpoint_every: int = 0  # write <out-dir>/checkpoints/step-<k>/ every N steps (0 = never)
+    resume: str | None = None  # a checkpoints/step-<k> folder to continue from (same data, B and --steps)
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
 
 
@@ -162,7 +165,11 @@ def main(argv: list[str] | None = None) -> dict:
     comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
     stopwatch = Stopwatch(device)
     eval_losses = []
-    for step in range(config.steps):
+    # The step count is the whole data position: step k always consumes the same rows.
+    start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
+    if config.resume:
+        print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
+    for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum)
         loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step
         lr = scheduler.get_last_lr()[0]
@@ -196,6 +203,8 @@ def main(argv: list[str] | None = None) -> dict:
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate(model, data, config.micro_batch_size, device, autocast)))
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
+        if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
+            print0(f"checkpoint: {save_checkpoint(config.out_dir, step + 1, model, optimizer, scheduler)}")
 
     # ---------------------------------------------------------------------------------------------------------
     # Evaluation, results, export

@@ -1,0 +1,95 @@
+"""Sharded, atomic training checkpoints with torch.distributed.checkpoint (DCP).
+
+A checkpoint is the folder `<out-dir>/checkpoints/step-<k>/` holding:
+- the model and optimizer state, written by DCP: each rank writes only the shards it owns (an FSDP rank its
+  parameter shards, a DDP or single process its full copy, deduplicated by DCP so rank 0 writes replicated
+  tensors once), plus DCP's metadata file;
+- `trainer_state_rank<r>.pt` per rank: the step (which fixes the data position, since step k always consumes
+  the same rows), the LR scheduler and the RNG states.
+
+Atomicity: everything is written to `step-<k>.tmp/` and renamed to `step-<k>/` by rank 0 only after every rank has
+finished. A crash mid-save leaves a `.tmp` folder that is never read (and is cleared by the next save of that step);
+the previous `step-<j>/` stays intact. On a shared filesystem a directory rename is atomic, so a reader sees either
+no checkpoint or a complete one.
+
+get_state_dict / set_state_dict (torch.distributed.checkpoint.state_dict) give the same keys for a plain module,
+DDP and FSDP2, so a checkpoint written by one layout can be read by another.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def checkpoint_dir(out_dir: str | Path, step: int) -> Path:
+    return Path(out_dir) / "checkpoints" / f"step-{step}"
+
+
+def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, scheduler) -> Path:
+    """Save after optimizer step `step` (1-based count of completed steps); returns the final folder."""
+    final = checkpoint_dir(out_dir, step)
+    temporary = final.with_name(final.name + ".tmp")
+    if _rank() == 0:
+        shutil.rmtree(temporary, ignore_errors=True)  # the leftovers of a save that crashed
+        temporary.mkdir(parents=True)
+    _barrier()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary)
+    torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": _rng_state()},
+               temporary / f"trainer_state_rank{_rank()}.pt")
+    _barrier()  # every rank's shards and trainer state are on disk before the rename publishes them
+    if _rank() == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        temporary.rename(final)
+    _barrier()
+    return final
+
+
+def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> int:
+    """Restore model, optimizer, scheduler and RNG in place from a `step-<k>` folder; returns k."""
+    path = Path(path)
+    if path.name.endswith(".tmp"):
+        raise SystemExit(f"{path} is an unfinished checkpoint (a save was interrupted): resume from a step-<k> folder")
+    trainer_file = path / f"trainer_state_rank{_rank()}.pt"
+    if not trainer_file.exists():
+        raise SystemExit(f"{path} is not a checkpoint of this run's layout: {trainer_file.name} is missing "
+                         f"(it was written with a different number of ranks, or is not a step-<k> folder)")
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    trainer = torch.load(trainer_file, weights_only=False)  # our own file: scheduler dict and RNG tuples
+    scheduler.load_state_dict(trainer["scheduler"])
+    _set_rng_state(trainer["rng"])
+    return trainer["step"]
