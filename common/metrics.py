@@ -14,10 +14,15 @@ Definitions (DESIGN.md section 5, as in the seed table):
 from __future__ import annotations
 
 import json
+import os
 import platform
 import resource
+import shlex
+import subprocess
 import sys
 import time
+from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,7 +96,42 @@ def hardware_info(device: torch.device, world_size: int) -> dict:
         cpu=_cpu_model(),
         cpu_cores=_cpu_count(),
         python=platform.python_version(),
+        packages=_package_versions(),
     )
+
+
+def _package_versions() -> dict[str, str | None]:
+    versions = {}
+    for package in ("transformers", "peft", "deepspeed", "datasets", "tokenizers"):
+        try:
+            versions[package] = version(package)
+        except PackageNotFoundError:
+            versions[package] = None
+    return versions
+
+
+def launch_command() -> str:
+    """The command line that started this run, with the launcher torchrun would hide from sys.argv."""
+    if "LOCAL_WORLD_SIZE" in os.environ:  # set by torchrun
+        nodes = int(os.environ.get("WORLD_SIZE", "1")) // int(os.environ["LOCAL_WORLD_SIZE"])
+        launcher = ["uv", "run", "torchrun", f"--nproc_per_node={os.environ['LOCAL_WORLD_SIZE']}"]
+        if nodes > 1:
+            launcher.append(f"--nnodes={nodes}")
+    else:
+        launcher = ["uv", "run", "python"]
+    return shlex.join(launcher + sys.argv)
+
+
+def git_commit(repo: Path) -> str | None:
+    """HEAD's hash, with "-dirty" when tracked files have uncommitted changes; None outside a git checkout."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=repo, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("-dirty" if dirty else "")
 
 
 def _cpu_model() -> str:
@@ -105,7 +145,6 @@ def _cpu_model() -> str:
 
 
 def _cpu_count() -> int | None:
-    import os
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:
@@ -281,8 +320,64 @@ class Stopwatch:
         return (time.perf_counter() - self.start) * 1000.0
 
 
+def runs_table(summaries: list[dict]) -> str:
+    """One row per run: the columns of the seed table, for comparing runs side by side."""
+    header = ("| run | micro | GA | ckpt | dtype | step_ms | comm_ms | tok/s | tok/s/device | peak_mem_gib | mfu "
+              "| final_loss | eval_loss |")
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+
+    def number(value, fmt):
+        return "-" if value is None else format(value, fmt)
+
+    for summary in summaries:
+        config = summary.get("config", {})
+        lines.append(
+            f"| {summary.get('experiment')} | {config.get('micro_batch_size')} | {config.get('grad_accum')} | "
+            f"{'T' if config.get('activation_checkpointing') else 'F'} | {config.get('dtype')} | "
+            f"{number(summary.get('step_ms'), ',.0f')} | {number(summary.get('comm_ms'), ',.0f')} | "
+            f"{number(summary.get('tokens_per_s'), ',.0f')} | {number(summary.get('tokens_per_s_per_device'), ',.0f')} | "
+            f"{number(summary.get('peak_mem_gib'), '.2f')} | {number(summary.get('mfu'), '.3f')} | "
+            f"{number(summary.get('final_loss'), '.4f')} | {number(summary.get('eval_loss'), '.4f')} |")
+    return "\n".join(lines)
+
+
+def devlog_skeleton(summaries: list[dict]) -> str:
+    """A devlog entry with everything a run recorded; the "what it shows" part is left to be written by hand."""
+    first = summaries[0]
+    hardware, packages = first.get("hardware", {}), first.get("hardware", {}).get("packages", {})
+    device = hardware.get("device_name")
+    if hardware.get("device_kind") == "cpu":
+        device = f"CPU only: {hardware.get('cpu')}, {hardware.get('cpu_cores')} cores"
+    software = [f"torch {hardware.get('torch')}"] + [f"{name} {v}" for name, v in packages.items() if v]
+    if hardware.get("device_kind") == "cuda":
+        software.append(f"CUDA {hardware.get('cuda')}")
+    if hardware.get("hip"):
+        software.append(f"HIP {hardware.get('hip')}")
+    software.append(f"Python {hardware.get('python')}")
+    experiments = sorted({s.get("experiment") for s in summaries})
+    commands = "\n".join(s.get("command", "?") for s in summaries)
+    return (f"# {datetime.now(timezone.utc):%Y-%m-%d} {', '.join(experiments)}\n\n"
+            f"- hardware: {device}; world size {hardware.get('world_size')}\n"
+            f"- software: {', '.join(software)}\n"
+            f"- commit: {first.get('commit')}\n"
+            f"- model: {first.get('model', {}).get('name')}, {first.get('model', {}).get('parameters'):,} parameters; "
+            f"seq_len {first.get('config', {}).get('seq_len')}; warm-up steps excluded from averages: "
+            f"{first.get('warmup_steps_excluded')}; memory: {first.get('memory_measure')}\n\n"
+            f"## Commands\n\n```bash\n{commands}\n```\n\n## Results\n\n{runs_table(summaries)}\n\n"
+            f"## What it shows\n\n(written by hand)\n")
+
+
 if __name__ == "__main__":
-    # `python -m common.metrics runs/<run>/summary.json` prints the markdown table for a devlog entry.
-    for path in sys.argv[1:]:
-        summary = json.loads(Path(path).read_text())
-        print(f"### {summary.get('experiment')} ({path})\n\n{summary_table(summary)}\n")
+    # python -m common.metrics runs/a [runs/b ...]   prints a devlog entry skeleton for these runs
+    # python -m common.metrics --table runs/a          prints one run's summary as a markdown table
+    arguments = sys.argv[1:]
+    as_table = arguments[:1] == ["--table"]
+    paths = [Path(p) / "summary.json" if Path(p).is_dir() else Path(p) for p in arguments[as_table:]]
+    loaded = [json.loads(p.read_text()) for p in paths]
+    if as_table:
+        for path, summary in zip(paths, loaded):
+            print(f"### {summary.get('experiment')} ({path})\n\n{summary_table(summary)}\n")
+    elif loaded:
+        print(devlog_skeleton(loaded))
+    else:
+        print(__doc__.splitlines()[0] + "\nusage: python -m common.metrics [--table] RUN_DIR_OR_SUMMARY ...")

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import shlex
-import sys
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -29,7 +27,8 @@ from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import DataError, build_data, describe, evaluate, token_loss_sum
 from common.dist import init_distributed, print0, teardown
-from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, hardware_info, summary_table
+from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
+    summary_table
 from common.models import count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
     resolve_model_name
 
@@ -44,7 +43,7 @@ class Config:
     seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny, 1024 otherwise
     micro_batch_size: int = 1  # rows per forward pass
     grad_accum: int = 1  # micro-batches per optimizer step
-    steps: int = 150  # optimizer steps (0 = only evaluate / export)
+    steps: int = 300  # optimizer steps (0 = only evaluate / export); 300 takes about a minute for qwen3-tiny on 2 CPU cores
     lr: float | None = None  # peak learning rate; default 1e-3 for presets (random init), 2e-5 for pretrained models (1e-4 with LoRA)
     warmup_steps: int = 10  # linear warm-up steps, then cosine decay to 0 at the last step
     weight_decay: float = 0.01  # AdamW decoupled weight decay on matrices (not on norms)
@@ -212,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
     summary = metrics.write_summary(
-        experiment=EXPERIMENT, command=shlex.join(["python", *sys.argv]), config=asdict(config),
+        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(REPO_ROOT), config=asdict(config),
         hardware=hardware_info(device, world_size=1), attention=asdict(attention),
         model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
                    flops_per_token=model_flops_per_token),
