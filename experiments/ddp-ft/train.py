@@ -1,0 +1,286 @@
+"""ddp-ft: fine-tune a Qwen3 decoder with DistributedDataParallel: a full replica per rank, gradients all-reduced.
+
+    uv run torchrun --nproc_per_node=2 experiments/ddp-ft/train.py --model Qwen/Qwen3-0.6B-Base   # two GPUs
+    uv run python experiments/ddp-ft/train.py --model Qwen/Qwen3-0.6B-Base         # one GPU (a 1-rank process group)
+    uv run torchrun --nproc_per_node=2 experiments/ddp-ft/train.py --lora-rank 16 --save-hf runs/lora --merge-lora
+    uv run torchrun --nproc_per_node=2 experiments/ddp-ft/train.py --steps 3 --seq-len 128    # CPU smoke run (gloo)
+
+One optimizer step consumes B = micro_batch_size x grad_accum x world_size packed rows (DESIGN.md section 4); rank r
+runs the r-th contiguous slice of them. Every rank holds the whole model, gradient and AdamW state. In the backward of
+the last micro-batch DDP all-reduces the gradients, bucket by bucket while backward is still running, so every rank
+ends the step with the same gradient and takes the same optimizer step: the replicas never exchange weights.
+The loss is the token-weighted loss of all B rows, as in single-ft, which this script matches step for step.
+
+Strategy flags: --bucket-cap-mb (size of the gradient buckets DDP all-reduces).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from transformers import HfArgumentParser
+
+from common.attention import setup_attention
+from common.checkpoint import load_checkpoint, save_checkpoint
+from common.data import DataError, build_data, describe, evaluate, token_loss_sum
+from common.dist import init_distributed, print0, teardown
+from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
+    summary_table
+from common.models import count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
+    resolve_model_name
+
+EXPERIMENT = "ddp-ft"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Config:
+    model: str = "auto"  # preset (qwen3-tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b), hub id or local folder; auto: Qwen/Qwen3-0.6B-Base on GPU, qwen3-tiny on CPU
+    data: str = "assets/data/sft_en.jsonl"  # JSONL file or folder of them (relative paths: from the repo root if not found here)
+    seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny, 1024 otherwise
+    micro_batch_size: int = 1  # rows per forward pass, per rank
+    grad_accum: int = 1  # micro-batches per optimizer step, per rank
+    steps: int = 300  # optimizer steps (0 = only evaluate / export); 300 takes about a minute for qwen3-tiny on 2 CPU cores
+    lr: float | None = None  # peak learning rate; default 1e-3 for presets (random init), 2e-5 for pretrained models (1e-4 with LoRA)
+    warmup_steps: int = 10  # linear warm-up steps, then cosine decay to 0 at the last step
+    weight_decay: float = 0.01  # AdamW decoupled weight decay on matrices (not on norms)
+    max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = no clipping; the norm is still logged)
+    seed: int = 0  # one seed for init, data order and held-out split
+    dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 compute with fp32 master weights and AdamW state; default bf16 on GPU, fp32 on CPU
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of storing its activations
+    packing: bool = True  # pack conversations into rows (--no-packing: one padded conversation per row)
+    lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
+    lora_alpha: float | None = None  # LoRA scaling numerator; default 2 x rank
+    merge_lora: bool = False  # with --save-hf and LoRA: write the merged full model instead of the adapter
+    attn: Literal["auto", "sdpa", "eager", "flash"] = "auto"  # attention implementation; auto: common/attention.py decides per device
+    eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
+    eval_every: int = 0  # also evaluate every N steps (0 = only at the end)
+    timing_warmup_steps: int = 2  # first steps left out of the averages in summary.json (allocator, caches, compilation)
+    comm_profile_steps: int = 3  # steps profiled with torch.profiler for comm_ms (starting after the timing warm-up)
+    out_dir: str | None = None  # where metrics.jsonl and summary.json go; default runs/ddp-ft-<UTC time>
+    checkpoint_every: int = 0  # write <out-dir>/checkpoints/step-<k>/ every N steps (0 = never)
+    resume: str | None = None  # a checkpoints/step-<k> folder to continue from (same data, B, --steps and world size)
+    save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
+    bucket_cap_mb: float = 25.0  # MiB of gradients per all-reduce bucket; each bucket is sent as soon as all its gradients exist, overlapping the rest of backward (DDP's default: 25)
+
+
+def resolve(config: Config) -> Config:
+    """Fill the defaults that depend on the machine or the model; every other default lives in Config."""
+    config.model, notice = resolve_model_name(config.model)
+    if notice:
+        print0(notice)
+    if config.seq_len is None:
+        config.seq_len = 256 if config.model == "qwen3-tiny" else 1024
+    if config.dtype is None:
+        config.dtype = "bf16" if torch.cuda.is_available() else "fp32"
+    if config.lr is None:
+        config.lr = 1e-3 if is_preset(config.model) else (1e-4 if config.lora_rank else 2e-5)
+    if config.lora_alpha is None:
+        config.lora_alpha = 2.0 * config.lora_rank
+    data = Path(config.data)
+    if not data.exists() and not data.is_absolute() and (REPO_ROOT / data).exists():
+        config.data = str(REPO_ROOT / data)
+    if config.out_dir is None:
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        config.out_dir = str(REPO_ROOT / "runs" / f"{EXPERIMENT}-{stamp}")
+    if config.micro_batch_size < 1 or config.grad_accum < 1 or config.steps < 0:
+        raise SystemExit("--micro-batch-size and --grad-accum must be >= 1 and --steps >= 0")
+    return config
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
+    """Linear warm-up to the peak over `warmup_steps`, then cosine decay to 0 at the last step."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    (config,) = HfArgumentParser(Config).parse_args_into_dataclasses(args=argv)
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Processes and device: one process per device, started by torchrun (NCCL/RCCL on GPUs, gloo on CPU).
+    # DDP needs a process group even in a plain `python train.py`: that run gets a group of one rank.
+    dist_info = init_distributed()
+    device = dist_info.device
+    own_group = dist_info.backend is None
+    if own_group:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    config = resolve(config)
+    print0(f"config: {json.dumps(asdict(config))}")
+    torch.manual_seed(config.seed)
+    attention = setup_attention(device, config.attn, print_fn=print0)
+    # bf16 mixed precision: weights, gradients and AdamW state stay fp32 (the "master weights"); autocast runs the
+    # matrix multiplies in bf16. fp32: everything in fp32, which is what the parity tests use.
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if config.dtype == "bf16" else nullcontext
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Data: every row of every step is fixed by (seed, data, seq_len); see common/data.py. Every rank builds the
+    # same rows (no data is sent between ranks) and takes its own slice of each step.
+    tokenizer = load_tokenizer(config.model)
+    try:
+        data = build_data(config.data, tokenizer, config.seq_len, packing=config.packing,
+                          eval_fraction=config.eval_fraction, seed=config.seed)
+    except DataError as error:
+        raise SystemExit(f"bad training data: {error}") from None
+    print0(describe(data.stats, config.seq_len, config.packing))
+    rows_per_step = config.micro_batch_size * config.grad_accum * world_size
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Model: every rank builds the same replica (same seed, so the same weights as single-ft)
+    model = load_model(config.model, tokenizer, attention.impl, dtype=torch.float32, device=device)
+    if config.activation_checkpointing:
+        # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if config.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        model = get_peft_model(model, lora)
+    model.train()
+    n_params = count_parameters(model.config)["total"]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    n_trainable = sum(p.numel() for p in trainable)
+    model_flops_per_token = flops_per_token(model.config, config.seq_len)
+    print0(f"model: {config.model} | {n_params:,} parameters, {n_trainable:,} trainable | "
+           f"{model_flops_per_token / 1e9:.3f} GFLOP/token (training) | dtype {config.dtype}")
+    print0(f"batch: B = {config.micro_batch_size} x {config.grad_accum} x {world_size} ranks = {rows_per_step} rows "
+           f"of {config.seq_len} -> T_eff = {rows_per_step * config.seq_len:,} token slots per optimizer step")
+
+    # ---------------------------------------------------------------------------------------------------------
+    # DistributedDataParallel. The constructor broadcasts rank 0's parameters, so the replicas start identical
+    # whatever each rank's init did. Then it registers a hook per trainable parameter (the frozen base of a LoRA
+    # model gets none and is never all-reduced): when every gradient of a bucket (~bucket_cap_mb, filled in
+    # reverse layer order, the order backward produces them) is ready, that bucket's all-reduce starts while
+    # backward continues with the earlier layers. The tied embedding / LM head is one parameter, reduced once.
+    model = DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=config.bucket_cap_mb,
+        gradient_as_bucket_view=True,  # .grad are views into the buckets: no second full copy of the gradients
+        forward_sync_buffers=False)  # the only buffers are RoPE's constant inv_freq: no broadcast before every forward
+    print0(f"ddp: {world_size} replicas | {n_trainable * 4 / 2**20:,.1f} MiB of fp32 gradients all-reduced once per "
+           f"step, in buckets of {config.bucket_cap_mb:g} MiB | backend {dist.get_backend()}")
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Optimizer: AdamW; no weight decay on norms (1-D weights). Fused kernels on GPU. Each rank keeps a full copy
+    # of the AdamW state and applies the same update to the same gradient.
+    decay = [p for p in trainable if p.ndim >= 2]
+    no_decay = [p for p in trainable if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=config.lr, fused=device.type == "cuda")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, config.warmup_steps, config.steps))
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Training loop
+    metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
+                            warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
+                            flops_per_token=model_flops_per_token, device=device, world_size=world_size,
+                            is_main=rank == 0)
+    comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
+    stopwatch = Stopwatch(device)
+    eval_losses = []
+    # The step count is the whole data position: step k always consumes the same rows. Collective: every rank
+    # reads its state (DCP wrote the replicated tensors once).
+    start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
+    if config.resume:
+        print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
+    for step in range(start_step, config.steps):
+        micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum, rank, world_size)
+        # The denominator of the whole step, over all ranks. Every rank holds every row of the step (the row
+        # sequence is a pure function of seed, data and seq_len), so each counts the global number locally and
+        # they all agree without a collective.
+        loss_tokens = data.step_loss_tokens(step, rows_per_step)
+        lr = scheduler.get_last_lr()[0]
+
+        stopwatch.reset()
+        comm_timer.start(step)
+        step_loss = torch.zeros((), device=device)
+        for index, batch in enumerate(micro_batches):
+            batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+            # no_sync() on all but the last micro-batch: DDP's hooks only accumulate into .grad, and the last
+            # backward all-reduces the sum once. An all-reduce per micro-batch would send the whole gradient
+            # grad_accum times per step (a ring all-reduce moves 2 (W-1)/W x its size through every rank: 2.4 GB
+            # of fp32 gradients per rank for Qwen3-0.6B on 2 ranks, each time) for exactly the same result.
+            last = index == len(micro_batches) - 1
+            with nullcontext() if last else model.no_sync():
+                with autocast():
+                    # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
+                    # isolated (transformers builds a block-diagonal causal mask from the position_ids).
+                    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                   attention_mask=None, use_cache=False).logits
+                # Divide by the whole step's loss tokens (all micro-batches, all ranks), not this micro-batch's:
+                # summing the gradients over micro-batches and ranks then gives exactly the gradient of the
+                # token-weighted step loss. DDP's all-reduce averages (sums, then divides by world_size), so the
+                # backward runs on world_size x loss: the average of those is the sum we want.
+                loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
+                (loss * world_size).backward()
+            step_loss += loss.detach()
+        # After the all-reduce every rank holds the same gradient, so the local norm is the global norm and every
+        # rank clips (and then steps) identically: no collective needed here.
+        max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        # Each rank summed its own rows' token losses over the global count: the step loss is the sum over ranks.
+        # Only for the log line; one scalar all-reduce per step.
+        dist.all_reduce(step_loss)
+        step_loss_value = step_loss.item()  # the one host-device synchronisation of the step
+        step_ms = stopwatch.elapsed_ms()
+        comm_ms = comm_timer.stop(step)
+
+        metrics.log_step(step + 1, step_loss_value, lr, grad_norm.item(), data.step_real_tokens(step, rows_per_step),
+                         loss_tokens, step_ms, comm_ms, print_fn=print0)
+        if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
+            eval_losses.append((step + 1, evaluate(model.module, data, config.micro_batch_size, device, autocast)))
+            print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
+        if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
+            print0(f"checkpoint: {save_checkpoint(config.out_dir, step + 1, model, optimizer, scheduler)}")
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Evaluation, results, export. Each rank evaluates the whole held-out split on its own replica (model.module:
+    # no DDP hooks, no collective), so eval_loss is the same on every rank and equals single-ft's computation.
+    eval_loss = evaluate(model.module, data, config.micro_batch_size, device, autocast)
+    print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
+           if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
+    summary = metrics.write_summary(
+        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(REPO_ROOT), config=asdict(config),
+        hardware=hardware_info(device, world_size=world_size), attention=asdict(attention),
+        model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
+                   flops_per_token=model_flops_per_token),
+        t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
+        packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
+        n_truncated=data.stats["n_truncated"], data=data.stats)
+    print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
+           f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
+
+    if config.save_hf and rank == 0:  # the replicas are identical: rank 0 writes its own
+        save_dir = Path(config.save_hf)
+        model = model.module
+        if config.lora_rank and config.merge_lora:
+            model = model.merge_and_unload()
+        model.save_pretrained(save_dir)  # safetensors; a peft model writes only its adapter
+        tokenizer.save_pretrained(save_dir)
+        print0(f"saved {'adapter' if config.lora_rank and not config.merge_lora else 'model'} to {save_dir}")
+    teardown()
+    if own_group:
+        dist.destroy_process_group()
+    return summary
+
+
+if __name__ == "__main__":
+    main()

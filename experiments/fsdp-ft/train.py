@@ -1,0 +1,374 @@
+"""fsdp-ft: fine-tune a Qwen3 decoder with FSDP2 (torch.distributed.fsdp.fully_shard): weights, gradients and AdamW
+state sharded over the ranks, each decoder layer's weights all-gathered just before it runs.
+
+    uv run torchrun --nproc_per_node=2 experiments/fsdp-ft/train.py --model Qwen/Qwen3-0.6B-Base   # two GPUs
+    uv run torchrun --nproc_per_node=2 experiments/fsdp-ft/train.py --model qwen3-4b --activation-checkpointing
+    uv run python experiments/fsdp-ft/train.py --model Qwen/Qwen3-0.6B-Base        # one GPU (a 1-rank process group)
+    uv run torchrun --nproc_per_node=2 experiments/fsdp-ft/train.py --lora-rank 16 --save-hf runs/lora --merge-lora
+    uv run torchrun --nproc_per_node=2 experiments/fsdp-ft/train.py --steps 3 --seq-len 128   # CPU smoke run (gloo)
+
+One optimizer step consumes B = micro_batch_size x grad_accum x world_size packed rows (DESIGN.md section 4); rank r
+runs the r-th contiguous slice of them, as in ddp-ft. What changes is where the model lives: each rank keeps 1/W of
+every parameter (fp32: the master weights), of its gradient and of its AdamW state. Each decoder layer is one FSDP
+unit: its forward all-gathers the layer's full weights (in bf16 under --dtype bf16) and frees them afterwards; its
+backward gathers them again and reduce-scatters the gradient so that each rank receives the sum over ranks of its
+own 1/W. The optimizer then updates only the local shard. The loss is the token-weighted loss of all B rows, as in
+single-ft, which this script matches step for step.
+
+Strategy flags: --reshard-after-forward / --no-reshard-after-forward, --cpu-offload, --reduce-every-micro-batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM, HfArgumentParser
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from common.attention import setup_attention
+from common.checkpoint import load_checkpoint, save_checkpoint
+from common.data import DataError, build_data, describe, evaluate, token_loss_sum
+from common.dist import init_distributed, print0, teardown
+from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
+    summary_table
+from common.models import count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, model_config, \
+    resolve_model_name
+
+EXPERIMENT = "fsdp-ft"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Config:
+    model: str = "auto"  # preset (qwen3-tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b), hub id or local folder; auto: Qwen/Qwen3-0.6B-Base on GPU, qwen3-tiny on CPU
+    data: str = "assets/data/sft_en.jsonl"  # JSONL file or folder of them (relative paths: from the repo root if not found here)
+    seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny, 1024 otherwise
+    micro_batch_size: int = 1  # rows per forward pass, per rank
+    grad_accum: int = 1  # micro-batches per optimizer step, per rank
+    steps: int = 300  # optimizer steps (0 = only evaluate / export); 300 takes about a minute for qwen3-tiny on 2 CPU cores
+    lr: float | None = None  # peak learning rate; default 1e-3 for presets (random init), 2e-5 for pretrained models (1e-4 with LoRA)
+    warmup_steps: int = 10  # linear warm-up steps, then cosine decay to 0 at the last step
+    weight_decay: float = 0.01  # AdamW decoupled weight decay on matrices (not on norms)
+    max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = no clipping; the norm is still logged)
+    seed: int = 0  # one seed for init, data order and held-out split
+    dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 compute with fp32 master weights and AdamW state; default bf16 on GPU, fp32 on CPU
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of storing its activations
+    packing: bool = True  # pack conversations into rows (--no-packing: one padded conversation per row)
+    lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
+    lora_alpha: float | None = None  # LoRA scaling numerator; default 2 x rank
+    merge_lora: bool = False  # with --save-hf and LoRA: write the merged full model instead of the adapter
+    attn: Literal["auto", "sdpa", "eager", "flash"] = "auto"  # attention implementation; auto: common/attention.py decides per device
+    eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
+    eval_every: int = 0  # also evaluate every N steps (0 = only at the end)
+    timing_warmup_steps: int = 2  # first steps left out of the averages in summary.json (allocator, caches, compilation)
+    comm_profile_steps: int = 3  # steps profiled with torch.profiler for comm_ms (starting after the timing warm-up)
+    out_dir: str | None = None  # where metrics.jsonl and summary.json go; default runs/fsdp-ft-<UTC time>
+    checkpoint_every: int = 0  # write <out-dir>/checkpoints/step-<k>/ every N steps (0 = never)
+    resume: str | None = None  # a checkpoints/step-<k> folder to continue from (same data, B and --steps; any world size)
+    save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
+    reshard_after_forward: bool = True  # free each layer's gathered weights after its forward and all-gather them again in backward (--no-reshard-after-forward: keep them until backward: one all-gather per layer less, but the whole gathered model alive at the end of forward)
+    cpu_offload: bool = False  # keep the sharded fp32 weights, gradients and AdamW state in CPU memory; the optimizer step runs on the CPU
+    reduce_every_micro_batch: bool = False  # reduce-scatter after every micro-batch: more communication, but no full-size fp32 gradient held per rank between micro-batches
+
+
+def resolve(config: Config) -> Config:
+    """Fill the defaults that depend on the machine or the model; every other default lives in Config."""
+    config.model, notice = resolve_model_name(config.model)
+    if notice:
+        print0(notice)
+    if config.seq_len is None:
+        config.seq_len = 256 if config.model == "qwen3-tiny" else 1024
+    if config.dtype is None:
+        config.dtype = "bf16" if torch.cuda.is_available() else "fp32"
+    if config.lr is None:
+        config.lr = 1e-3 if is_preset(config.model) else (1e-4 if config.lora_rank else 2e-5)
+    if config.lora_alpha is None:
+        config.lora_alpha = 2.0 * config.lora_rank
+    data = Path(config.data)
+    if not data.exists() and not data.is_absolute() and (REPO_ROOT / data).exists():
+        config.data = str(REPO_ROOT / data)
+    if config.out_dir is None:
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        config.out_dir = str(REPO_ROOT / "runs" / f"{EXPERIMENT}-{stamp}")
+    if config.micro_batch_size < 1 or config.grad_accum < 1 or config.steps < 0:
+        raise SystemExit("--micro-batch-size and --grad-accum must be >= 1 and --steps >= 0")
+    return config
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
+    """Linear warm-up to the peak over `warmup_steps`, then cosine decay to 0 at the last step."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_model(config: Config, tokenizer, attn_implementation: str, on_meta: bool):
+    """single-ft's model (with its LoRA adapters): real weights on the CPU, or on the meta device (shapes only).
+
+    On the meta device nothing is allocated, initialised or read from disk; the weights arrive after sharding.
+    Creating the model there keeps the tie of the embedding and the LM head (one Parameter, two modules).
+    """
+    if on_meta:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_config(config.model, tokenizer), dtype=torch.float32,
+                                                     attn_implementation=attn_implementation)
+    else:
+        model = load_model(config.model, tokenizer, attn_implementation, dtype=torch.float32, device="cpu")
+    if config.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        model = get_peft_model(model, lora)
+    return model
+
+
+def apply_fsdp(model, mesh: DeviceMesh, param_dtype: torch.dtype | None, reshard_after_forward: bool,
+               cpu_offload: bool) -> int:
+    """One FSDP unit per decoder layer, then the root (embedding, final norm, LM head). Returns the unit count.
+
+    fully_shard(module) takes the parameters of `module` that no earlier call claimed, so the order is bottom-up:
+    the layers first, the root last. Each unit is one all-gather in forward (issued as its forward starts; on a GPU
+    it runs on its own stream, overlapping the previous unit's compute) and, in backward, one all-gather if it was
+    resharded after forward (prefetched while the unit after it computes) and one reduce-scatter.
+    The tied embedding / LM head is a single Parameter that lives in the root unit: gathered once at the start of
+    forward, used by the lookup and by the logits, its two gradient contributions summed before one
+    reduce-scatter. (Putting embed_tokens and lm_head in different units would split one Parameter across two.)
+    """
+    # Mixed precision: the sharded parameters (and so AdamW's state) stay fp32, the master weights; the all-gather
+    # casts them to param_dtype, so compute and the gathered weights are bf16, and gradients are reduced in fp32.
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    offload_policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+    for layer in layers:  # transformers' decoder layers (Qwen3DecoderLayer), LoRA adapters included
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                    offload_policy=offload_policy)
+    # The root keeps its weights gathered after forward (reshard_after_forward defaults to False for the root):
+    # backward starts with the LM head, which would otherwise be gathered again right away.
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    return len(layers) + 1
+
+
+def init_rope_buffers(model, device: torch.device) -> None:
+    """RoPE's inv_freq is a non-persistent buffer: in no state dict, so neither to_empty nor loading fills it."""
+    for module in model.modules():
+        if hasattr(module, "original_inv_freq"):  # transformers' rotary embedding modules
+            fresh = type(module)(module.config)
+            module.inv_freq = fresh.inv_freq.to(device)
+            module.original_inv_freq = fresh.original_inv_freq.to(device)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    (config,) = HfArgumentParser(Config).parse_args_into_dataclasses(args=argv)
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Processes and device: one process per device, started by torchrun (NCCL/RCCL on GPUs, gloo on CPU).
+    # FSDP needs a process group even in a plain `python train.py`: that run gets a group of one rank.
+    dist_info = init_distributed()
+    device = dist_info.device
+    own_group = dist_info.backend is None
+    if own_group:
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                                rank=0, world_size=1)
+    # With --cpu-offload the shards and their gradients are CPU tensors: loading them (broadcast from rank 0) and
+    # the gradient-norm all-reduce are collectives on CPU tensors, which NCCL cannot carry.
+    if config.cpu_offload and "cpu:" not in dist.get_backend_config():
+        raise SystemExit(f"--cpu-offload needs a process group with a CPU backend, e.g. 'cpu:gloo,cuda:nccl'; this "
+                         f"one is '{dist.get_backend_config()}' (common/dist.py creates it)")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",))
+    config = resolve(config)
+    print0(f"config: {json.dumps(asdict(config))}")
+    torch.manual_seed(config.seed)
+    attention = setup_attention(device, config.attn, print_fn=print0)
+    # No autocast: under bf16 FSDP's MixedPrecisionPolicy (apply_fsdp) casts the gathered weights to bf16 and the
+    # layers compute in bf16, while the fp32 shards stay the master weights. fp32: everything in fp32, which is
+    # what the parity tests use.
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Data: every row of every step is fixed by (seed, data, seq_len); see common/data.py. Every rank builds the
+    # same rows (no data is sent between ranks) and takes its own slice of each step.
+    tokenizer = load_tokenizer(config.model)
+    try:
+        data = build_data(config.data, tokenizer, config.seq_len, packing=config.packing,
+                          eval_fraction=config.eval_fraction, seed=config.seed)
+    except DataError as error:
+        raise SystemExit(f"bad training data: {error}") from None
+    print0(describe(data.stats, config.seq_len, config.packing))
+    rows_per_step = config.micro_batch_size * config.grad_accum * world_size
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Model: no rank ever holds the whole model on its device. Rank 0 alone builds (preset, same seed and order
+    # as single-ft, so the same weights) or reads (hub id, folder) the full model in CPU memory; the other ranks
+    # allocate nothing yet.
+    full_state = {}
+    if rank == 0:
+        full_state = build_model(config, tokenizer, attention.impl, on_meta=False).state_dict()
+    # Every rank builds the same model on the meta device: shapes, no memory.
+    model = build_model(config, tokenizer, attention.impl, on_meta=True)
+    if config.activation_checkpointing:
+        # Before sharding: transformers wraps each layer's forward in the checkpoint, so FSDP's hooks (added
+        # next, around the whole module call) stay outside it and the recompute in backward runs on weights FSDP
+        # has already gathered for that layer's backward, instead of triggering a second round of hooks.
+        # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    n_units = apply_fsdp(model, mesh, torch.bfloat16 if config.dtype == "bf16" else None,
+                         config.reshard_after_forward, config.cpu_offload)
+    # Only now memory: each rank allocates its 1/W shard of every parameter (on the CPU with --cpu-offload) ...
+    model.to_empty(device="cpu" if config.cpu_offload else device)
+    init_rope_buffers(model, device)
+    # ... and fills it: rank 0 broadcasts each full tensor and every rank keeps its own slice of it.
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full_state
+    if model.config.tie_word_embeddings:
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight, "tie lost in sharding"
+    model.train()
+    n_params = count_parameters(model.config)["total"]
+    trainable = [p for p in model.parameters() if p.requires_grad]  # DTensors: each rank's shard of a parameter
+    n_trainable = sum(p.numel() for p in trainable)  # a DTensor's numel is the full parameter's
+    model_flops_per_token = flops_per_token(model.config, config.seq_len)
+    print0(f"model: {config.model} | {n_params:,} parameters, {n_trainable:,} trainable | "
+           f"{model_flops_per_token / 1e9:.3f} GFLOP/token (training) | dtype {config.dtype}")
+    print0(f"batch: B = {config.micro_batch_size} x {config.grad_accum} x {world_size} ranks = {rows_per_step} rows "
+           f"of {config.seq_len} -> T_eff = {rows_per_step * config.seq_len:,} token slots per optimizer step")
+    print0(f"fsdp: {n_units} units ({n_units - 1} decoder layers + root) sharded over {world_size} ranks: "
+           f"{n_params / world_size * 4 / 2**30:.2f} GiB of fp32 weights per rank"
+           f"{' in CPU memory' if config.cpu_offload else ''} | compute in "
+           f"{'bf16' if config.dtype == 'bf16' else 'fp32'}, gradients reduced in fp32 | reshard after forward: "
+           f"{config.reshard_after_forward} | backend {dist.get_backend()}")
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Optimizer: AdamW; no weight decay on norms (1-D weights). Fused kernels on GPU. Built on the sharded
+    # parameters, so each rank keeps and updates the AdamW state of its own shard only.
+    decay = [p for p in trainable if p.ndim >= 2]
+    no_decay = [p for p in trainable if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=config.lr, fused=device.type == "cuda" and not config.cpu_offload)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, config.warmup_steps, config.steps))
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Training loop
+    metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
+                            warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
+                            flops_per_token=model_flops_per_token, device=device, world_size=world_size,
+                            is_main=rank == 0)
+    comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
+    stopwatch = Stopwatch(device)
+    eval_losses = []
+    # The step count is the whole data position: step k always consumes the same rows. Collective: each rank
+    # reads the parts of the saved shards it owns now (DCP reshards, so the world size may differ).
+    start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
+    if config.resume:
+        print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
+    for step in range(start_step, config.steps):
+        micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum, rank, world_size)
+        # The denominator of the whole step, over all ranks. Every rank holds every row of the step (the row
+        # sequence is a pure function of seed, data and seq_len), so each counts the global number locally and
+        # they all agree without a collective.
+        loss_tokens = data.step_loss_tokens(step, rows_per_step)
+        lr = scheduler.get_last_lr()[0]
+
+        stopwatch.reset()
+        comm_timer.start(step)
+        step_loss = torch.zeros((), device=device)
+        for index, batch in enumerate(micro_batches):
+            batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+            # Reduce-scatter only in the backward of the last micro-batch. Before it, each rank accumulates its own
+            # unsharded gradients (in fp32, the reduce_dtype) and backward's only collectives are the weight
+            # all-gathers. The price is memory: a full-size fp32 gradient per rank until the step's reduce-scatter,
+            # which --reduce-every-micro-batch avoids by paying one reduce-scatter per micro-batch instead.
+            last = index == len(micro_batches) - 1
+            model.set_requires_gradient_sync(last or config.reduce_every_micro_batch)
+            # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
+            # isolated (transformers builds a block-diagonal causal mask from the position_ids).
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                           attention_mask=None, use_cache=False).logits
+            # Divide by the whole step's loss tokens (all micro-batches, all ranks), not this micro-batch's:
+            # summing the gradients over micro-batches and ranks then gives exactly the gradient of the
+            # token-weighted step loss. FSDP's reduce-scatter averages over ranks (like DDP's all-reduce), so the
+            # backward runs on world_size x loss: the average of those is the sum we want.
+            loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
+            (loss * world_size).backward()
+            step_loss += loss.detach()
+        # The gradients are sharded DTensors: clip_grad_norm_ sums the squares of each rank's shard and all-reduces
+        # them, so every rank gets the global norm and scales its own shard by the same factor.
+        max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)
+        grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+        optimizer.step()  # each rank updates its own shard; the next forward's all-gathers see the new weights
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        # Each rank summed its own rows' token losses over the global count: the step loss is the sum over ranks.
+        # Only for the log line; one scalar all-reduce per step.
+        dist.all_reduce(step_loss)
+        step_loss_value = step_loss.item()  # the one host-device synchronisation of the step
+        step_ms = stopwatch.elapsed_ms()
+        comm_ms = comm_timer.stop(step)
+
+        metrics.log_step(step + 1, step_loss_value, lr, grad_norm.item(), data.step_real_tokens(step, rows_per_step),
+                         loss_tokens, step_ms, comm_ms, print_fn=print0)
+        if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
+            eval_losses.append((step + 1, evaluate(model, data, config.micro_batch_size, device, nullcontext)))
+            print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
+        if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
+            # Collective: each rank writes its own shards of the weights and of the AdamW state.
+            print0(f"checkpoint: {save_checkpoint(config.out_dir, step + 1, model, optimizer, scheduler)}")
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Evaluation, results, export. Every rank evaluates the whole held-out split: each forward all-gathers the
+    # layers' weights, a collective all ranks must join, so they all run the same batches and get the same
+    # eval_loss (sharding the batches would save compute but needs equal batch counts per rank).
+    eval_loss = evaluate(model, data, config.micro_batch_size, device, nullcontext)
+    print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
+           if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
+    summary = metrics.write_summary(
+        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(REPO_ROOT), config=asdict(config),
+        hardware=hardware_info(device, world_size=world_size), attention=asdict(attention),
+        model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
+                   flops_per_token=model_flops_per_token),
+        t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
+        packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
+        n_truncated=data.stats["n_truncated"], data=data.stats)
+    print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
+           f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
+
+    if config.save_hf:
+        # Collective: every rank sends its shards, rank 0 receives the full tensors, one at a time, into CPU memory.
+        full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            # A plain (unsharded) CPU copy holding the trained weights; from here on exactly single-ft's export.
+            model = build_model(config, tokenizer, attention.impl, on_meta=True)
+            model.to_empty(device="cpu")
+            # to_empty gives each module its own new tensor, so a plain (non-FSDP) model loses the tie of the
+            # embedding and the LM head there: tie them again, or the export would hold two separate matrices.
+            model.tie_weights()
+            model.load_state_dict(full_state)
+            save_dir = Path(config.save_hf)
+            if config.lora_rank and config.merge_lora:
+                model = model.merge_and_unload()
+            model.save_pretrained(save_dir)  # safetensors; a peft model writes only its adapter
+            tokenizer.save_pretrained(save_dir)
+            print0(f"saved {'adapter' if config.lora_rank and not config.merge_lora else 'model'} to {save_dir}")
+    teardown()
+    if own_group:
+        dist.destroy_process_group()
+    return summary
+
+
+if __name__ == "__main__":
+    main()

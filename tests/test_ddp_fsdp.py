@@ -1,0 +1,209 @@
+"""ddp-ft and fsdp-ft against single-ft (2 ranks, gloo, CPU): same per-step losses on the same B, bf16, LoRA,
+the FSDP memory options, checkpoint/resume (also after a save that died half-way), and the HF export.
+
+Each experiment runs all its configurations in ONE torchrun launch (a module-scoped fixture returns the folder
+holding one --out-dir per configuration); the single-ft references run once, in this process.
+"""
+
+import json
+import shutil
+from contextlib import contextmanager, nullcontext
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.checkpoint import load_checkpoint
+from common.data import build_data, evaluate
+from conftest import load_experiment, read_losses, torchrun
+
+single_ft = load_experiment("single-ft")
+fsdp_ft = load_experiment("fsdp-ft")
+
+STEPS = 6  # every compared run has the same --steps (the cosine schedule depends on it); resume from step 3
+FP32 = ("--seq-len", 128, "--dtype", "fp32", "--warmup-steps", 2)
+# torch.profiler's teardown costs seconds per profiled step on this CPU: only the "1x2" runs measure comm_ms.
+NO_PROFILE = ("--comm-profile-steps", 0)
+LORA = ("--lora-rank", 4, "--steps", 3)
+
+
+def split(micro: int, accum: int) -> tuple:
+    return "--micro-batch-size", micro, "--grad-accum", accum
+
+
+def argv(*args) -> list[str]:
+    return [str(a) for a in args]
+
+
+def records(out_dir) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def summary(out_dir) -> dict:
+    return json.loads((out_dir / "summary.json").read_text())
+
+
+def reloaded_eval_loss(export, small_data) -> tuple[float, torch.nn.Module]:
+    """Load an exported folder in this (single) process and evaluate it as single-ft's evaluate does."""
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    data = build_data(small_data, AutoTokenizer.from_pretrained(export), 128, seed=0)
+    return evaluate(model, data, 1, torch.device("cpu"), nullcontext), model
+
+
+@contextmanager
+def one_thread():
+    """In-process runs use one intra-op thread, like each torchrun rank (OMP_NUM_THREADS=1): on a small, shared
+    CPU the OpenMP threads of a tiny model wait on each other more than they compute."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, small_data):
+    """single-ft on B = 4 rows (1 x 4): full SFT for STEPS steps, LoRA for 3."""
+    root = tmp_path_factory.mktemp("single-ft")
+    with one_thread():
+        single_ft.main(argv("--data", small_data, *FP32, *NO_PROFILE, *split(1, 4), "--steps", STEPS,
+                            "--out-dir", root / "full"))
+        single_ft.main(argv("--data", small_data, *FP32, *NO_PROFILE, *split(1, 4), *LORA, "--out-dir", root / "lora"))
+    return root
+
+
+def launch(experiment, root, small_data, runs: dict[str, list]) -> None:
+    """All `runs` (name -> extra flags) in one torchrun launch, each into root/<name>."""
+    torchrun(experiment, [["--data", small_data, *FP32, *args, "--out-dir", root / name]
+                          for name, args in runs.items()])
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory, small_data):
+    """Every ddp-ft configuration, 2 ranks, one launch. B = 4 rows as in the reference."""
+    root = tmp_path_factory.mktemp("ddp-ft")
+    launch("ddp-ft", root, small_data, {
+        "1x2": [*split(1, 2), "--steps", STEPS, "--checkpoint-every", 3, "--save-hf", root / "hf"],
+        "resumed": [*split(1, 2), "--steps", STEPS, *NO_PROFILE, "--resume", root / "1x2" / "checkpoints" / "step-3"],
+        # 1 MiB buckets: ~20 all-reduces per step instead of one, the same sums.
+        "2x1": [*split(2, 1), "--steps", STEPS, *NO_PROFILE, "--bucket-cap-mb", 1],
+        "lora": [*split(1, 2), *LORA, *NO_PROFILE, "--activation-checkpointing", "--save-hf", root / "lora-merged",
+                 "--merge-lora"],
+    })
+    return root
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory, small_data):
+    """Every fsdp-ft configuration, 2 ranks, one launch. B = 4 rows as in the reference."""
+    root = tmp_path_factory.mktemp("fsdp-ft")
+    launch("fsdp-ft", root, small_data, {
+        "1x2": [*split(1, 2), "--steps", STEPS, "--checkpoint-every", 3, "--save-hf", root / "hf"],
+        "resumed": [*split(1, 2), "--steps", STEPS, *NO_PROFILE, "--resume", root / "1x2" / "checkpoints" / "step-3"],
+        "2x1": [*split(2, 1), "--steps", STEPS, *NO_PROFILE],
+        "bf16": [*split(1, 2), "--steps", STEPS, *NO_PROFILE, "--dtype", "bf16"],  # the later --dtype wins
+        # An eval between steps leaves the gathered weights in place (no backward reshards them): the next step
+        # must still see the updated ones.
+        "options": [*split(1, 2), "--steps", STEPS, *NO_PROFILE, "--no-reshard-after-forward",
+                    "--activation-checkpointing", "--cpu-offload", "--reduce-every-micro-batch", "--eval-every", 2],
+        "lora": [*split(1, 2), *LORA, *NO_PROFILE, "--save-hf", root / "lora-merged", "--merge-lora"],
+    })
+    return root
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Both experiments
+
+
+@pytest.mark.parametrize("experiment", ["ddp", "fsdp"])
+def test_losses_equal_single_ft_on_the_same_batch(experiment, request, reference):
+    runs = request.getfixturevalue(experiment)
+    expected = records(reference / "full")
+    for name in ("1x2", "2x1"):  # 2 ranks x 1 row x 2 micro-batches; 2 ranks x 2 rows x 1 micro-batch
+        got = records(runs / name)
+        assert len(got) == STEPS, name
+        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in expected], rel=1e-5), name
+        # The norm of the reduced gradient: every rank's rows counted once, the tied embedding once. Not to 1e-5:
+        # PyTorch's fp32 norm on CPU accumulates in fp32, ~1e-4 relative error over the 2M-element embedding
+        # gradient, and FSDP takes it per shard (two 1M halves, closer to the float64 value than single-ft's).
+        # A wrong reduction (a missing x world_size, a tie counted twice) is off by tens of percent.
+        assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in expected], rel=1e-3), name
+        assert [r["tokens"] for r in got] == [r["tokens"] for r in expected]  # tokens of all ranks
+    assert expected[-1]["loss"] < expected[0]["loss"] - 0.5  # the steps really trained
+    run = summary(runs / "1x2")
+    assert run["hardware"]["world_size"] == 2 and run["t_eff"] == 4 * 128
+    assert run["comm_ms"] > 0  # gloo collectives found by the profiler in the measured window
+    assert run["eval_loss"] == pytest.approx(summary(reference / "full")["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("experiment", ["ddp", "fsdp"])
+def test_lora_equals_single_ft_lora_and_merges(experiment, request, reference, small_data):
+    runs = request.getfixturevalue(experiment)
+    assert read_losses(runs / "lora") == pytest.approx(read_losses(reference / "lora"), rel=1e-5)
+    run, single = summary(runs / "lora"), summary(reference / "lora")
+    assert run["model"]["trainable_parameters"] == single["model"]["trainable_parameters"] < 100_000
+    loss, model = reloaded_eval_loss(runs / "lora-merged", small_data)
+    assert not any("lora" in name for name, _ in model.named_parameters())
+    assert loss == pytest.approx(run["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("experiment", ["ddp", "fsdp"])
+def test_resume_equals_the_uninterrupted_run(experiment, request):
+    runs = request.getfixturevalue(experiment)
+    checkpoints = runs / "1x2" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-3", "step-6"]
+    assert {"trainer_state_rank0.pt", "trainer_state_rank1.pt", ".metadata"} <= {
+        p.name for p in (checkpoints / "step-3").iterdir()}
+    resumed = read_losses(runs / "resumed")
+    assert len(resumed) == STEPS - 3
+    assert resumed == pytest.approx(read_losses(runs / "1x2")[3:], rel=1e-5)
+
+
+@pytest.mark.parametrize("experiment", ["ddp", "fsdp"])
+def test_save_hf_reloads_in_one_process_with_the_same_eval_loss(experiment, request, small_data):
+    runs = request.getfixturevalue(experiment)
+    loss, model = reloaded_eval_loss(runs / "hf", small_data)
+    assert loss == pytest.approx(summary(runs / "1x2")["eval_loss"], rel=1e-5)
+    # Qwen3 ties the embedding and the LM head: the export must keep one matrix, not two copies.
+    assert model.config.tie_word_embeddings
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FSDP only
+
+
+def test_fsdp_bf16_tracks_fp32(fsdp):
+    fp32, bf16 = read_losses(fsdp / "1x2"), read_losses(fsdp / "bf16")
+    # bf16 compute (weights gathered in bf16, fp32 master shards and fp32 gradient reduction): about 1%, not 1e-5.
+    assert bf16 == pytest.approx(fp32, rel=2e-2)
+    assert bf16 != pytest.approx(fp32, rel=1e-6)
+
+
+def test_fsdp_memory_options_change_nothing_but_memory(fsdp):
+    # --no-reshard-after-forward, --activation-checkpointing, --cpu-offload, --reduce-every-micro-batch together,
+    # with evaluations between steps.
+    assert read_losses(fsdp / "options") == pytest.approx(read_losses(fsdp / "1x2"), rel=1e-5)
+    options = summary(fsdp / "options")
+    assert [step for step, _ in options["eval_history"]] == [2, 4]
+    assert options["eval_loss"] == pytest.approx(summary(fsdp / "1x2")["eval_loss"], rel=1e-5)
+
+
+def test_fsdp_checkpoint_of_a_killed_save_resumes_from_the_previous_one_in_one_process(fsdp, small_data, tmp_path):
+    """The run died while writing step 6: only step-6.tmp (incomplete) exists. Re-running with --resume step-3 in
+    the same --out-dir continues exactly, here as a single plain process (DCP reshards 2 ranks' shards to 1), and
+    its own save of step 6 replaces the leftovers."""
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(fsdp / "1x2" / "checkpoints", checkpoints)
+    (checkpoints / "step-6").rename(checkpoints / "step-6.tmp")
+    (checkpoints / "step-6.tmp" / ".metadata").unlink()
+    with pytest.raises(SystemExit, match="unfinished checkpoint"):
+        load_checkpoint(checkpoints / "step-6.tmp", None, None, None)
+    with one_thread():
+        fsdp_ft.main(argv("--data", small_data, *FP32, *NO_PROFILE, *split(2, 2), "--steps", STEPS,
+                          "--checkpoint-every", 3, "--resume", checkpoints / "step-3", "--out-dir", tmp_path))
+    assert read_losses(tmp_path) == pytest.approx(read_losses(fsdp / "1x2")[3:], rel=1e-5)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-3", "step-6"]
+    assert (checkpoints / "step-6" / ".metadata").exists()
+    assert not torch.distributed.is_initialized()  # the 1-rank group the script made is gone
