@@ -1,0 +1,447 @@
+"""zero-ft: fine-tune a Qwen3 decoder with DeepSpeed ZeRO (stage 1, 2 or 3) over data-parallel ranks.
+
+    uv run torchrun --nproc_per_node=2 experiments/zero-ft/train.py --zero-stage 2         # 2 GPUs (or 2 CPU processes)
+    uv run torchrun --nproc_per_node=2 experiments/zero-ft/train.py --zero-stage 3 --model Qwen/Qwen3-1.7B-Base
+    uv run python experiments/zero-ft/train.py --zero-stage 3                               # one process (a world of 1)
+    uv run torchrun --nproc_per_node=2 experiments/zero-ft/train.py --zero-stage 3 --steps 5 --seq-len 128  # CPU smoke
+
+ZeRO keeps data parallelism (every rank runs the whole model on its own rows) but stops replicating the training
+state: stage 1 shards the optimizer state (AdamW's two moments, and in bf16 the fp32 master weights) over the ranks,
+stage 2 also the gradients (each rank receives only the sum of its own slice), stage 3 also the parameters (each
+layer is all-gathered just before its forward and backward, then freed). The printed `peak memory per rank` line and
+`peak_mem_gib_per_rank` in summary.json put the stages side by side with fsdp-ft.
+
+One optimizer step consumes B = micro_batch_size x grad_accum x world_size packed rows (DESIGN.md section 4) and is the
+same computation as single-ft on that B: the loss is token-weighted over all ranks and micro-batches, and DeepSpeed's
+own loss/gradient scaling is undone (see the training loop). tests/test_zero_ft.py holds every stage to single-ft.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import socket
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, HfArgumentParser
+from transformers.integrations import HfDeepSpeedConfig
+
+# DeepSpeed picks its "accelerator" when it is imported; without a CUDA/ROCm GPU, name the CPU one instead of letting it
+# probe (and warn). Must happen before `import deepspeed`.
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import deepspeed  # noqa: E402
+from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
+
+from common.attention import setup_attention  # noqa: E402
+from common.checkpoint import checkpoint_dir  # noqa: E402
+from common.data import DataError, build_data, describe, evaluate, token_loss_sum  # noqa: E402
+from common.dist import init_distributed, print0, teardown  # noqa: E402
+from common.memory import BytesPerParam, predict_peak_gib  # noqa: E402
+from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
+    memory_label, peak_memory_gib, summary_table  # noqa: E402
+from common.models import count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
+    resolve_model_name  # noqa: E402
+
+EXPERIMENT = "zero-ft"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+deepspeed.utils.logger.setLevel(logging.WARNING)  # DeepSpeed logs every engine detail at INFO: keep the step lines
+
+
+@dataclass
+class Config:
+    model: str = "auto"  # preset (qwen3-tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b), hub id or local folder; auto: Qwen/Qwen3-0.6B-Base on GPU, qwen3-tiny on CPU
+    data: str = "assets/data/sft_en.jsonl"  # JSONL file or folder of them (relative paths: from the repo root if not found here)
+    seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny, 1024 otherwise
+    micro_batch_size: int = 1  # rows per forward pass per rank
+    grad_accum: int = 1  # micro-batches per optimizer step per rank
+    steps: int = 300  # optimizer steps (0 = only evaluate / export); 300 takes about a minute for qwen3-tiny on 2 CPU cores
+    lr: float | None = None  # peak learning rate; default 1e-3 for presets (random init), 2e-5 for pretrained models (1e-4 with LoRA)
+    warmup_steps: int = 10  # linear warm-up steps, then cosine decay to 0 at the last step
+    weight_decay: float = 0.01  # AdamW decoupled weight decay on matrices (not on norms)
+    max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = no clipping; the norm is still logged)
+    seed: int = 0  # one seed for init, data order and held-out split
+    dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 weights and compute with fp32 master weights and AdamW state; default bf16 on GPU, fp32 on CPU
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of storing its activations
+    packing: bool = True  # pack conversations into rows (--no-packing: one padded conversation per row)
+    lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
+    lora_alpha: float | None = None  # LoRA scaling numerator; default 2 x rank
+    merge_lora: bool = False  # with --save-hf and LoRA: write the merged full model instead of the adapter
+    attn: Literal["auto", "sdpa", "eager", "flash"] = "auto"  # attention implementation; auto: common/attention.py decides per device
+    eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
+    eval_every: int = 0  # also evaluate every N steps (0 = only at the end)
+    timing_warmup_steps: int = 2  # first steps left out of the averages in summary.json (allocator, caches, compilation)
+    comm_profile_steps: int = 3  # steps profiled with torch.profiler for comm_ms (starting after the timing warm-up)
+    out_dir: str | None = None  # where metrics.jsonl and summary.json go; default runs/zero-ft-<UTC time>
+    checkpoint_every: int = 0  # write <out-dir>/checkpoints/step-<k>/ every N steps (0 = never); DeepSpeed's sharded format
+    resume: str | None = None  # a checkpoints/step-<k> folder to continue from (same data, B, --steps, stage and world size)
+    save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
+    zero_stage: int = 2  # ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters
+
+
+def resolve(config: Config) -> Config:
+    """Fill the defaults that depend on the machine or the model; every other default lives in Config."""
+    config.model, notice = resolve_model_name(config.model)
+    if notice:
+        print0(notice)
+    if config.seq_len is None:
+        config.seq_len = 256 if config.model == "qwen3-tiny" else 1024
+    if config.dtype is None:
+        config.dtype = "bf16" if torch.cuda.is_available() else "fp32"
+    if config.lr is None:
+        config.lr = 1e-3 if is_preset(config.model) else (1e-4 if config.lora_rank else 2e-5)
+    if config.lora_alpha is None:
+        config.lora_alpha = 2.0 * config.lora_rank
+    data = Path(config.data)
+    if not data.exists() and not data.is_absolute() and (REPO_ROOT / data).exists():
+        config.data = str(REPO_ROOT / data)
+    if config.out_dir is None:
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        config.out_dir = str(REPO_ROOT / "runs" / f"{EXPERIMENT}-{stamp}")
+    if config.micro_batch_size < 1 or config.grad_accum < 1 or config.steps < 0:
+        raise SystemExit("--micro-batch-size and --grad-accum must be >= 1 and --steps >= 0")
+    if config.zero_stage not in (1, 2, 3):
+        raise SystemExit(f"--zero-stage must be 1, 2 or 3, got {config.zero_stage} (stage 0 is plain DDP: see ddp-ft)")
+    return config
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
+    """Linear warm-up to the peak over `warmup_steps`, then cosine decay to 0 at the last step."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def deepspeed_config(config: Config, world_size: int) -> dict:
+    """The DeepSpeed config. Every key that changes the numbers is written out, defaults included, so that nothing
+    silently differs from single-ft; the rest (bucket sizes, prefetching, overlap) only moves time and memory."""
+    return {
+        "train_micro_batch_size_per_gpu": config.micro_batch_size,
+        "gradient_accumulation_steps": config.grad_accum,
+        "train_batch_size": config.micro_batch_size * config.grad_accum * world_size,
+        "zero_optimization": {"stage": config.zero_stage},
+        # Clipping happens inside engine.step(), on the sharded gradients. DeepSpeed clips at 1.0 unless told
+        # otherwise, whatever --max-grad-norm says; 0 turns it off (the norm is computed and logged either way).
+        "gradient_clipping": config.max_grad_norm,
+        # bf16: the module's weights and activations are bf16 and the optimizer keeps the fp32 master weights and
+        # AdamW state (DEEPSPEED_BF16 below). Unlike single-ft's autocast, every op, norms included, sees bf16
+        # weights, so bf16 runs track single-ft to about 1%, as bf16 always does.
+        "bf16": {"enabled": config.dtype == "bf16"},
+        # fp16 off = no loss scaling at all (a static scale of 1.0); neither fp32 nor bf16 needs one.
+        "fp16": {"enabled": False},
+        # With bf16 DeepSpeed would accumulate micro-batch gradients and reduce them across ranks in bf16; single-ft
+        # accumulates in fp32, so do both in fp32 (fp32 is already what happens in an fp32 run).
+        "data_types": {"grad_accum_dtype": "fp32"},
+        "communication_data_type": "fp32",
+        # The gradient reduction averages over ranks ("mean", the only op ZeRO-3 supports) with no pre-division and
+        # no rescaling; the training loop cancels that mean exactly (see there).
+        "gradient_allreduce_op": "mean",
+        "prescale_gradients": False,
+        "gradient_predivide_factor": 1.0,
+        # DeepSpeed only "tests" its own optimizers with ZeRO; torch.optim.AdamW is the optimizer single-ft uses, and
+        # ZeRO hands it the flat fp32 shards, on which its element-wise update is the same arithmetic.
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,  # we print our own step line
+        "wall_clock_breakdown": False,
+    }
+
+
+# DeepSpeed's bf16 mode as configured above, per parameter: bf16 weights 2, fp32 gradients 4 (grad_accum_dtype),
+# fp32 master copy 4 and AdamW moments 8; common/memory.py shards each as the stage says.
+DEEPSPEED_BF16 = BytesPerParam("deepspeed-bf16", weights=2, grads=4, optimizer=8, master=4, compute=2,
+                               description="DeepSpeed bf16: bf16 weights 2 + fp32 grads 4 + fp32 master 4 + m, v 8")
+
+
+def full_shape(param: torch.nn.Parameter) -> torch.Size:
+    """A parameter's real shape, also once ZeRO-3 has partitioned it (the module then holds an empty placeholder)."""
+    return getattr(param, "ds_shape", param.shape)
+
+
+def free_port() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    (config,) = HfArgumentParser(Config).parse_args_into_dataclasses(args=argv)
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Processes and devices: one per GPU (or CPU process) under torchrun. DeepSpeed needs a process group and the
+    # launcher's variables even for one process, so a plain `python train.py` plays a launcher with a world of one.
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+    dist_info = init_distributed()
+    # DeepSpeed's communication layer wraps the group just created (zero.Init, used before the engine exists, needs it).
+    deepspeed.init_distributed(dist_backend=dist_info.backend)
+    device, rank, world_size = dist_info.device, dist_info.rank, dist_info.world_size
+    config = resolve(config)
+    print0(f"config: {json.dumps(asdict(config))}")
+    torch.manual_seed(config.seed)
+    attention = setup_attention(device, config.attn, print_fn=print0)
+    # No autocast: with bf16, DeepSpeed itself holds the module in bf16 (and the fp32 master copy in the optimizer).
+    autocast = nullcontext
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Data: every rank builds the same rows; rank r takes its own slice of each step's B rows.
+    tokenizer = load_tokenizer(config.model)
+    try:
+        data = build_data(config.data, tokenizer, config.seq_len, packing=config.packing,
+                          eval_fraction=config.eval_fraction, seed=config.seed)
+    except DataError as error:
+        raise SystemExit(f"bad training data: {error}") from None
+    print0(describe(data.stats, config.seq_len, config.packing))
+    rows_per_step = config.micro_batch_size * config.grad_accum * world_size
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Model. Stages 1 and 2 keep the whole model on every rank: it is built as in single-ft. Stage 3 must never hold
+    # it whole on a device (that is the point of sharding the parameters):
+    # - a checkpoint (hub id, local folder) is loaded inside deepspeed.zero.Init, switched on by a live
+    #   HfDeepSpeedConfig: transformers partitions each layer as soon as it is created, then fills in its shard.
+    # - a preset is random-init, and zero.Init would draw its random numbers in another order than single-ft; so it is
+    #   built whole in host memory from the same seed and partitioned onto the devices below, one tensor at a time.
+    ds_config = deepspeed_config(config, world_size)
+    zero3_checkpoint = config.zero_stage == 3 and not is_preset(config.model)
+    zero3_preset = config.zero_stage == 3 and is_preset(config.model)
+    hf_deepspeed_config = HfDeepSpeedConfig(ds_config) if zero3_checkpoint else None  # must stay alive while loading
+    model = load_model(config.model, tokenizer, attention.impl, dtype=torch.float32,
+                       device="cpu" if zero3_preset else device)
+    if config.activation_checkpointing:
+        # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if config.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        model = get_peft_model(model, lora)
+    if config.zero_stage == 3 and config.dtype == "bf16":
+        # For stages 1 and 2 the engine casts the parameters to bf16 (buffers such as RoPE's stay fp32); under ZeRO-3
+        # it expects them in bf16 already, as zero.Init builds them. So cast what zero.Init did not build: a preset,
+        # peft's adapters (ZeRO-3 parameters carry a ds_id).
+        for param in model.parameters():
+            if not hasattr(param, "ds_id"):
+                param.data = param.data.to(torch.bfloat16)
+    if zero3_preset:
+        deepspeed.zero.Init(module=model, config_dict_or_path=ds_config)  # moves and partitions one tensor at a time
+        model.to(device)  # what is left to move: buffers (RoPE's inv_freq); the parameters are shards there already
+    model.train()
+    n_params = count_parameters(model.config)["total"]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    n_trainable = sum(full_shape(p).numel() for p in trainable)
+    model_flops_per_token = flops_per_token(model.config, config.seq_len)
+    print0(f"model: {config.model} | {n_params:,} parameters, {n_trainable:,} trainable | "
+           f"{model_flops_per_token / 1e9:.3f} GFLOP/token (training) | dtype {config.dtype} | ZeRO stage "
+           f"{config.zero_stage} over {world_size} rank(s)")
+    print0(f"batch: B = {config.micro_batch_size} x {config.grad_accum} x {world_size} ranks = {rows_per_step} rows of "
+           f"{config.seq_len} -> T_eff = {rows_per_step * config.seq_len:,} token slots per optimizer step")
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Optimizer: single-ft's AdamW and schedule, handed to DeepSpeed. ZeRO replaces each param group's parameters by
+    # this rank's flat fp32 shard, so every rank's AdamW only updates (and only holds state for) its 1/world_size.
+    # DeepSpeed's own Adam (FusedAdam on GPU, DeepSpeedCPUAdam on CPU) computes the same update with its own kernels,
+    # in another order (so with other rounding), and needs a C++/CUDA build; torch's AdamW is what single-ft runs, so
+    # the two scripts differ only by what ZeRO does.
+    decay = [p for p in trainable if len(full_shape(p)) >= 2]
+    no_decay = [p for p in trainable if len(full_shape(p)) < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=config.lr, fused=device.type == "cuda")
+    # Passed as a function: DeepSpeed builds the schedule on the optimizer it wrapped, and steps it in engine.step()
+    # at each accumulation boundary, once per optimizer step as in single-ft.
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=ds_config,
+        lr_scheduler=lambda wrapped: torch.optim.lr_scheduler.LambdaLR(
+            wrapped, lambda step: lr_factor(step, config.warmup_steps, config.steps)))
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Training loop
+    metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
+                            warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
+                            flops_per_token=model_flops_per_token, device=device, world_size=world_size,
+                            is_main=dist_info.is_main)
+    comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
+    stopwatch = Stopwatch(device)
+    eval_losses = []
+    # The step count is the whole data position: step k always consumes the same rows.
+    start_step = load_checkpoint(config.resume, engine) if config.resume else 0
+    if config.resume:
+        print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
+    for step in range(start_step, config.steps):
+        micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum, rank, world_size)
+        loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the whole step's, all ranks: counted locally
+        lr = scheduler.get_last_lr()[0]
+
+        stopwatch.reset()
+        comm_timer.start(step)
+        step_loss = torch.zeros((), device=device)
+        for batch in micro_batches:
+            batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+            with autocast():
+                # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
+                # isolated (transformers builds a block-diagonal causal mask from the position_ids).
+                # Under ZeRO-3 the engine's hooks all-gather each layer's parameters just before it runs.
+                logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                attention_mask=None, use_cache=False).logits
+            # Divide by the whole step's loss tokens, not this micro-batch's: summing the micro-batch gradients
+            # of all ranks then gives exactly the gradient of the token-weighted step loss.
+            loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
+            # DeepSpeed assumes a per-micro-batch mean loss: engine.backward divides it by grad_accum, and the
+            # gradient reduction over ranks (in every stage) divides the sum by world_size. Our loss is
+            # already a share of the global step loss, so the gradients must simply be summed: scale_wrt_gas=False
+            # skips the first division and the factor world_size cancels the second (exact for a power-of-2 world).
+            engine.backward(loss * world_size, scale_wrt_gas=False)
+            # At the last micro-batch (the accumulation boundary): reduce, clip, AdamW on the shards, LR schedule;
+            # before it, only counts micro-batches.
+            engine.step()
+            step_loss += loss.detach()
+        # Each rank holds the loss of its own rows over the global denominator: their sum is the step loss.
+        dist.all_reduce(step_loss)
+        grad_norm = float(engine.get_global_grad_norm())  # before clipping, over all shards
+        step_loss_value = step_loss.item()  # the one host-device synchronisation of the step
+        step_ms = stopwatch.elapsed_ms()
+        comm_ms = comm_timer.stop(step)
+
+        metrics.log_step(step + 1, step_loss_value, lr, grad_norm, data.step_real_tokens(step, rows_per_step),
+                         loss_tokens, step_ms, comm_ms, print_fn=print0)
+        if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
+            eval_losses.append((step + 1, evaluate(engine, data, config.micro_batch_size, device, autocast)))
+            print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
+        if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
+            print0(f"checkpoint: {save_checkpoint(config.out_dir, step + 1, engine)}")
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Evaluation, results, export. Every rank evaluates the whole held-out split: under ZeRO-3 each forward is a
+    # collective (all ranks gather the same layers), so they cannot split it without also splitting the gathers.
+    eval_loss = evaluate(engine, data, config.micro_batch_size, device, autocast)
+    print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
+           if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
+    # The point of this experiment: what each rank held at its peak. Gathered so that rank 0 can print and store it,
+    # next to common/memory.py's prediction for one device (comparable on a GPU, where both mean max_memory_reserved;
+    # on CPU the measure is the whole process, interpreter and libraries included).
+    peak_mem_gib_per_rank = [None] * world_size
+    dist.all_gather_object(peak_mem_gib_per_rank, peak_memory_gib(device))
+    predicted_peak_mem_gib = predict_peak_gib(
+        model.config, f"zero-{config.zero_stage}", world_size, seq_len=config.seq_len,
+        micro_batch_size=config.micro_batch_size, activation_checkpointing=config.activation_checkpointing,
+        lora_rank=config.lora_rank, dtype=config.dtype, precision=DEEPSPEED_BF16 if config.dtype == "bf16" else None,
+        attention="flash" if attention.impl.startswith("flash") else "sdpa-packed" if config.packing else "sdpa")
+    print0(f"peak memory per rank ({memory_label(device)}), ZeRO stage {config.zero_stage}: "
+           + ", ".join(f"rank {r} {gib:.2f} GiB" for r, gib in enumerate(peak_mem_gib_per_rank))
+           + f" | predicted by common/memory.py: {predicted_peak_mem_gib:.2f} GiB per device")
+    summary = metrics.write_summary(
+        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(REPO_ROOT), config=asdict(config),
+        hardware=hardware_info(device, world_size=world_size), attention=asdict(attention),
+        model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
+                   flops_per_token=model_flops_per_token),
+        t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
+        packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
+        n_truncated=data.stats["n_truncated"], data=data.stats, zero_stage=config.zero_stage,
+        peak_mem_gib_per_rank=peak_mem_gib_per_rank, predicted_peak_mem_gib=predicted_peak_mem_gib,
+        deepspeed=dict(version=deepspeed.__version__, config=ds_config))
+    print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
+           f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
+
+    if config.save_hf:
+        del hf_deepspeed_config  # transformers needed it only to build the model; a whole copy must not be partitioned
+        save_hf(config, engine, tokenizer)
+    engine.destroy()  # removes ZeRO's hooks, so that a next run in the same process (the tests) starts clean
+    teardown()
+    return summary
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Checkpoints: DeepSpeed's own sharded format (each rank writes its optimizer shard, and under ZeRO-3 its parameter
+# shard; rank 0 the module and the LR schedule), published atomically like common/checkpoint.py: written into
+# `step-<k>.tmp/`, renamed to `step-<k>/` by rank 0 once every rank has finished. A crash mid-save leaves only a
+# .tmp folder, never read, cleared by the next save of that step. common/checkpoint.py's torch.distributed.checkpoint
+# route does not apply: DCP's get_state_dict cannot see inside DeepSpeed's ZeRO optimizer.
+
+
+def save_checkpoint(out_dir: str, step: int, engine) -> Path:
+    final = checkpoint_dir(out_dir, step)
+    temporary = final.with_name(final.name + ".tmp")
+    if dist.get_rank() == 0:
+        shutil.rmtree(temporary, ignore_errors=True)  # the leftovers of a save that crashed
+        temporary.parent.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    # DeepSpeed writes into <save_dir>/<tag>/. No "latest" file: --resume names the folder, and a "latest" pointing
+    # at a .tmp name would be wrong after the rename anyway. The step fixes the data position.
+    engine.save_checkpoint(str(temporary.parent), tag=temporary.name, client_state={"step": step}, save_latest=False)
+    dist.barrier()  # every rank's shards are on disk before the rename publishes them
+    if dist.get_rank() == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        temporary.rename(final)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path: str, engine) -> int:
+    """Restore module, ZeRO optimizer shards and LR schedule in place from a `step-<k>` folder; returns k."""
+    path = Path(path)
+    if path.name.endswith(".tmp"):
+        raise SystemExit(f"{path} is an unfinished checkpoint (a save was interrupted): resume from a step-<k> folder")
+    if not path.is_dir():
+        raise SystemExit(f"{path} is not a checkpoint folder (expected <out-dir>/checkpoints/step-<k>)")
+    # The optimizer shards only fit the layout that wrote them: same stage, same number of ranks.
+    loaded, client_state = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True)
+    if loaded is None:
+        raise SystemExit(f"{path}: DeepSpeed found no checkpoint of this run's layout (ZeRO stage, number of ranks)")
+    return client_state["step"]
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Export: the full fp32 weights, assembled on rank 0. Trainable parameters are read from the optimizer's fp32 master
+# copy, which is sharded in every stage (safe_get_full_fp32_param all-gathers it); frozen ones (LoRA's base weights)
+# have no master copy and come from the module, gathered first under ZeRO-3. Every rank must take part.
+
+
+def gather_fp32_state_dict(engine, zero_stage: int) -> dict[str, torch.Tensor]:
+    state = {}
+    for name, param in engine.module.named_parameters():
+        if param.requires_grad:
+            full = safe_get_full_fp32_param(param)
+        else:
+            with deepspeed.zero.GatheredParameters([param], enabled=zero_stage == 3):
+                full = param.detach().float().clone()
+        if dist.get_rank() == 0:
+            state[name] = full.cpu()
+    return state
+
+
+def save_hf(config: Config, engine, tokenizer) -> None:
+    state = gather_fp32_state_dict(engine, config.zero_stage)
+    if dist.get_rank() == 0:
+        save_dir = Path(config.save_hf)
+        model = engine.module
+        if config.lora_rank and config.merge_lora:
+            # peft merges in place, which ZeRO-3's empty placeholders do not allow: merge on a whole fp32 copy.
+            from peft import get_peft_model
+
+            whole = AutoModelForCausalLM.from_config(model.get_base_model().config, dtype=torch.float32)
+            whole = get_peft_model(whole, model.peft_config["default"])
+            result = whole.load_state_dict(state, strict=False)  # the tied LM head is no entry of its own
+            if result.unexpected_keys or any(not key.endswith("lm_head.weight") for key in result.missing_keys):
+                raise RuntimeError(f"gathered weights do not fit the model: {result}")
+            model, state = whole.merge_and_unload(), None
+        # With a state_dict given, save_pretrained writes those tensors (a peft model: only its adapter's).
+        model.save_pretrained(save_dir, state_dict=state)
+        tokenizer.save_pretrained(save_dir)
+        print0(f"saved {'adapter' if config.lora_rank and not config.merge_lora else 'model'} to {save_dir}")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""zero-ft against single-ft: DeepSpeed ZeRO stages 1, 2 and 3 on 2 CPU ranks (gloo) compute single-ft's steps.
+
+Every 2-rank configuration runs in one torchrun launch (module fixture `launch`): the imports and DeepSpeed's
+start-up cost more than the runs themselves. B = 4 rows per step: 2 ranks x 1 row x 2 micro-batches for zero-ft,
+1 x 4 for single-ft.
+"""
+
+import json
+from contextlib import nullcontext
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.data import build_data, evaluate
+from conftest import load_experiment, read_losses, torchrun
+
+single_ft = load_experiment("single-ft")
+
+STEPS = 6
+SHARED = ["--seq-len", 128, "--dtype", "fp32", "--steps", STEPS, "--warmup-steps", 2]
+ZERO = [*SHARED, "--micro-batch-size", 1, "--grad-accum", 2]  # x 2 ranks
+
+
+def checkpoints(out_dir) -> list[str]:
+    """The checkpoint folders (DeepSpeed also copies its zero_to_fp32.py converter next to them)."""
+    return sorted(p.name for p in (out_dir / "checkpoints").iterdir() if p.name.startswith("step-"))
+
+
+def records(out_dir) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def summary(out_dir) -> dict:
+    return json.loads((out_dir / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory, small_data):
+    root = tmp_path_factory.mktemp("zero-ft")
+    data = ["--data", small_data]
+
+    def single(name, *args):
+        return single_ft.main([*map(str, [*data, *args, "--out-dir", root / name])])
+
+    reference = single("single", *SHARED, "--micro-batch-size", 1, "--grad-accum", 4)
+    lora = single("single-lora", *SHARED, "--micro-batch-size", 1, "--grad-accum", 4, "--lora-rank", 4)
+    # The reference's initial weights as an HF folder. Loading a folder is the "real checkpoint" route, which ZeRO-3
+    # builds inside deepspeed.zero.Init (partitioned at load); presets are built whole, then partitioned.
+    single("init", "--seq-len", 128, "--steps", 0, "--save-hf", root / "init-hf")
+    # A save of step 6 that crashed half-way, in the out-dir of the run that resumes: a .tmp folder with a torn file.
+    torn = root / "resumed" / "checkpoints" / "step-6.tmp"
+    torn.mkdir(parents=True)
+    (torn / "mp_rank_00_model_states.pt").write_bytes(b"\x80\x02torn")
+    quiet = ["--comm-profile-steps", 0]  # no profiler where comm_ms is not looked at
+    torchrun("zero-ft", [
+        [*data, *ZERO, "--zero-stage", 1, "--out-dir", root / "stage1"],
+        [*data, *ZERO, "--zero-stage", 2, "--out-dir", root / "stage2", "--checkpoint-every", 3],
+        [*data, *ZERO, "--zero-stage", 3, "--out-dir", root / "stage3", "--save-hf", root / "stage3-hf"],
+        [*data, *ZERO, "--zero-stage", 3, "--out-dir", root / "stage3-loaded", "--model", root / "init-hf",
+         "--lr", 1e-3, *quiet],  # the preset's default peak LR: a loaded folder would default to 2e-5
+        [*data, *ZERO, "--zero-stage", 2, "--out-dir", root / "resumed", "--checkpoint-every", 3, *quiet,
+         "--resume", root / "stage2" / "checkpoints" / "step-3"],
+        [*data, *ZERO, "--zero-stage", 3, "--out-dir", root / "bf16", "--dtype", "bf16", "--steps", 3, *quiet],
+        [*data, *ZERO, "--zero-stage", 3, "--out-dir", root / "lora", "--lora-rank", 4, "--save-hf",
+         root / "lora-merged", "--merge-lora", *quiet],
+    ])
+    return root, reference, lora
+
+
+@pytest.mark.parametrize("run", ["stage1", "stage2", "stage3", "stage3-loaded"])
+def test_every_stage_computes_the_single_process_steps(launch, run):
+    root, *_ = launch
+    expected, got = records(root / "single"), records(root / run)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in expected], rel=1e-5)
+    # The gradient itself, before clipping: DeepSpeed's 1/grad_accum and rank averaging were undone (a factor 2 or 4
+    # would show here, while Adam's scale invariance hides it from the losses). 1e-3, not 1e-5: DeepSpeed sums the
+    # squares in fp64, single-ft's clip_grad_norm_ in fp32, which on CPU is ~5e-4 off for the 2M-entry embedding.
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in expected], rel=1e-3)
+    assert [r["lr"] for r in got] == pytest.approx([r["lr"] for r in expected], rel=1e-9)
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in expected]  # counted over both ranks
+    assert expected[-1]["loss"] < expected[0]["loss"] - 0.5  # the steps really trained
+    assert summary(root / run)["eval_loss"] == pytest.approx(summary(root / "single")["eval_loss"], rel=1e-5)
+
+
+def test_resume_equals_the_uninterrupted_run_and_ignores_a_torn_save(launch):
+    root, *_ = launch
+    uninterrupted, resumed = read_losses(root / "stage2"), read_losses(root / "resumed")
+    assert checkpoints(root / "stage2") == ["step-3", "step-6"]
+    assert len(resumed) == 3
+    assert resumed == pytest.approx(uninterrupted[3:], rel=1e-5)
+    assert [r["step"] for r in records(root / "resumed")] == [4, 5, 6]
+    # The torn step-6.tmp was never read; the resumed run's own save of step 6 cleared it and published a whole one.
+    assert checkpoints(root / "resumed") == ["step-6"]
+    step_6 = root / "resumed" / "checkpoints" / "step-6"
+    saved = {p.name for p in step_6.iterdir()}
+    assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+            "mp_rank_00_model_states.pt"} <= saved
+    assert (step_6 / "mp_rank_00_model_states.pt").stat().st_size > 1000
+
+
+def test_zero3_export_reloads_in_one_process_with_the_same_eval_loss(launch, small_data):
+    root, reference, _ = launch
+    export = root / "stage3-hf"
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    reloaded = evaluate(model, build_data(small_data, tokenizer, 128, seed=0), 1, torch.device("cpu"), nullcontext)
+    assert reloaded == pytest.approx(summary(root / "stage3")["eval_loss"], rel=1e-5)
+    assert reloaded == pytest.approx(reference["eval_loss"], rel=1e-5)  # the same weights single-ft ends with
+
+
+def test_peak_memory_is_recorded_per_rank(launch):
+    root, *_ = launch
+    for run, stage in [("stage1", 1), ("stage2", 2), ("stage3", 3)]:
+        result = summary(root / run)
+        assert result["zero_stage"] == stage and result["hardware"]["world_size"] == 2
+        per_rank = result["peak_mem_gib_per_rank"]
+        # On CPU this is each process's peak RSS, mostly the Python/torch runtime: no ordering between stages.
+        assert len(per_rank) == 2 and all(gib > 0 for gib in per_rank), per_rank
+        assert result["memory_measure"] == "peak RSS of the process (CPU)"
+        assert result["deepspeed"]["config"]["zero_optimization"]["stage"] == stage
+        assert result["deepspeed"]["config"]["gradient_clipping"] == 1.0  # --max-grad-norm, set explicitly
+
+
+def test_bf16_holds_bf16_weights_and_tracks_fp32(launch):
+    root, *_ = launch
+    # Its 3 steps see the 6-step reference's learning rates (warm-up of 2, then the cosine starts at the peak).
+    fp32, bf16 = read_losses(root / "single")[:3], read_losses(root / "bf16")
+    # bf16 weights and activations (fp32 master weights in the optimizer): close to fp32, but not fp32 in disguise.
+    assert bf16 == pytest.approx(fp32, rel=2e-2)
+    assert bf16 != pytest.approx(fp32, rel=1e-6)
+
+
+def test_lora_trains_only_the_adapters_and_the_merged_export_reloads(launch, small_data):
+    root, _, lora = launch
+    got = summary(root / "lora")
+    assert got["model"]["trainable_parameters"] == lora["model"]["trainable_parameters"] < 100_000
+    assert read_losses(root / "lora") == pytest.approx(read_losses(root / "single-lora"), rel=1e-5)
+    model = AutoModelForCausalLM.from_pretrained(root / "lora-merged", dtype=torch.float32)
+    assert not any("lora" in name for name, _ in model.named_parameters())
+    data = build_data(small_data, AutoTokenizer.from_pretrained(root / "lora-merged"), 128, seed=0)
+    reloaded = evaluate(model, data, 1, torch.device("cpu"), nullcontext)
+    assert reloaded == pytest.approx(lora["eval_loss"], rel=1e-5)
