@@ -1,0 +1,576 @@
+"""tp-sp-ft: tp-ft plus sequence parallelism: the activations between the TP regions are split along the sequence.
+
+    uv run torchrun --nproc_per_node=2 experiments/tp-sp-ft/train.py                 # CPU (gloo): built-in qwen3-tiny
+    uv run torchrun --nproc_per_node=2 experiments/tp-sp-ft/train.py --model Qwen/Qwen3-0.6B-Base   # 2 GPUs
+    uv run torchrun --nproc_per_node=2 experiments/tp-sp-ft/train.py --lora-rank 16 --save-hf runs/lora --merge-lora
+    uv run torchrun --nproc_per_node=2 experiments/tp-sp-ft/train.py --steps 3 --seq-len 128         # smoke run
+    uv run python experiments/tp-sp-ft/train.py --steps 3 --seq-len 128  # one process: tp = 1, the same plan, no-op
+
+tp-ft splits the matrix multiplies but leaves every rank with the whole [tokens x hidden] residual stream: the
+RMSNorms and the residual adds run on all tokens on every rank, the same work and the same stored activations tp
+times over. Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models") splits them along the sequence instead: each rank normalises and adds seq_len/tp tokens. The all-reduce
+that ends each TP region becomes a reduce-scatter (sum the partial results, keep this rank's part of the
+sequence) and the next region starts with an all-gather (make the sequence whole for q/k/v or gate/up). A ring
+all-reduce is itself a reduce-scatter followed by an all-gather, so the bytes sent stay the same; what shrinks is
+the activation memory (and norm work) outside the TP regions, by tp.
+
+The rotary embedding is computed once from the full-length position_ids that every call passes in (packed rows
+need them to restart per conversation anyway) and used inside the attention, where the sequence is whole again;
+the same position_ids keep packed conversations isolated.
+
+TP splits the model, not the batch: every rank reads the same rows, so one optimizer step consumes
+B = micro_batch_size x grad_accum rows (data-parallel size 1) and is the same step as single-ft's on the same B;
+tokens/s counts those rows' tokens once. The tp degree is the number of processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import sys
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, \
+    loss_parallel, parallelize_module
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from transformers import AutoModelForCausalLM, HfArgumentParser
+
+from common.attention import setup_attention
+from common.checkpoint import load_checkpoint, save_checkpoint
+from common.data import DataError, build_data, describe, evaluate, token_loss_sum
+from common.dist import init_distributed, print0, teardown
+from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, hardware_info, summary_table
+from common.models import count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
+    resolve_model_name
+
+EXPERIMENT = "tp-sp-ft"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Config:
+    model: str = "auto"  # preset (qwen3-tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b), hub id or local folder; auto: Qwen/Qwen3-0.6B-Base on GPU, qwen3-tiny on CPU
+    data: str = "assets/data/sft_en.jsonl"  # JSONL file or folder of them (relative paths: from the repo root if not found here)
+    seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny, 1024 otherwise
+    micro_batch_size: int = 1  # rows per forward pass
+    grad_accum: int = 1  # micro-batches per optimizer step
+    steps: int = 300  # optimizer steps (0 = only evaluate / export); 300 as in single-ft, so that the runs compare step for step
+    lr: float | None = None  # peak learning rate; default 1e-3 for presets (random init), 2e-5 for pretrained models (1e-4 with LoRA)
+    warmup_steps: int = 10  # linear warm-up steps, then cosine decay to 0 at the last step
+    weight_decay: float = 0.01  # AdamW decoupled weight decay on matrices (not on norms)
+    max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = no clipping; the norm is still logged)
+    seed: int = 0  # one seed for init, data order and held-out split
+    dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 compute with fp32 master weights and AdamW state; default bf16 on GPU, fp32 on CPU
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of storing its activations
+    packing: bool = True  # pack conversations into rows (--no-packing: one padded conversation per row)
+    lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
+    lora_alpha: float | None = None  # LoRA scaling numerator; default 2 x rank
+    merge_lora: bool = False  # with --save-hf and LoRA: write the merged full model instead of the adapter
+    attn: Literal["auto", "sdpa", "eager", "flash"] = "auto"  # attention implementation; auto: common/attention.py decides per device
+    eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
+    eval_every: int = 0  # also evaluate every N steps (0 = only at the end)
+    timing_warmup_steps: int = 2  # first steps left out of the averages in summary.json (allocator, caches, compilation)
+    comm_profile_steps: int = 3  # steps profiled with torch.profiler for comm_ms (starting after the timing warm-up)
+    out_dir: str | None = None  # where metrics.jsonl and summary.json go; default runs/tp-sp-ft-<UTC time>
+    checkpoint_every: int = 0  # write <out-dir>/checkpoints/step-<k>/ every N steps (0 = never)
+    resume: str | None = None  # a checkpoints/step-<k> folder to continue from (same data, B and --steps)
+    save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
+    # Tensor parallelism
+    loss_parallel: bool = True  # keep the logits split over the vocabulary and compute the cross-entropy on the shards (--no-loss-parallel: gather the full logits on every rank)
+    sync_qk_norm_grads: bool = True  # sum the q_norm/k_norm gradients over the TP group (--no-sync-qk-norm-grads only to watch the replicas drift apart)
+
+
+def resolve(config: Config) -> Config:
+    """Fill the defaults that depend on the machine or the model; every other default lives in Config."""
+    config.model, notice = resolve_model_name(config.model)
+    if notice:
+        print0(notice)
+    if config.seq_len is None:
+        config.seq_len = 256 if config.model == "qwen3-tiny" else 1024
+    if config.dtype is None:
+        config.dtype = "bf16" if torch.cuda.is_available() else "fp32"
+    if config.lr is None:
+        config.lr = 1e-3 if is_preset(config.model) else (1e-4 if config.lora_rank else 2e-5)
+    if config.lora_alpha is None:
+        config.lora_alpha = 2.0 * config.lora_rank
+    data = Path(config.data)
+    if not data.exists() and not data.is_absolute() and (REPO_ROOT / data).exists():
+        config.data = str(REPO_ROOT / data)
+    if config.out_dir is None:
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        config.out_dir = str(REPO_ROOT / "runs" / f"{EXPERIMENT}-{stamp}")
+    if config.micro_batch_size < 1 or config.grad_accum < 1 or config.steps < 0:
+        raise SystemExit("--micro-batch-size and --grad-accum must be >= 1 and --steps >= 0")
+    return config
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
+    """Linear warm-up to the peak over `warmup_steps`, then cosine decay to 0 at the last step."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder layers of a Qwen3ForCausalLM, bare or wrapped by peft."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.model.layers
+
+
+def check_divisible(config, tp: int) -> None:
+    """Every rank must get whole heads, whole KV groups and equal slices; say which number breaks it."""
+    # Whole heads: q_norm/k_norm normalise over one head's head_dim and the softmax runs per head, so a head cut
+    # in two would need its partial dot products summed before the softmax. Whole KV groups (GQA): query head h
+    # reads KV head h // (H / KV); the column split gives rank r query heads [r H/tp, (r+1) H/tp) and KV heads
+    # [r KV/tp, (r+1) KV/tp), which belong together only when tp divides KV (tp > KV would need the KV heads
+    # replicated, which this plan does not do). The MLP width and the vocabulary are split evenly so that every
+    # rank's shard has the same shape (the tied embedding/LM head is one weight split over the vocabulary).
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        value = getattr(config, field)
+        if value % tp:
+            raise SystemExit(f"tensor parallelism over {tp} ranks needs {field} ({value}) divisible by {tp}; "
+                             f"run with a --nproc_per_node that divides it")
+
+
+def replicated(module: torch.nn.Module, tp_mesh) -> torch.nn.Module:
+    """Make every parameter of `module` a Replicate DTensor, so that it accepts the DTensor inputs of the plan."""
+    return distribute_module(module, tp_mesh)  # without a partition_fn every parameter is replicated
+
+
+def apply_tp(model, tp_mesh, loss_parallel: bool) -> list[torch.nn.Parameter]:
+    """Split `model` (a Qwen3ForCausalLM, optionally wrapped by peft) over `tp_mesh`, in place, with sequence
+    parallelism between the TP regions.
+
+    Returns the parameters that stay plain replicated tensors but whose gradient each rank computes from its own
+    heads only (q_norm and k_norm): the training loop sums those over the group.
+    """
+    tp = tp_mesh.size()
+    check_divisible(model.config, tp)
+    # SequenceParallel re-registers the norm weights as new Parameters that require grad whether or not the old
+    # ones did (torch 2.15: the fix for pytorch/pytorch#171523 covered ColwiseParallel, RowwiseParallel and
+    # distribute_module, not SequenceParallel's _replicate_module_fn), which would quietly unfreeze the norms
+    # under LoRA: note what is frozen now and freeze it again at the end. It also takes each rank's own copy as
+    # the replica, without a broadcast from rank 0; that holds because every rank built the same model.
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    partial_grad_params = []
+    for layer in decoder_layers(model):
+        plan = {
+            # Sequence-parallel region: the norm runs on this rank's seq_len/tp tokens with a replicated weight.
+            # Its weight gradient comes out Partial(sum) (this rank's tokens only) and is summed once per step.
+            "input_layernorm": SequenceParallel(),
+            # Into the TP region: all-gather the sequence, once for q, k and v together (backward: one
+            # reduce-scatter of their summed input gradients).
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            # Column-parallel: weight [out/tp, in] on each rank; the output is this rank's heads, kept local.
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            # Out of it: reduce-scatter the partial sums along the sequence instead of all-reducing them. The
+            # output stays a DTensor Shard(1), and so does the whole residual stream between the regions.
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        }
+        parallelize_module(layer, tp_mesh, with_lora_adapters(layer, plan, tp_mesh))
+
+        attention = layer.self_attn
+        # transformers' Qwen3Attention reshapes q, k and v with -1 heads, so it takes its local head counts from
+        # the local shapes (H/tp and KV/tp), and num_key_value_groups = H/KV = (H/tp)/(KV/tp) holds on every rank.
+        # Versions that keep the head counts on the module need them divided:
+        for name in ("num_heads", "num_key_value_heads"):
+            if hasattr(attention, name):
+                setattr(attention, name, getattr(attention, name) // tp)
+        # q_norm/k_norm hold one weight per head_dim entry, shared by all heads: replicated, but each rank applies
+        # it to its own heads only, so its gradient here is a partial sum over this rank's heads.
+        partial_grad_params += [attention.q_norm.weight, attention.k_norm.weight]
+
+    # Embedding and LM head, both split over the vocabulary as in tp-ft. The embedding's partial lookups are
+    # reduce-scattered along the sequence (not all-reduced), which starts the residual stream as a DTensor
+    # Shard(1). Being a DTensor matters beyond the plan: its .shape is the global [batch, seq_len, hidden], and
+    # transformers reads the query length for the attention mask from inputs_embeds.shape[1]; a local tensor would
+    # give seq_len/tp. The final norm is sequence-parallel too, and the LM head all-gathers the sequence.
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head.weight is embedding.weight
+    parallelize_module(embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                                           use_local_output=False))
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    parallelize_module(base.model.norm, tp_mesh, SequenceParallel())
+    if loss_parallel:
+        # The logits stay a DTensor split over the vocabulary: no rank ever holds the full [tokens x V] tensor
+        # (V = 151,936 for Qwen3: 0.6 GB of fp32 logits per 1,024-token row, plus as much for their gradient).
+        parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                                          use_local_output=False))
+    else:
+        parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()))
+    if tied:
+        head.weight = embedding.weight
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
+    return partial_grad_params
+
+
+def with_lora_adapters(layer, plan: dict, tp_mesh) -> dict:
+    """Extend a layer's plan to peft's LoRA layers: y = W x + B A x, each adapter linear split to match W.
+
+    Why the plan has to name the adapters (peft 0.21, torch 2.15):
+    - peft after parallelize_module: get_peft_model() sizes the adapters from the local shard of W, but it adds
+      collectives only for transformers' own TP (it looks for the `_hf_tp_plan` attribute that
+      from_pretrained(tp_plan=...) sets, which parallelize_module does not; huggingface/peft#3079 makes the split
+      below for that case). Nothing fails, and it is wrong: the
+      row-parallel A x stays a per-rank partial sum that is never all-reduced, so the ranks compute different losses,
+      neither equal to single-ft; the column-parallel A gets per-rank partial gradients that are never summed; the
+      row-parallel A is initialised with fan_in = in/tp; and the adapter shards are plain tensors that checkpoints
+      and exports take for replicated copies.
+    - peft first, the plan on the base layers only: the first forward fails, W x is [tokens, out/tp] and B A x is
+      [tokens, out] ("The size of tensor a (128) must match the size of tensor b (256)"). Nor can the plan name
+      the LoRA layer itself ("ColwiseParallel currently only support nn.Linear and nn.Embedding!").
+    So peft wraps the unsplit model (the same init as single-ft, from the same seed) and the plan splits the
+    adapter's own two nn.Linear as well.
+    """
+    expanded = {}
+    for name, style in plan.items():
+        module = layer.get_submodule(name)
+        if not hasattr(module, "lora_A"):
+            expanded[name] = style
+            continue
+        expanded[f"{name}.base_layer"] = style
+        for adapter in module.lora_A:
+            if isinstance(style, ColwiseParallel):
+                # x is the replicated DTensor input: A [r, in] is replicated, B [out, r] is split by rows like W,
+                # so B A x lands on this rank's output columns. A's gradient arrives as a partial sum (B's input
+                # gradient, per rank) and is summed with the q_norm/k_norm gradients.
+                replicated(module.lora_A[adapter], tp_mesh)
+                expanded[f"{name}.lora_B.{adapter}"] = ColwiseParallel()
+            else:
+                # x is split over its features: A [r, in] is split like W (columns), and A x [tokens, r] is
+                # reduce-scattered along the sequence like W x; B [out, r] is replicated and runs on this rank's
+                # tokens (so, like a norm weight, its gradient comes out Partial and is summed once per step).
+                expanded[f"{name}.lora_A.{adapter}"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+                replicated(module.lora_B[adapter], tp_mesh)
+    return expanded
+
+
+def all_reduce_partial_grads(plain: list[torch.nn.Parameter], trainable: list[torch.nn.Parameter], tp_mesh) -> None:
+    """Sum over the TP group, in one all-reduce per step, the gradients that each rank holds only its part of.
+
+    `plain` are replicated plain tensors named by apply_tp (q_norm/k_norm); among the DTensor parameters the
+    ones concerned show it by a Partial(sum) gradient (the sequence-parallel norms and row-parallel LoRA B, which
+    saw only this rank's tokens; LoRA A of the column-parallel projections), which becomes Replicate. Without this
+    the plain replicas drift apart step by step, each rank following its own heads.
+    """
+    plain_grads = [p.grad for p in plain if p.grad is not None]
+    partial = [p for p in trainable if isinstance(p.grad, DTensor) and p.grad.placements[0].is_partial()]
+    grads = plain_grads + [p.grad.to_local() for p in partial]
+    if not grads:
+        return
+    flat = torch.cat([grad.flatten() for grad in grads])
+    dist.all_reduce(flat, group=tp_mesh.get_group())
+    summed = [total.view_as(grad) for grad, total in zip(grads, flat.split([grad.numel() for grad in grads]))]
+    for grad, total in zip(plain_grads, summed):
+        grad.copy_(total)
+    for p, total in zip(partial, summed[len(plain_grads):]):
+        p.grad = DTensor.from_local(total, tp_mesh, [Replicate()], run_check=False)
+
+
+def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for a mix of DTensor and plain parameters (it rejects the mix: it stacks the
+    per-tensor norms; meta-pytorch/torchtune#2420). Over the DTensor gradients get_total_norm() all-reduces the ranks' sums of squares of the
+    split ones; the plain gradients are the same on every rank and count once."""
+    groups = [[p for p in parameters if isinstance(p, DTensor)], [p for p in parameters if not isinstance(p, DTensor)]]
+    norms = []
+    for group in groups:
+        grads = [p.grad for p in group if p.grad is not None]
+        if grads:
+            norm = torch.nn.utils.get_total_norm(grads)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total_norm = torch.linalg.vector_norm(torch.stack(norms))
+    for group in groups:
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm)
+    return total_norm
+
+
+class SavedActivations:
+    """Bytes of the tensors autograd keeps for the backward during a forward, parameters excluded: the activation
+    memory of one micro-batch on this rank. Unlike peak memory it reads the same on CPU, where peak RSS mixes in
+    everything else the process holds."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.parameters = {storage.data_ptr() for p in model.parameters() for storage in storages(p)}
+        self.sizes: dict[int, int] = {}
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        for storage in storages(tensor):
+            if storage.data_ptr() not in self.parameters:
+                self.sizes[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    @property
+    def mib(self) -> float:
+        return sum(self.sizes.values()) / 2**20
+
+    def __enter__(self):
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+
+def storages(tensor: torch.Tensor):
+    """The memory behind a tensor: a DTensor (or a collective's not yet awaited result) wraps plain tensors."""
+    if is_traceable_wrapper_subclass(tensor):
+        inner_names, _ = tensor.__tensor_flatten__()
+        for inner in (getattr(tensor, name) for name in inner_names):
+            if isinstance(inner, torch.Tensor):
+                yield from storages(inner)
+    else:
+        yield tensor.untyped_storage()
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (a plain tensor is all local)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class FullLogits(torch.nn.Module):
+    """common.data.evaluate() adds up plain-tensor losses: give it gathered logits (no grad, one micro-batch)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, **kwargs):
+        output = self.model(**kwargs)
+        if isinstance(output.logits, DTensor):
+            output.logits = output.logits.full_tensor()
+        return output
+
+
+def replica_drift(parameters: list[torch.nn.Parameter], tp_mesh) -> float:
+    """Largest |difference| between any rank's and rank 0's copy of the replicated parameters (0.0 when in sync)."""
+    copies = [local(p).detach() for p in parameters if not isinstance(p, DTensor) or not p.placements[0].is_shard()]
+    if not copies:
+        return 0.0
+    mine = torch.cat([copy.flatten() for copy in copies])
+    rank0 = mine.clone()
+    dist.broadcast(rank0, group=tp_mesh.get_group(), group_src=0)
+    drift = (mine - rank0).abs().max()
+    dist.all_reduce(drift, op=dist.ReduceOp.MAX, group=tp_mesh.get_group())
+    return drift.item()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    (config,) = HfArgumentParser(Config).parse_args_into_dataclasses(args=argv)
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Processes, device and mesh: one process per device (torchrun), all of them one TP group.
+    dist_info = init_distributed()
+    device = dist_info.device
+    own_group = dist_info.backend is None
+    if own_group:
+        # `python train.py` without torchrun: DTensor needs a process group even for tp = 1, so make a one-rank
+        # group in memory (a HashStore instead of torchrun's rendezvous).
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+    tp = dist_info.world_size
+    tp_mesh = init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",))
+    config = resolve(config)
+    if config.seq_len % tp:
+        raise SystemExit(f"sequence parallelism gives each of the {tp} ranks seq_len/{tp} tokens of every row: "
+                         f"--seq-len {config.seq_len} must be divisible by {tp}")
+    # The default out-dir carries a time stamp: take rank 0's, so that every rank writes into the same folder.
+    out_dir = [config.out_dir]
+    dist.broadcast_object_list(out_dir, src=0)
+    config.out_dir = out_dir[0]
+    print0(f"config: {json.dumps(asdict(config))}")
+    torch.manual_seed(config.seed)
+    attention = setup_attention(device, config.attn, print_fn=print0)
+    # bf16 mixed precision: weights, gradients and AdamW state stay fp32 (the "master weights"); autocast runs the
+    # matrix multiplies in bf16. fp32: everything in fp32, which is what the parity tests use.
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if config.dtype == "bf16" else nullcontext
+    # Under loss_parallel() cross_entropy accepts logits split over the vocabulary: each rank reduces its shard
+    # (max, sum of exp, the target's logit where it owns the target) and three all-reduces of one number per
+    # token combine them. The backward must run inside it too.
+    loss_context = loss_parallel if config.loss_parallel else nullcontext
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Data: every row of every step is fixed by (seed, data, seq_len); see common/data.py. Every rank reads the
+    # same rows: TP splits the model, not the batch.
+    tokenizer = load_tokenizer(config.model)
+    try:
+        data = build_data(config.data, tokenizer, config.seq_len, packing=config.packing,
+                          eval_fraction=config.eval_fraction, seed=config.seed)
+    except DataError as error:
+        raise SystemExit(f"bad training data: {error}") from None
+    print0(describe(data.stats, config.seq_len, config.packing))
+    rows_per_step = config.micro_batch_size * config.grad_accum
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Model: built whole on every rank from the same seed (so LoRA's A is initialised exactly as in single-ft),
+    # then split by apply_tp; parallelize_module scatters rank 0's values, so the ranks start from one model.
+    model = load_model(config.model, tokenizer, attention.impl, dtype=torch.float32, device=device)
+    if config.activation_checkpointing:
+        # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    lora = None
+    if config.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        model = get_peft_model(model, lora)
+    partial_grad_params = apply_tp(model, tp_mesh, config.loss_parallel)
+    if not config.sync_qk_norm_grads:
+        partial_grad_params = []
+    model.train()
+    n_params = count_parameters(model.config)["total"]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    n_trainable = sum(p.numel() for p in trainable)  # a DTensor's numel() is its global size
+    model_flops_per_token = flops_per_token(model.config, config.seq_len)
+    print0(f"model: {config.model} | {n_params:,} parameters, {n_trainable:,} trainable | "
+           f"{model_flops_per_token / 1e9:.3f} GFLOP/token (training) | dtype {config.dtype}")
+    print0(f"tensor parallel: {tp} ranks, mesh {tp_mesh} | {model.config.num_attention_heads // tp} query heads, "
+           f"{model.config.num_key_value_heads // tp} KV heads, {model.config.intermediate_size // tp} MLP columns "
+           f"per rank | norms and residuals on {config.seq_len // tp} of {config.seq_len} tokens per row | "
+           f"loss parallel {'on' if config.loss_parallel else 'off'}")
+    print0(f"batch: B = {config.micro_batch_size} x {config.grad_accum} = {rows_per_step} rows of {config.seq_len} "
+           f"(the same rows on every rank) -> T_eff = {rows_per_step * config.seq_len:,} token slots per optimizer step")
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Optimizer: AdamW; no weight decay on norms (1-D weights). Fused kernels on GPU. AdamW's fused and foreach
+    # kernels take one list per parameter group and DTensor rejects a list that mixes DTensors with plain tensors
+    # (q_norm, k_norm), so each group holds one kind.
+    def by_kind(params):
+        return [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+
+    decay = [p for p in trainable if p.ndim >= 2]
+    no_decay = [p for p in trainable if p.ndim < 2]
+    groups = [{"params": kind, "weight_decay": config.weight_decay} for kind in by_kind(decay) if kind] + \
+             [{"params": kind, "weight_decay": 0.0} for kind in by_kind(no_decay) if kind]
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, fused=device.type == "cuda")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, config.warmup_steps, config.steps))
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Training loop
+    # world_size = tp: every rank is a device of this run (MFU divides by all of them), but tokens/s counts the
+    # step's real tokens once, since all ranks process the same rows.
+    metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
+                            warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
+                            flops_per_token=model_flops_per_token, device=device, world_size=tp,
+                            is_main=dist_info.is_main)
+    comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
+    stopwatch = Stopwatch(device)
+    eval_losses = []
+    activations = SavedActivations(model)  # measured on the first micro-batch of the first step
+    # The step count is the whole data position: step k always consumes the same rows.
+    start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
+    if config.resume:
+        print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
+    for step in range(start_step, config.steps):
+        micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum)
+        loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step
+        lr = scheduler.get_last_lr()[0]
+
+        stopwatch.reset()
+        comm_timer.start(step)
+        step_loss = torch.zeros((), device=device)
+        for index, batch in enumerate(micro_batches):
+            batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+            measure = activations if step == start_step and index == 0 else nullcontext()
+            with loss_context():
+                with autocast(), measure:
+                    # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
+                    # isolated (transformers builds a block-diagonal causal mask from the position_ids).
+                    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                   attention_mask=None, use_cache=False).logits
+                # Divide by the whole step's loss tokens, not this micro-batch's: summing the micro-batch gradients
+                # then gives exactly the gradient of the token-weighted step loss. With loss parallelism the sum
+                # over tokens is already complete on every rank (a Replicate DTensor), so the division is the same.
+                loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
+                loss.backward()
+            step_loss += local(loss.detach())
+        all_reduce_partial_grads(partial_grad_params, trainable, tp_mesh)
+        max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
+        grad_norm = clip_grad_norm(trainable, max_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_loss_value = step_loss.item()  # the one host-device synchronisation of the step
+        step_ms = stopwatch.elapsed_ms()
+        comm_ms = comm_timer.stop(step)
+
+        if step == start_step:
+            print0(f"activations: {activations.mib:.1f} MiB saved for the backward of one micro-batch on rank 0")
+        metrics.log_step(step + 1, step_loss_value, lr, grad_norm.item(), data.step_real_tokens(step, rows_per_step),
+                         loss_tokens, step_ms, comm_ms, print_fn=print0)
+        if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
+            eval_losses.append((step + 1, evaluate(FullLogits(model), data, config.micro_batch_size, device, autocast)))
+            print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
+        if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
+            # DCP writes each rank's shards of the DTensors and rank 0's copy of the replicated tensors.
+            print0(f"checkpoint: {save_checkpoint(config.out_dir, step + 1, model, optimizer, scheduler)}")
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Evaluation, results, export
+    eval_loss = evaluate(FullLogits(model), data, config.micro_batch_size, device, autocast)
+    print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
+           if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
+    drift = replica_drift(list(model.parameters()), tp_mesh)
+    print0(f"replicated parameters: largest difference between ranks {drift:.3g}")
+    summary = metrics.write_summary(
+        experiment=EXPERIMENT, command=shlex.join(["torchrun", f"--nproc_per_node={tp}", *sys.argv]),
+        config=asdict(config), hardware=hardware_info(device, world_size=tp), attention=asdict(attention),
+        model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
+                   flops_per_token=model_flops_per_token),
+        t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
+        packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
+        n_truncated=data.stats["n_truncated"], data=data.stats, tensor_parallel=tp,
+        activation_mib=activations.mib if activations.sizes else None, replica_drift=drift)
+    print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
+           f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
+
+    if config.save_hf:
+        # Every rank takes part: each DTensor is all-gathered into a full tensor under its original name (on rank
+        # 0, in CPU memory). A copy of the architecture on the meta device (no memory) takes them with
+        # assign=True, and from there the export is single-ft's: save_pretrained, of the adapter or merged.
+        full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if dist_info.is_main:
+            save_dir = Path(config.save_hf)
+            with torch.device("meta"):
+                export = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+                if lora is not None:
+                    export = get_peft_model(export, lora)
+            export.load_state_dict(full_state, assign=True)
+            export.tie_weights()
+            if config.lora_rank and config.merge_lora:
+                export = export.merge_and_unload()
+            export.save_pretrained(save_dir)  # safetensors; a peft model writes only its adapter
+            tokenizer.save_pretrained(save_dir)
+            print0(f"saved {'adapter' if config.lora_rank and not config.merge_lora else 'model'} to {save_dir}")
+        dist.barrier()
+    if own_group:
+        dist.destroy_process_group()
+    teardown()
+    return summary
+
+
+if __name__ == "__main__":
+    main()
