@@ -24,8 +24,8 @@ gradients of activations inside one layer's backward, the input ids and labels.
      master copy (the usual back-of-envelope figure: a 7B model needs 84 GB before activations).
    - PROJECT_BF16: what the experiments do under `--dtype bf16`: the weights stay fp32 and are the master copy
      (4), fp32 gradients (4), fp32 AdamW m and v (8): 16 bytes per parameter. The bf16 copies the matrix multiplies
-     read are made by torch.autocast (single, ddp, zero-1/2, tp, pp), which caches the cast of every trainable
-     weight for the whole forward, or by FSDP2's MixedPrecisionPolicy(param_dtype=bf16) (zero-3, fsdp), which
+     read are made by torch.autocast (single, ddp, tp, pp), which caches the cast of every trainable
+     weight for the whole forward, or by FSDP2's MixedPrecisionPolicy(param_dtype=bf16) (fsdp), which
      all-gathers each layer in bf16 just before it runs. PROJECT_FP32 (`--dtype fp32`): 4 + 4 + 8, no copies.
    With LoRA only the adapter's parameters have gradients and optimizer state; the frozen base weights cost
    `weights` bytes each.
@@ -153,7 +153,11 @@ PROJECT_BF16 = BytesPerParam("project-bf16", weights=4, grads=4, optimizer=8, ma
                              description="--dtype bf16: fp32 weights 4 + grads 4 + AdamW m, v 8; bf16 compute")
 PROJECT_FP32 = BytesPerParam("project-fp32", weights=4, grads=4, optimizer=8, master=0, compute=4,
                              description="--dtype fp32: fp32 weights 4 + grads 4 + AdamW m, v 8")
-PRECISIONS = {p.name: p for p in (PROJECT_BF16, PROJECT_FP32, ZERO_PAPER, BF16_RULE_OF_THUMB)}
+# DeepSpeed's own bf16 mode, as zero-ft and pp-ds-ft configure it: bf16 weights in the module 2, fp32 gradient
+# accumulation 4 (data_types.grad_accum_dtype), fp32 master copy 4 and AdamW moments 8 in the optimizer.
+DEEPSPEED_BF16 = BytesPerParam("deepspeed-bf16", weights=2, grads=4, optimizer=8, master=4, compute=2,
+                               description="DeepSpeed bf16: bf16 weights 2 + fp32 grads 4 + fp32 master 4 + m, v 8")
+PRECISIONS = {p.name: p for p in (PROJECT_BF16, PROJECT_FP32, ZERO_PAPER, BF16_RULE_OF_THUMB, DEEPSPEED_BF16)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -477,13 +481,20 @@ def _estimate_slice(shape: ModelShape, piece: DeviceSlice, strategy: str, world_
         note=piece.label)
 
 
+def attention_kind(attn_implementation: str, packing: bool) -> str:
+    """The ATTENTION_KINDS entry for an experiment's attention implementation and --packing setting."""
+    if attn_implementation.startswith("flash"):
+        return "flash"
+    return "sdpa-packed" if packing else "sdpa"
+
+
 def predict_peak_gib(config_like, strategy: str, world_size: int = 1, *, seq_len: int, micro_batch_size: int = 1,
                      activation_checkpointing: bool = False, lora_rank: int = 0, dtype: str = "bf16",
                      attention: str = "sdpa-packed", precision: BytesPerParam | None = None) -> float:
     """Predicted peak GiB of one device, for an experiment's summary.json (`predicted_peak_mem_gib`), next to the
     measured `torch.cuda.max_memory_reserved()`. `strategy` is one of STRATEGIES (zero-ft: f"zero-{stage}",
     fsdp-ft --cpu-offload: "fsdp-offload"); `dtype` is the experiment's --dtype; pass `precision` where the engine
-    keeps other dtypes (DeepSpeed's bf16 mode keeps bf16 weights and an fp32 master: ZERO_PAPER); `attention` is
+    keeps other dtypes (DeepSpeed's bf16 mode keeps bf16 weights and an fp32 master: DEEPSPEED_BF16); `attention` is
     "sdpa" for --no-packing and "flash" for --attn flash."""
     precision = precision or {"bf16": PROJECT_BF16, "fp32": PROJECT_FP32}[dtype]
     return estimate(config_like, strategy, world_size, seq_len=seq_len, micro_batch_size=micro_batch_size,

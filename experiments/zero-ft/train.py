@@ -46,7 +46,7 @@ from common.attention import setup_attention  # noqa: E402
 from common.checkpoint import checkpoint_dir  # noqa: E402
 from common.data import DataError, build_data, describe, evaluate, token_loss_sum  # noqa: E402
 from common.dist import init_distributed, print0, teardown  # noqa: E402
-from common.memory import BytesPerParam, predict_peak_gib  # noqa: E402
+from common.memory import DEEPSPEED_BF16, attention_kind, predict_peak_gib  # noqa: E402
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     memory_label, peak_memory_gib, summary_table  # noqa: E402
 from common.models import count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
@@ -134,7 +134,7 @@ def deepspeed_config(config: Config, world_size: int) -> dict:
         # otherwise, whatever --max-grad-norm says; 0 turns it off (the norm is computed and logged either way).
         "gradient_clipping": config.max_grad_norm,
         # bf16: the module's weights and activations are bf16 and the optimizer keeps the fp32 master weights and
-        # AdamW state (DEEPSPEED_BF16 below). Unlike single-ft's autocast, every op, norms included, sees bf16
+        # AdamW state (common.memory.DEEPSPEED_BF16). Unlike single-ft's autocast, every op, norms included, sees bf16
         # weights, so bf16 runs track single-ft to about 1%, as bf16 always does.
         "bf16": {"enabled": config.dtype == "bf16"},
         # fp16 off = no loss scaling at all (a static scale of 1.0); neither fp32 nor bf16 needs one.
@@ -154,12 +154,6 @@ def deepspeed_config(config: Config, world_size: int) -> dict:
         "steps_per_print": 2**31 - 1,  # we print our own step line
         "wall_clock_breakdown": False,
     }
-
-
-# DeepSpeed's bf16 mode as configured above, per parameter: bf16 weights 2, fp32 gradients 4 (grad_accum_dtype),
-# fp32 master copy 4 and AdamW moments 8; common/memory.py shards each as the stage says.
-DEEPSPEED_BF16 = BytesPerParam("deepspeed-bf16", weights=2, grads=4, optimizer=8, master=4, compute=2,
-                               description="DeepSpeed bf16: bf16 weights 2 + fp32 grads 4 + fp32 master 4 + m, v 8")
 
 
 def full_shape(param: torch.nn.Parameter) -> torch.Size:
@@ -335,7 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
         model.config, f"zero-{config.zero_stage}", world_size, seq_len=config.seq_len,
         micro_batch_size=config.micro_batch_size, activation_checkpointing=config.activation_checkpointing,
         lora_rank=config.lora_rank, dtype=config.dtype, precision=DEEPSPEED_BF16 if config.dtype == "bf16" else None,
-        attention="flash" if attention.impl.startswith("flash") else "sdpa-packed" if config.packing else "sdpa")
+        attention=attention_kind(attention.impl, config.packing))
     print0(f"peak memory per rank ({memory_label(device)}), ZeRO stage {config.zero_stage}: "
            + ", ".join(f"rank {r} {gib:.2f} GiB" for r, gib in enumerate(peak_mem_gib_per_rank))
            + f" | predicted by common/memory.py: {predicted_peak_mem_gib:.2f} GiB per device")
