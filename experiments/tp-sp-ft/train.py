@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import json
 import math
-import shlex
-import sys
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -50,7 +48,9 @@ from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import DataError, build_data, describe, evaluate, token_loss_sum
 from common.dist import init_distributed, print0, teardown
-from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, hardware_info, summary_table
+from common.memory import attention_kind, predict_peak_gib
+from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
+    summary_table
 from common.models import count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
     resolve_model_name
 
@@ -536,11 +536,16 @@ def main(argv: list[str] | None = None) -> dict:
     drift = replica_drift(list(model.parameters()), tp_mesh)
     print0(f"replicated parameters: largest difference between ranks {drift:.3g}")
     summary = metrics.write_summary(
-        experiment=EXPERIMENT, command=shlex.join(["torchrun", f"--nproc_per_node={tp}", *sys.argv]),
-        config=asdict(config), hardware=hardware_info(device, world_size=tp), attention=asdict(attention),
+        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(REPO_ROOT), config=asdict(config), hardware=hardware_info(device, world_size=tp), attention=asdict(attention),
         model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
                    flops_per_token=model_flops_per_token),
         t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
+        # common/memory.py's prediction, next to the measured peak (comparable on a GPU, where both mean
+        # max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included).
+        predicted_peak_mem_gib=predict_peak_gib(
+            model.config, "tp-sp", tp, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
+            activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank,
+            dtype=config.dtype, attention=attention_kind(attention.impl, config.packing)),
         packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
         n_truncated=data.stats["n_truncated"], data=data.stats, tensor_parallel=tp,
         activation_mib=activations.mib if activations.sizes else None, replica_drift=drift)
