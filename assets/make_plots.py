@@ -1,7 +1,7 @@
 """Plots for the devlog and the posts, made only from runs' summary.json and metrics.jsonl (never typed-in numbers).
 
-    uv run --with matplotlib python assets/make_plots.py runs/sweep-cpu-small --out assets/plots
-    uv run --with matplotlib python assets/make_plots.py runs/single-ft-A runs/fsdp-ft-B runs/pp-ft-C --out assets/plots
+    uv run --group plots python assets/make_plots.py runs/sweep-cpu-small --out assets/plots
+    uv run --group plots python assets/make_plots.py runs/single-ft-A runs/fsdp-ft-B runs/pp-ft-C --out assets/plots
 
 Each argument is a run folder (holding summary.json) or any folder above run folders (a sweep folder): every
 summary.json below it is one run. Writes, into --out:

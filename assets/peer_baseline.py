@@ -1,7 +1,7 @@
 """Peer baseline: the same fine-tuning through TRL's SFTTrainer (what users would otherwise pick), next to single-ft.
 
-    uv run --with trl python assets/peer_baseline.py --steps 4 --seq-len 128      # CPU smoke run, qwen3-tiny
-    uv run --with trl python assets/peer_baseline.py --model Qwen/Qwen3-0.6B-Base --seq-len 1024 \\
+    uv run --group peer python assets/peer_baseline.py --steps 4 --seq-len 128      # CPU smoke run, qwen3-tiny
+    uv run --group peer python assets/peer_baseline.py --model Qwen/Qwen3-0.6B-Base --seq-len 1024 \\
         --micro-batch-size 4 --grad-accum 8 --steps 34 --dtype bf16 --activation-checkpointing   # one GPU
 
 One invocation does three things, in this order, and writes everything under --out-dir:

@@ -13,7 +13,8 @@ the previous `step-<j>/` stays intact. On a shared filesystem a directory rename
 no checkpoint or a complete one.
 
 get_state_dict / set_state_dict (torch.distributed.checkpoint.state_dict) give the same keys for a plain module,
-DDP and FSDP2, so a checkpoint written by one layout can be read by another.
+DDP, FSDP2, DTensor tensor parallelism and pipeline stages, so a checkpoint written by one layout can be read by
+another of the same parameters.
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+# One optimizer entry per parameter name ("optimizer.param_groups.<name>.lr") instead of per param-group index.
+# Ranks that hold different parameters (pipeline stages) would otherwise all write "optimizer.param_groups.0..."
+# for different groups; DCP keeps one rank's copy of such a key and a resume fails (KeyError 'betas' in AdamW).
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _rank() -> int:
@@ -63,7 +69,7 @@ def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, scheduler)
         shutil.rmtree(temporary, ignore_errors=True)  # the leftovers of a save that crashed
         temporary.mkdir(parents=True)
     _barrier()
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=OPTIONS)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary)
     torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": _rng_state()},
                temporary / f"trainer_state_rank{_rank()}.pt")
@@ -85,10 +91,11 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> int:
     if not trainer_file.exists():
         raise SystemExit(f"{path} is not a checkpoint of this run's layout: {trainer_file.name} is missing "
                          f"(it was written with a different number of ranks, or is not a step-<k> folder)")
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=OPTIONS)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=OPTIONS)
     trainer = torch.load(trainer_file, weights_only=False)  # our own file: scheduler dict and RNG tuples
     scheduler.load_state_dict(trainer["scheduler"])
     _set_rng_state(trainer["rng"])

@@ -44,7 +44,7 @@ class Config:
     seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny, 1024 otherwise
     micro_batch_size: int = 1  # rows per forward pass
     grad_accum: int = 1  # micro-batches per optimizer step
-    steps: int = 300  # optimizer steps (0 = only evaluate / export); 300 takes about a minute for qwen3-tiny on 2 CPU cores
+    steps: int = 300  # optimizer steps (0 = only evaluate / export); 300 is sized for a CPU run of qwen3-tiny (a minute or two on 2 cores)
     lr: float | None = None  # peak learning rate; default 1e-3 for presets (random init), 2e-5 for pretrained models (1e-4 with LoRA)
     warmup_steps: int = 10  # linear warm-up steps, then cosine decay to 0 at the last step
     weight_decay: float = 0.01  # AdamW decoupled weight decay on matrices (not on norms)

@@ -1,0 +1,579 @@
+"""pp-ds-ft: fine-tune a Qwen3 decoder with DeepSpeed's pipeline engine (PipelineModule, 1F1B TrainSchedule).
+
+    uv run torchrun --nproc_per_node=2 experiments/pp-ds-ft/train.py --grad-accum 8                 # 2 stages, 2 GPUs or 2 CPU processes
+    uv run torchrun --nproc_per_node=2 experiments/pp-ds-ft/train.py --model Qwen/Qwen3-0.6B-Base --grad-accum 16 --activation-checkpointing
+    uv run torchrun --nproc_per_node=4 experiments/pp-ds-ft/train.py --grad-accum 8 --zero-stage 1   # 2 stages x 2 data-parallel replicas
+    uv run python experiments/pp-ds-ft/train.py --grad-accum 4                 # one process: a one-stage pipeline
+    uv run torchrun --nproc_per_node=2 experiments/pp-ds-ft/train.py --grad-accum 4 --steps 5 --seq-len 128  # CPU smoke run
+
+The same pipeline as pp-ft, built the DeepSpeed way: the model is written as a flat list of layers (embedding,
+decoder layers, final norm, LM head) whose outputs feed the next one's input, and PipelineModule cuts that list into
+`--stages` contiguous stages, one per rank (balanced on the number of decoder layers). The tied embedding / LM head
+is a TiedLayerSpec: each end stage builds its own copy, and DeepSpeed all-reduces the two copies' gradients before the
+optimizer step (ReduceTiedGrads in its schedule). The engine runs its 1F1B TrainSchedule over `--grad-accum`
+micro-batches. With more ranks than stages, the rest is data parallelism (`--zero-stage 1` then shards the optimizer).
+
+One optimizer step consumes B = micro_batch_size x grad_accum x data-parallel replicas rows (DESIGN.md section 4),
+the same rows as single-ft's on that B, and computes the same step: the token-weighted loss, with DeepSpeed's own
+averaging undone (see `loss_fn`). tests/test_pp_ft.py holds it to single-ft per step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import socket
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+from transformers import HfArgumentParser
+from transformers.masking_utils import create_causal_mask
+
+# DeepSpeed picks its "accelerator" when it is imported; without a CUDA/ROCm GPU, name the CPU one instead of letting it
+# probe (and warn). Must happen before `import deepspeed`.
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import deepspeed  # noqa: E402
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: E402
+
+from common.attention import setup_attention  # noqa: E402
+from common.checkpoint import checkpoint_dir  # noqa: E402
+from common.data import IGNORE_INDEX, DataError, build_data, describe, token_loss_sum  # noqa: E402
+from common.dist import init_distributed, print0, teardown  # noqa: E402
+from common.memory import DEEPSPEED_BF16, attention_kind, predict_peak_gib  # noqa: E402
+from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
+    memory_label, peak_memory_gib, summary_table  # noqa: E402
+from common.models import count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
+    resolve_model_name  # noqa: E402
+
+EXPERIMENT = "pp-ds-ft"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+deepspeed.utils.logger.setLevel(logging.WARNING)  # DeepSpeed logs every engine detail at INFO; keep the step lines
+
+
+@dataclass
+class Config:
+    model: str = "auto"  # preset (qwen3-tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b), hub id or local folder; auto: Qwen/Qwen3-0.6B-Base on GPU, qwen3-tiny on CPU
+    data: str = "assets/data/sft_en.jsonl"  # JSONL file or folder of them (relative paths: from the repo root if not found here)
+    seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny, 1024 otherwise
+    micro_batch_size: int = 1  # rows per forward pass
+    grad_accum: int = 1  # micro-batches per optimizer step = the pipeline's micro-batches (more of them, smaller bubble)
+    steps: int = 300  # optimizer steps (0 = only evaluate / export); 300 is sized for a CPU run of qwen3-tiny (a minute or two on 2 cores)
+    lr: float | None = None  # peak learning rate; default 1e-3 for presets (random init), 2e-5 for pretrained models (1e-4 with LoRA)
+    warmup_steps: int = 10  # linear warm-up steps, then cosine decay to 0 at the last step
+    weight_decay: float = 0.01  # AdamW decoupled weight decay on matrices (not on norms)
+    max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = no clipping; the norm is still logged)
+    seed: int = 0  # one seed for init, data order and held-out split
+    dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 weights and compute with fp32 master weights and AdamW state; default bf16 on GPU, fp32 on CPU
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of storing its activations
+    packing: bool = True  # pack conversations into rows (--no-packing: one padded conversation per row)
+    lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
+    lora_alpha: float | None = None  # LoRA scaling numerator; default 2 x rank
+    merge_lora: bool = False  # with --save-hf and LoRA: write the merged full model instead of the adapter
+    attn: Literal["auto", "sdpa", "eager", "flash"] = "auto"  # attention implementation; auto: common/attention.py decides per device
+    eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
+    eval_every: int = 0  # also evaluate every N steps (0 = only at the end)
+    timing_warmup_steps: int = 2  # first steps left out of the averages in summary.json (allocator, caches, compilation)
+    comm_profile_steps: int = 3  # steps profiled with torch.profiler for comm_ms (starting after the timing warm-up)
+    out_dir: str | None = None  # where metrics.jsonl and summary.json go; default runs/pp-ds-ft-<UTC time>
+    checkpoint_every: int = 0  # write <out-dir>/checkpoints/step-<k>/ every N steps (0 = never); DeepSpeed's per-layer format
+    resume: str | None = None  # a checkpoints/step-<k> folder to continue from (same data, B, --steps, stages and world size)
+    save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
+    # Pipeline
+    stages: int | None = None  # pipeline stages; default: the world size (a pure pipeline); the rest of the ranks is data parallelism
+    zero_stage: int | None = None  # 1 shards the optimizer state over the data-parallel replicas (ZeRO-2/3 do not combine with the pipeline); default 1 with bf16 (see resolve), 0 with fp32
+
+
+def resolve(config: Config, world_size: int) -> Config:
+    """Fill the defaults that depend on the machine or the model; every other default lives in Config."""
+    config.model, notice = resolve_model_name(config.model)
+    if notice:
+        print0(notice)
+    if config.seq_len is None:
+        config.seq_len = 256 if config.model == "qwen3-tiny" else 1024
+    if config.dtype is None:
+        config.dtype = "bf16" if torch.cuda.is_available() else "fp32"
+    if config.lr is None:
+        config.lr = 1e-3 if is_preset(config.model) else (1e-4 if config.lora_rank else 2e-5)
+    if config.lora_alpha is None:
+        config.lora_alpha = 2.0 * config.lora_rank
+    data = Path(config.data)
+    if not data.exists() and not data.is_absolute() and (REPO_ROOT / data).exists():
+        config.data = str(REPO_ROOT / data)
+    if config.out_dir is None:
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        config.out_dir = str(REPO_ROOT / "runs" / f"{EXPERIMENT}-{stamp}")
+    if config.micro_batch_size < 1 or config.grad_accum < 1 or config.steps < 0:
+        raise SystemExit("--micro-batch-size and --grad-accum must be >= 1 and --steps >= 0")
+    if config.lora_rank:
+        # The pipe layers below wrap the plain decoder layers and export them under their HF names; LoRA would need
+        # peft inside each layer spec. Use single-ft or zero-ft for LoRA.
+        raise SystemExit("pp-ds-ft trains all parameters; --lora-rank is not supported here (use single-ft or zero-ft)")
+    if config.stages is None:
+        config.stages = world_size
+    if config.stages < 1 or world_size % config.stages:
+        raise SystemExit(f"--stages {config.stages} must divide the number of processes ({world_size}): "
+                         f"run torchrun --nproc_per_node=<a multiple of {config.stages}>")
+    # DeepSpeed (0.19) accumulates the micro-batches' gradients of a bf16 model in fp32, as single-ft does, only in its
+    # ZeRO-1 bf16 optimizer (BF16_Optimizer); stage 0 would accumulate in bf16. With a single data-parallel replica,
+    # ZeRO-1 has nothing to shard and is just that optimizer: fp32 master weights, fp32 gradient accumulation.
+    if config.zero_stage is None:
+        config.zero_stage = 1 if config.dtype == "bf16" else 0
+    if config.zero_stage not in (0, 1):
+        raise SystemExit(f"--zero-stage must be 0 or 1 (DeepSpeed's pipeline engine rejects ZeRO-2 and 3), "
+                         f"got {config.zero_stage}")
+    if config.dtype == "bf16" and config.zero_stage == 0:
+        raise SystemExit("--dtype bf16 needs --zero-stage 1 here: DeepSpeed accumulates bf16 gradients in fp32 only "
+                         "in its ZeRO-1 bf16 optimizer (with one data-parallel replica it shards nothing)")
+    return config
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
+    """Linear warm-up to the peak over `warmup_steps`, then cosine decay to 0 at the last step."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def deepspeed_config(config: Config, data_parallel_size: int) -> dict:
+    """The DeepSpeed config. Every key that changes the numbers is written out, defaults included, so that nothing
+    silently differs from single-ft; the rest (bucket sizes, overlap) only moves time and memory."""
+    return {
+        "train_micro_batch_size_per_gpu": config.micro_batch_size,
+        # The pipeline engine runs exactly this many micro-batches per train_batch() call: the pipeline's m.
+        "gradient_accumulation_steps": config.grad_accum,
+        "train_batch_size": config.micro_batch_size * config.grad_accum * data_parallel_size,
+        "zero_optimization": {"stage": config.zero_stage},
+        # DeepSpeed clips at 1.0 unless told otherwise, whatever --max-grad-norm says; 0 turns it off. Its ZeRO-1 and
+        # bf16 optimizers compute the norm over all stages (counting the tied copy once). Its fp32 ZeRO-0 path does
+        # not: runtime/utils.clip_grad_norm_ keeps a parameter only where mpu.get_model_parallel_rank() == 0, and
+        # under a pipeline that rank is the stage index, so only the first stage's gradients enter the norm (and none
+        # is logged). There DeepSpeed's clipping is off and clip_grad_norm_across_stages does it (see main).
+        "gradient_clipping": config.max_grad_norm if config.zero_stage == 1 else 0.0,
+        # bf16: the module's weights, activations and gradients are bf16 and the optimizer keeps the fp32 master
+        # weights and AdamW state. Unlike single-ft's autocast, the residual stream and the norms also run in bf16,
+        # so bf16 runs track single-ft to about 1%, as bf16 always does.
+        "bf16": {"enabled": config.dtype == "bf16"},
+        # fp16 off = no loss scaling at all (a static scale of 1.0); neither fp32 nor bf16 needs one.
+        "fp16": {"enabled": False},
+        # Accumulate the micro-batches' gradients (and reduce them over replicas) in fp32, as single-ft does.
+        "data_types": {"grad_accum_dtype": "fp32"},
+        "communication_data_type": "fp32",
+        # Gradients are averaged over data-parallel replicas with no pre-division; loss_fn cancels the mean exactly.
+        "prescale_gradients": False,
+        "gradient_predivide_factor": 1.0,
+        # torch.optim.AdamW is single-ft's optimizer; DeepSpeed only "tests" its own with ZeRO.
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,  # we print our own step line
+        "wall_clock_breakdown": False,
+    }
+
+
+def free_port() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model as a list of pipe layers. DeepSpeed feeds each layer's output to the next as one object, a tensor or a
+# tuple of tensors, and sends it between stages as is. So position_ids travel with the hidden states, and each decoder
+# layer rebuilds from them what HF's Qwen3Model.forward builds once: the rotary cos/sin and the causal mask. With
+# attention_mask=None, create_causal_mask finds the restarts of the packed position_ids and makes the mask
+# block-diagonal, as in single-ft, so packed conversations never see each other. Rebuilding costs O(seq_len^2)
+# comparisons per layer against the layer's O(seq_len x hidden^2) multiply-adds: negligible, and nothing extra to send.
+
+
+class EmbeddingPipe(nn.Module):
+    """Token ids -> embeddings; on the last stage the same class is the tied LM head (see lm_head_forward)."""
+
+    def __init__(self, embed_tokens: nn.Embedding):
+        super().__init__()
+        self.weight = embed_tokens.weight  # the attribute TiedLayerSpec ties (tied_weight_attr="weight")
+        self.padding_idx = embed_tokens.padding_idx  # the pad row gets no gradient from the lookup, as in HF
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids, position_ids = inputs
+        return F.embedding(input_ids, self.weight, self.padding_idx), position_ids
+
+
+def lm_head_forward(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head is the embedding matrix used as a linear layer (Qwen3 0.6B-4B tie them)."""
+    return F.linear(hidden, embedding.weight)
+
+
+class DecoderLayerPipe(nn.Module):
+    def __init__(self, layer: nn.Module, rotary_emb: nn.Module, model_config):
+        super().__init__()
+        self.layer = layer
+        self.rotary_emb = rotary_emb  # buffers only (inv_freq), no weights
+        self.model_config = model_config
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, position_ids = inputs
+        mask = create_causal_mask(config=self.model_config, inputs_embeds=hidden, attention_mask=None,
+                                  past_key_values=None, position_ids=position_ids)
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        hidden = self.layer(hidden, attention_mask=mask, position_ids=position_ids,
+                            position_embeddings=position_embeddings)
+        return hidden, position_ids
+
+
+class FinalNormPipe(nn.Module):
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        hidden, _ = inputs
+        return self.norm(hidden)
+
+
+def pipe_layers(model) -> list:
+    """Qwen3ForCausalLM as DeepSpeed layer specs. A spec is built only on the stage that owns it; every rank has the
+    whole (CPU) model at hand, built under the same seed as single-ft's, so each stage starts from single-ft's
+    weights. The "embed" key appears twice: both end stages build an EmbeddingPipe, DeepSpeed ties their weights."""
+    rotary_emb = model.model.rotary_emb
+    return [
+        TiedLayerSpec("embed", EmbeddingPipe, model.model.embed_tokens, tied_weight_attr="weight"),
+        *[LayerSpec(DecoderLayerPipe, layer, rotary_emb, model.config) for layer in model.model.layers],
+        LayerSpec(FinalNormPipe, model.model.norm),
+        TiedLayerSpec("embed", EmbeddingPipe, model.model.embed_tokens, forward_fn=lm_head_forward,
+                      tied_weight_attr="weight"),
+    ]
+
+
+def hf_state_dict(pipe: PipelineModule) -> dict[str, torch.Tensor]:
+    """This stage's weights under their Qwen3ForCausalLM names. The LM head copy is left out: the config says the
+    head is tied, so from_pretrained rebuilds it from model.embed_tokens.weight."""
+    state = {}
+    # forward_funcs are this stage's entries of the layer list, from index pipe._local_start on.
+    for layer_index, function in zip(range(pipe._local_start, pipe._local_stop), pipe.forward_funcs):
+        if layer_index == 0:
+            state["model.embed_tokens.weight"] = function.weight
+        elif isinstance(function, DecoderLayerPipe):
+            state.update({f"model.layers.{layer_index - 1}.{name}": tensor
+                          for name, tensor in function.layer.state_dict().items()})
+        elif isinstance(function, FinalNormPipe):
+            state["model.norm.weight"] = function.norm.weight
+    return {name: tensor.detach().cpu().contiguous() for name, tensor in state.items()}
+
+
+def micro_batch_for_engine(batch: dict[str, torch.Tensor], loss_weight: float):
+    """((inputs of the first stage), (labels of the last stage)): the pair DeepSpeed's pipeline engine loads. The first
+    stage reads input_ids and position_ids, the last one labels and the loss weight (see loss_fn)."""
+    return ((batch["input_ids"], batch["position_ids"]),
+            (batch["labels"], torch.tensor(loss_weight, dtype=torch.float32)))
+
+
+def loss_fn(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Token-loss sum of one micro-batch times a weight that makes DeepSpeed's averaging come out token-weighted.
+
+    DeepSpeed assumes each micro-batch returns a mean loss: it divides the loss by gradient_accumulation_steps before
+    backward (and for the reported loss), and averages gradients and losses over the data-parallel replicas. We want
+    sum(token losses of the step) / loss tokens of the step (DESIGN.md section 4). With
+        weight = grad_accum x data_parallel_size / step_loss_tokens,
+    the engine's / grad_accum and / data_parallel_size cancel the factors (exactly for powers of two, to a rounding
+    otherwise), leaving each micro-batch's share sum / step_loss_tokens; summed over micro-batches and replicas, that
+    is the token-weighted loss and its gradient.
+    """
+    labels, loss_weight = labels
+    return token_loss_sum(logits, labels) * loss_weight
+
+
+def padded_eval_batches(data, micro_batch_size: int, pad_token_id: int) -> list[dict[str, torch.Tensor]]:
+    """The held-out rows in micro-batches of exactly micro_batch_size rows: DeepSpeed sizes its receive buffers on the
+    first micro-batch, so a short last one is filled with pad rows that carry no loss."""
+    batches = data.eval_batches(micro_batch_size)
+    if batches and batches[-1]["input_ids"].shape[0] < micro_batch_size:
+        last = batches[-1]
+        missing = micro_batch_size - last["input_ids"].shape[0]
+        seq_len = last["input_ids"].shape[1]
+        filler = {"input_ids": torch.full((missing, seq_len), pad_token_id, dtype=torch.long),
+                  "labels": torch.full((missing, seq_len), IGNORE_INDEX, dtype=torch.long),
+                  "position_ids": torch.arange(seq_len).expand(missing, seq_len)}
+        batches[-1] = {key: torch.cat([last[key], filler[key]]) for key in last}
+    return batches
+
+
+def evaluate_pipeline(engine, data, micro_batch_size: int, pad_token_id: int) -> float | None:
+    """Token-weighted loss over the held-out split: every replica runs all of it through the pipeline, forward only."""
+    batches = padded_eval_batches(data, micro_batch_size, pad_token_id)
+    if not batches:
+        return None
+    eval_loss_tokens = sum(int((batch["labels"] != IGNORE_INDEX).sum()) for batch in batches)
+    # eval_batch averages the micro-batch losses (divides by their number): the weight undoes it, as in training.
+    weight = len(batches) / eval_loss_tokens
+    loss = engine.eval_batch(iter([micro_batch_for_engine(batch, weight) for batch in batches]),
+                             num_micro_batches=len(batches))
+    return float(loss)
+
+
+def clip_grad_norm_across_stages(engine, max_norm: float) -> torch.Tensor:
+    """The whole model's gradient norm from the stages' parts (sum of squares over this replica's stages), then clip.
+
+    The tied LM head copy is left out of the norm (DeepSpeed marks it ds_pipe_replicated): after the tied-gradient
+    all-reduce it equals the embedding's gradient, which the first stage already counts once, as single-ft does.
+    Same maths as torch.nn.utils.clip_grad_norm_.
+    """
+    params = [p for p in engine.module.parameters() if p.grad is not None]
+    counted = [p.grad for p in params if not getattr(p, "ds_pipe_replicated", False)]
+    squared = torch.nn.utils.get_total_norm(counted).pow(2)
+    dist.all_reduce(squared, group=engine.grid.get_model_parallel_group())  # the stages of this replica
+    total_norm = squared.sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
+    return total_norm
+
+
+def main(argv: list[str] | None = None) -> dict:
+    (config,) = HfArgumentParser(Config).parse_args_into_dataclasses(args=argv)
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Processes and devices: one per stage (and per data-parallel replica) under torchrun. DeepSpeed needs a process
+    # group and the launcher's variables even for one process, so a plain `python train.py` plays a launcher with a
+    # world of one (a one-stage pipeline).
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+    dist_info = init_distributed()
+    # DeepSpeed's communication layer wraps the group just created.
+    deepspeed.init_distributed(dist_backend=dist_info.backend)
+    device, world_size = dist_info.device, dist_info.world_size
+    config = resolve(config, world_size)
+    print0(f"config: {json.dumps(asdict(config))}")
+    torch.manual_seed(config.seed)
+    attention = setup_attention(device, config.attn, print_fn=print0)
+    # No autocast: with bf16, DeepSpeed itself holds the module in bf16 (and the fp32 master copy in the optimizer).
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Data: every rank builds the same rows. The ranks of one pipeline (one data-parallel replica) load the same
+    # micro-batches; replica d takes its own slice of each step's B rows.
+    tokenizer = load_tokenizer(config.model)
+    try:
+        data = build_data(config.data, tokenizer, config.seq_len, packing=config.packing,
+                          eval_fraction=config.eval_fraction, seed=config.seed)
+    except DataError as error:
+        raise SystemExit(f"bad training data: {error}") from None
+    print0(describe(data.stats, config.seq_len, config.packing))
+    data_parallel_size = world_size // config.stages
+    rows_per_step = config.micro_batch_size * config.grad_accum * data_parallel_size
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Model: built whole on the CPU under single-ft's seed, then PipelineModule builds only this stage's layers from
+    # it (partition "type:DecoderLayerPipe": the same number of decoder layers per stage; the embedding joins the first
+    # stage, the norm and LM head the last) and moves them to the device; the rest is freed with `model`.
+    model = load_model(config.model, tokenizer, attention.impl, dtype=torch.float32, device="cpu")
+    model_config = model.config
+    # Built under no_grad: the constructor broadcasts the first stage's tied weight into the last stage's copy, in
+    # place, and autograd would otherwise record that broadcast on the parameter (and warn in every backward).
+    with torch.no_grad():
+        pipe = PipelineModule(
+            layers=pipe_layers(model), num_stages=config.stages, loss_fn=loss_fn,
+            partition_method="type:DecoderLayerPipe",
+            # Recompute every decoder layer in backward (DeepSpeed's reentrant checkpoint); embedding, norm and head
+            # are not in checkpointable_layers, so they keep their activations.
+            activation_checkpoint_interval=1 if config.activation_checkpointing else 0,
+            checkpointable_layers=["DecoderLayerPipe"])
+    del model
+    pipe.train()
+    n_params = count_parameters(model_config)["total"]
+    params = [p for p in pipe.parameters() if p.requires_grad]
+    held = [0] * world_size
+    dist.all_gather_object(held, sum(p.numel() for p in params))
+    model_flops_per_token = flops_per_token(model_config, config.seq_len)
+    held_by_stages = sum(held) // data_parallel_size  # the replicas hold the same
+    print0(f"model: {config.model} | {n_params:,} parameters ({held_by_stages:,} held by the stages, the LM head copy "
+           f"included) | {model_flops_per_token / 1e9:.3f} GFLOP/token (training) | dtype {config.dtype}")
+    parts = pipe.parts  # where each stage starts in the layer list: 0 embedding, 1..L layers, L+1 norm, L+2 head
+    names = ["embedding", *[f"layer {i}" for i in range(model_config.num_hidden_layers)], "norm", "LM head"]
+    for stage in range(config.stages):
+        owned = names[parts[stage]:parts[stage + 1]]
+        print0(f"stage {stage}: {owned[0]} .. {owned[-1]} ({len(owned)} pipe layers)")
+    print0(f"pipeline: DeepSpeed 1F1B, {config.stages} stages x {data_parallel_size} data-parallel replica(s), "
+           f"m = {config.grad_accum} micro-batches | textbook bubble (p-1)/(m+p-1) = "
+           f"{(config.stages - 1) / (config.grad_accum + config.stages - 1):.1%} | ZeRO stage {config.zero_stage}")
+    print0(f"batch: B = {config.micro_batch_size} x {config.grad_accum} x {data_parallel_size} replica(s) = "
+           f"{rows_per_step} rows of {config.seq_len} -> T_eff = {rows_per_step * config.seq_len:,} token slots per "
+           f"optimizer step")
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Optimizer: single-ft's AdamW and schedule, handed to DeepSpeed, which steps both once per train_batch().
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=config.lr, fused=device.type == "cuda")
+    ds_config = deepspeed_config(config, data_parallel_size)
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=pipe, optimizer=optimizer, config=ds_config,
+        lr_scheduler=lambda wrapped: torch.optim.lr_scheduler.LambdaLR(
+            wrapped, lambda step: lr_factor(step, config.warmup_steps, config.steps)))
+    replica = engine.grid.data_parallel_id
+    stage_norm = {}  # the fp32 ZeRO-0 path's gradient norm, from the hook below
+    if config.zero_stage == 0:
+        # DeepSpeed hands our AdamW the gradients after the tied-weight and data-parallel reductions and calls its
+        # step(); a step pre-hook is the one place in between, so the clipping goes there (see deepspeed_config).
+        optimizer.register_step_pre_hook(
+            lambda *_: stage_norm.update(value=clip_grad_norm_across_stages(engine, config.max_grad_norm)))
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Training loop
+    metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
+                            warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
+                            flops_per_token=model_flops_per_token, device=device, world_size=world_size,
+                            is_main=dist_info.is_main)
+    comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
+    stopwatch = Stopwatch(device)
+    eval_losses = []
+    start_step = load_checkpoint(config.resume, engine) if config.resume else 0
+    if config.resume:
+        print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
+    for step in range(start_step, config.steps):
+        micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum, replica,
+                                           data_parallel_size)
+        loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the whole step's, all replicas: counted locally
+        loss_weight = config.grad_accum * data_parallel_size / loss_tokens  # see loss_fn
+        lr = scheduler.get_last_lr()[0]
+
+        stopwatch.reset()
+        comm_timer.start(step)
+        # One call runs the whole 1F1B schedule: forwards and backwards of the m micro-batches, the tied-gradient
+        # all-reduce, the data-parallel gradient reduction, clipping, AdamW, the LR schedule. It returns the step loss,
+        # already broadcast from the last stage to every rank.
+        step_loss = engine.train_batch(iter([micro_batch_for_engine(batch, loss_weight) for batch in micro_batches]))
+        grad_norm = engine.get_global_grad_norm() if config.zero_stage == 1 else stage_norm["value"]
+        step_loss_value = float(step_loss)
+        step_ms = stopwatch.elapsed_ms()
+        comm_ms = comm_timer.stop(step)
+
+        metrics.log_step(step + 1, step_loss_value, lr, float(grad_norm), data.step_real_tokens(step, rows_per_step),
+                         loss_tokens, step_ms, comm_ms, print_fn=print0)
+        if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
+            eval_losses.append((step + 1, evaluate_pipeline(engine, data, config.micro_batch_size,
+                                                            tokenizer.pad_token_id)))
+            print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
+        if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
+            print0(f"checkpoint: {save_checkpoint(config.out_dir, step + 1, engine)}")
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Evaluation, results, export
+    # Stages hold different layers and, under 1F1B, a different number of micro-batches' activations (the first
+    # stage the most): the step line shows rank 0's memory, so every rank's peak is gathered here.
+    peak_mem_gib_per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(peak_mem_gib_per_rank, peak_memory_gib(device))
+    print0(f"peak memory per rank ({memory_label(device)}): "
+           + ", ".join(f"rank {r} {gib:.2f} GiB" for r, gib in enumerate(peak_mem_gib_per_rank)))
+    eval_loss = evaluate_pipeline(engine, data, config.micro_batch_size, tokenizer.pad_token_id)
+    print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
+           if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
+    summary = metrics.write_summary(
+        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(REPO_ROOT), config=asdict(config),
+        hardware=hardware_info(device, world_size=world_size), attention=asdict(attention),
+        model=dict(name=config.model, parameters=n_params, trainable_parameters=n_params,
+                   flops_per_token=model_flops_per_token, parameters_held_per_rank=held),
+        t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
+        # common/memory.py's prediction for the fullest stage (1F1B, even split), next to the measured peaks
+        # (comparable on a GPU). DeepSpeed's bf16 mode keeps bf16 weights and an fp32 master copy: DEEPSPEED_BF16.
+        # (A ZeRO-1 shard over data-parallel replicas is not modelled for "pp".)
+        predicted_peak_mem_gib=predict_peak_gib(
+            model_config, "pp", config.stages, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
+            activation_checkpointing=config.activation_checkpointing, dtype=config.dtype,
+            precision=DEEPSPEED_BF16 if config.dtype == "bf16" else None,
+            attention=attention_kind(attention.impl, config.packing)),
+        packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
+        n_truncated=data.stats["n_truncated"], data=data.stats, peak_mem_gib_per_rank=peak_mem_gib_per_rank,
+        pipeline=dict(schedule="deepspeed-1f1b", stages=config.stages, data_parallel=data_parallel_size,
+                      microbatches=config.grad_accum, stage_starts=[int(start) for start in parts]),
+        deepspeed=dict(version=deepspeed.__version__, config=ds_config))
+    print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
+           f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
+
+    if config.save_hf:
+        save_hf_sharded(Path(config.save_hf), engine, model_config, tokenizer)
+        print0(f"saved model to {config.save_hf} ({config.stages} shard(s), one per stage)")
+    engine.destroy()
+    teardown()
+    return summary
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Checkpoints: DeepSpeed's own format (each stage writes one file per layer plus its optimizer state; the tied LM head
+# copy is re-broadcast from the embedding on load), published atomically like common/checkpoint.py: written into
+# `step-<k>.tmp/`, renamed to `step-<k>/` by rank 0 once every rank has finished. A crash mid-save leaves only a
+# .tmp folder, never read, cleared by the next save of that step.
+
+
+def save_checkpoint(out_dir: str, step: int, engine) -> Path:
+    final = checkpoint_dir(out_dir, step)
+    temporary = final.with_name(final.name + ".tmp")
+    if dist.get_rank() == 0:
+        shutil.rmtree(temporary, ignore_errors=True)  # the leftovers of a save that crashed
+        temporary.parent.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    # DeepSpeed writes into <save_dir>/<tag>/. No "latest" file: --resume names the folder, and a "latest" pointing
+    # at a .tmp name would be wrong after the rename anyway. The step fixes the data position.
+    engine.save_checkpoint(str(temporary.parent), tag=temporary.name, client_state={"step": step}, save_latest=False)
+    dist.barrier()  # every rank's files are on disk before the rename publishes them
+    if dist.get_rank() == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        temporary.rename(final)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path: str, engine) -> int:
+    """Restore the stages, optimizer and LR schedule in place from a `step-<k>` folder; returns k."""
+    path = Path(path)
+    if path.name.endswith(".tmp"):
+        raise SystemExit(f"{path} is an unfinished checkpoint (a save was interrupted): resume from a step-<k> folder")
+    if not path.is_dir():
+        raise SystemExit(f"{path} is not a checkpoint folder (expected <out-dir>/checkpoints/step-<k>)")
+    loaded, client_state = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True)
+    if loaded is None:
+        raise SystemExit(f"{path}: DeepSpeed found no checkpoint of this run's layout (stages, number of ranks)")
+    return client_state["step"]
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Export: an HF sharded checkpoint, one safetensors shard per stage (written by the stage's first replica), and the
+# index that maps every name to its shard. No rank ever holds the whole model. With bf16 the module's weights are
+# the bf16 copies DeepSpeed computes with; the fp32 masters stay in the optimizer.
+
+
+def save_hf_sharded(save_dir: Path, engine, model_config, tokenizer) -> None:
+    pipe, grid = engine.module, engine.grid
+    n_stages = grid.pipe_parallel_size
+    shard = f"model-{pipe.stage_id + 1:05d}-of-{n_stages:05d}.safetensors"
+    writes = grid.data_parallel_id == 0
+    tensors = hf_state_dict(pipe) if writes else {}
+    if writes:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, save_dir / shard, metadata={"format": "pt"})
+    shards = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, (shard, {name: t.numel() * t.element_size() for name, t in tensors.items()}))
+    if dist.get_rank() == 0:
+        weight_map = {name: file for file, sizes in shards for name in sizes}
+        total_size = sum(size for _, sizes in shards for size in sizes.values())
+        index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+        (save_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        model_config.architectures = ["Qwen3ForCausalLM"]
+        model_config.save_pretrained(save_dir)
+        tokenizer.save_pretrained(save_dir)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

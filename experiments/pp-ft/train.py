@@ -1,0 +1,632 @@
+"""pp-ft: fine-tune a Qwen3 decoder with pipeline parallelism (torch.distributed.pipelining), stages built by hand.
+
+    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8                       # 2 stages, 1F1B
+    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8 --schedule interleaved-1f1b  # 4 stages
+    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8 --schedule zbv        # zero-bubble V
+    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --model Qwen/Qwen3-0.6B-Base --grad-accum 16 --split 18
+    uv run python experiments/pp-ft/train.py --grad-accum 4                    # one process: a one-stage pipeline
+    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --schedule 1f1b --grad-accum 4 --steps 5 --seq-len 128  # CPU smoke run
+
+Each rank holds one contiguous block of decoder layers (a "stage"); the first stage also holds the token embedding,
+the last one the final norm and the LM head. A step's B rows are cut into `--grad-accum` micro-batches (m) that flow
+through the stages: activations go forward rank to rank, their gradients come back, and the schedule decides the
+order (GPipe: all forwards, then all backwards; 1F1B: one forward, one backward in the steady state, so at most p
+micro-batches are alive per stage; interleaved 1F1B: v smaller stages per rank; ZBV: backward split into its input
+and weight halves, stages placed in a V). While it waits for its first activation or its last gradient a rank is
+idle: the bubble, measured here per rank and compared with the textbook fraction (see `bubble_textbook`).
+
+One optimizer step consumes B = micro_batch_size x grad_accum rows (DESIGN.md section 4), the same rows as single-ft's
+micro x accum on that B, and computes the same step: the loss is token-weighted (see `loss_fn`), the tied
+embedding / LM head gets the sum of its two gradients (see `sum_tied_gradients`), and the gradient norm is the norm
+of the whole model's gradient (see `clip_grad_norm_across_stages`). tests/test_pp_ft.py holds every schedule to
+single-ft, per step and per parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, \
+    ScheduleZBVZeroBubble
+from transformers import HfArgumentParser
+from transformers.masking_utils import create_causal_mask
+
+from common.attention import setup_attention
+from common.checkpoint import load_checkpoint, save_checkpoint
+from common.data import IGNORE_INDEX, DataError, build_data, describe, token_loss_sum
+from common.dist import init_distributed, print0, teardown
+from common.memory import attention_kind, predict_peak_gib
+from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
+    memory_label, peak_memory_gib, summary_table, synchronize
+from common.models import count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
+    resolve_model_name
+
+EXPERIMENT = "pp-ft"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Config:
+    model: str = "auto"  # preset (qwen3-tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b), hub id or local folder; auto: Qwen/Qwen3-0.6B-Base on GPU, qwen3-tiny on CPU
+    data: str = "assets/data/sft_en.jsonl"  # JSONL file or folder of them (relative paths: from the repo root if not found here)
+    seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny, 1024 otherwise
+    micro_batch_size: int = 1  # rows per forward pass
+    grad_accum: int = 1  # micro-batches per optimizer step = the pipeline's micro-batches m (1F1B needs m >= stages; larger m, smaller bubble)
+    steps: int = 300  # optimizer steps (0 = only evaluate / export); 300 is sized for a CPU run of qwen3-tiny (a minute or two on 2 cores)
+    lr: float | None = None  # peak learning rate; default 1e-3 for presets (random init), 2e-5 for pretrained models (1e-4 with LoRA)
+    warmup_steps: int = 10  # linear warm-up steps, then cosine decay to 0 at the last step
+    weight_decay: float = 0.01  # AdamW decoupled weight decay on matrices (not on norms)
+    max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = no clipping; the norm is still logged)
+    seed: int = 0  # one seed for init, data order and held-out split
+    dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 compute with fp32 master weights and AdamW state; default bf16 on GPU, fp32 on CPU
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of storing its activations
+    packing: bool = True  # pack conversations into rows (--no-packing: one padded conversation per row)
+    lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
+    lora_alpha: float | None = None  # LoRA scaling numerator; default 2 x rank
+    merge_lora: bool = False  # with --save-hf and LoRA: write the merged full model instead of the adapter
+    attn: Literal["auto", "sdpa", "eager", "flash"] = "auto"  # attention implementation; auto: common/attention.py decides per device
+    eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
+    eval_every: int = 0  # also evaluate every N steps (0 = only at the end)
+    timing_warmup_steps: int = 2  # first steps left out of the averages in summary.json (allocator, caches, compilation)
+    comm_profile_steps: int = 3  # steps profiled with torch.profiler for comm_ms (starting after the timing warm-up)
+    out_dir: str | None = None  # where metrics.jsonl and summary.json go; default runs/pp-ft-<UTC time>
+    checkpoint_every: int = 0  # write <out-dir>/checkpoints/step-<k>/ every N steps (0 = never)
+    resume: str | None = None  # a checkpoints/step-<k> folder to continue from (same data, B, --steps and pipeline layout)
+    save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
+    # Pipeline
+    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv"] = "1f1b"  # order of the micro-batches' forwards and backwards (torch.distributed.pipelining)
+    stages_per_rank: int | None = None  # pipeline stages held by each rank (v); default 1, and 2 for interleaved-1f1b and zbv (zbv needs exactly 2)
+    split: str | None = None  # first decoder layer of every stage but the first, e.g. "14" (2 stages) or "7,14,21" (4); default: even split
+
+
+def resolve(config: Config) -> Config:
+    """Fill the defaults that depend on the machine or the model; every other default lives in Config."""
+    config.model, notice = resolve_model_name(config.model)
+    if notice:
+        print0(notice)
+    if config.seq_len is None:
+        config.seq_len = 256 if config.model == "qwen3-tiny" else 1024
+    if config.dtype is None:
+        config.dtype = "bf16" if torch.cuda.is_available() else "fp32"
+    if config.lr is None:
+        config.lr = 1e-3 if is_preset(config.model) else (1e-4 if config.lora_rank else 2e-5)
+    if config.lora_alpha is None:
+        config.lora_alpha = 2.0 * config.lora_rank
+    data = Path(config.data)
+    if not data.exists() and not data.is_absolute() and (REPO_ROOT / data).exists():
+        config.data = str(REPO_ROOT / data)
+    if config.out_dir is None:
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        config.out_dir = str(REPO_ROOT / "runs" / f"{EXPERIMENT}-{stamp}")
+    if config.micro_batch_size < 1 or config.grad_accum < 1 or config.steps < 0:
+        raise SystemExit("--micro-batch-size and --grad-accum must be >= 1 and --steps >= 0")
+    if config.lora_rank:
+        # peft wraps the projections inside the decoder layers and renames their weights; the stages, the tied-weight
+        # bookkeeping and the sharded --save-hf below all work on the plain model's names. Use single-ft or fsdp-ft.
+        raise SystemExit("pp-ft trains all parameters; --lora-rank is not supported here (use single-ft or fsdp-ft)")
+    if config.stages_per_rank is None:
+        config.stages_per_rank = 2 if config.schedule in ("interleaved-1f1b", "zbv") else 1
+    if config.schedule in ("gpipe", "1f1b") and config.stages_per_rank != 1:
+        raise SystemExit(f"--schedule {config.schedule} runs one stage per rank; for more use interleaved-1f1b")
+    if config.schedule == "zbv" and config.stages_per_rank != 2:
+        raise SystemExit("--schedule zbv places exactly 2 stages per rank (a V); leave --stages-per-rank at 2")
+    return config
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
+    """Linear warm-up to the peak over `warmup_steps`, then cosine decay to 0 at the last step."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pipeline layout and stages
+
+
+def pipeline_layout(n_layers: int, n_ranks: int, stages_per_rank: int, schedule: str, split: str | None
+                    ) -> tuple[list[range], list[int]]:
+    """Which decoder layers each stage holds, and which rank runs each stage.
+
+    Stages are numbered in the order the activations flow. The loop placement (GPipe, 1F1B, interleaved) puts stage s
+    on rank s % p, so with v stages per rank an activation visits every rank v times. ZBV places them in a V: rank r
+    holds stages r and 2p-1-r, so the activations go down the ranks and back up, and rank 0 holds both the first and
+    the last stage.
+    """
+    n_stages = n_ranks * stages_per_rank
+    if n_layers < n_stages:
+        raise SystemExit(f"{n_stages} pipeline stages need at least one decoder layer each; the model has {n_layers}")
+    if split:
+        try:
+            bounds = [int(value) for value in split.split(",")]
+        except ValueError:
+            raise SystemExit(f"--split {split!r}: expected comma-separated layer indices, e.g. 14 or 7,14,21") from None
+        if len(bounds) != n_stages - 1 or bounds != sorted(set(bounds)) or not 0 < bounds[0] <= bounds[-1] < n_layers:
+            raise SystemExit(f"--split {split!r}: {n_stages} stages need {n_stages - 1} increasing layer indices "
+                             f"between 1 and {n_layers - 1} (the first layer of stages 1..{n_stages - 1})")
+    else:
+        # Even split; the remainder goes to the first stages, since the last one also carries the LM head.
+        sizes = [n_layers // n_stages + (1 if s < n_layers % n_stages else 0) for s in range(n_stages)]
+        bounds = [sum(sizes[:s]) for s in range(1, n_stages)]
+    layers = [range(start, stop) for start, stop in zip([0, *bounds], [*bounds, n_layers])]
+    if schedule == "zbv":
+        stage_rank = [s if s < n_ranks else 2 * n_ranks - 1 - s for s in range(n_stages)]
+    else:
+        stage_rank = [s % n_ranks for s in range(n_stages)]
+    return layers, stage_rank
+
+
+class Qwen3Stage(nn.Module):
+    """One pipeline stage of Qwen3ForCausalLM: [embedding] + decoder layers [start, stop) + [final norm + LM head].
+
+    Its parameters keep the names they have in Qwen3ForCausalLM (model.embed_tokens.weight, model.layers.<i>...,
+    model.norm.weight, lm_head.weight), so checkpoints and the --save-hf export use the original names.
+
+    Every stage receives the micro-batch's packed position_ids (each rank holds the same rows, so no communication is
+    needed) and rebuilds from them what HF's Qwen3Model.forward builds once for all layers: the rotary cos/sin and the
+    causal mask. With attention_mask=None, create_causal_mask finds the restarts of position_ids and makes the mask
+    block-diagonal, exactly as in single-ft, so packed conversations never see each other on any stage.
+    """
+
+    def __init__(self, model, layers: range, is_first: bool, is_last: bool, autocast_dtype: torch.dtype | None):
+        super().__init__()
+        self.config = model.config
+        self.is_first, self.is_last = is_first, is_last
+        self.autocast_dtype = autocast_dtype
+        self.model = nn.Module()
+        if is_first:
+            self.model.embed_tokens = model.model.embed_tokens
+        self.model.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in layers})
+        self.rotary_emb = model.model.rotary_emb  # buffers only (inv_freq), no weights
+        if is_last:
+            self.model.norm = model.model.norm
+            # Qwen3 (0.6B-4B) ties the LM head to the embedding. The first and the last stage live on different ranks,
+            # so the last one gets its own copy, kept identical by summing both copies' gradients before every step.
+            self.lm_head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+            self.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        # The schedule calls this forward; autocast lives here so that it also covers the recomputation in backward.
+        autocast = torch.autocast(x.device.type, dtype=self.autocast_dtype) if self.autocast_dtype else nullcontext()
+        with autocast:
+            hidden = self.model.embed_tokens(x) if self.is_first else x
+            mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
+                                      past_key_values=None, position_ids=position_ids)
+            position_embeddings = self.rotary_emb(hidden, position_ids)
+            for layer in self.model.layers.values():
+                hidden = layer(hidden, attention_mask=mask, position_ids=position_ids,
+                               position_embeddings=position_embeddings)
+            if self.is_last:
+                return self.lm_head(self.model.norm(hidden))
+            return hidden
+
+
+def rank_container(stages: list[Qwen3Stage]) -> nn.Module:
+    """This rank's stages as one module with Qwen3ForCausalLM's parameter names, for the optimizer, checkpoints and
+    export."""
+    if len(stages) == 1:
+        return stages[0]
+    container = nn.Module()
+    container.model = nn.Module()
+    container.model.layers = nn.ModuleDict()
+    for stage in stages:
+        for name, child in stage.model.named_children():
+            if name == "layers":
+                container.model.layers.update(child)
+            else:
+                setattr(container.model, name, child)
+        if stage.is_last:
+            container.lm_head = stage.lm_head
+    return container
+
+
+def sum_tied_gradients(embedding: nn.Parameter | None, lm_head: nn.Parameter | None, group) -> None:
+    """Give both copies of the tied weight the gradient of the tied weight: the sum of both copies' gradients.
+
+    In the unsplit model one tensor is used twice (lookup on the way in, matmul on the way out) and autograd adds the
+    two contributions. Here each copy received only its own, on its own rank; an all-reduce (sum) over the two ranks
+    that hold them restores the total on both, so AdamW applies the same update to both and they stay identical.
+    When one rank holds both ends (zbv, or a one-process pipeline) the sum is local.
+    """
+    if embedding is not None and lm_head is not None:
+        total = embedding.grad + lm_head.grad
+        embedding.grad.copy_(total)
+        lm_head.grad.copy_(total)
+    elif embedding is not None or lm_head is not None:
+        dist.all_reduce((embedding if embedding is not None else lm_head).grad, group=group)
+
+
+def clip_grad_norm_across_stages(params_for_norm: list[nn.Parameter], params: list[nn.Parameter],
+                                 max_norm: float) -> torch.Tensor:
+    """The whole model's gradient norm from the stages' parts (sum of squares over ranks), then clip every rank's grads.
+
+    `params_for_norm` leaves out the LM head copy: after sum_tied_gradients it equals the embedding's gradient, which
+    the first stage already counts once, as the unsplit model does. Same maths as torch.nn.utils.clip_grad_norm_.
+    """
+    local_norm = torch.nn.utils.get_total_norm([p.grad for p in params_for_norm if p.grad is not None])
+    squared = local_norm.pow(2)
+    dist.all_reduce(squared)
+    total_norm = squared.sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
+    return total_norm
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The bubble: time a rank computes inside the schedule, against the schedule's wall time
+
+
+class BusyTimer:
+    """Sums the time this rank spends in its stages' forward, backward (input and weight parts) and loss calls.
+
+    The schedule's wall time minus this busy time is the rank's idle time: waiting for a neighbour's activation or
+    gradient (the bubble), plus any transfer that does not overlap with compute. On a GPU the intervals are CUDA
+    events on the compute stream, so a wait on a receive (queued before the event) is not counted as busy.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.intervals: list[tuple] = []
+
+    def wrap(self, function):
+        def timed(*args, **kwargs):
+            start = self._mark()
+            result = function(*args, **kwargs)
+            self.intervals.append((start, self._mark()))
+            return result
+        return timed
+
+    def _mark(self):
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def busy_ms(self) -> float:
+        """Busy time since the last call; the device must be synchronised first."""
+        if self.device.type == "cuda":
+            total = sum(start.elapsed_time(stop) for start, stop in self.intervals)
+        else:
+            total = sum(stop - start for start, stop in self.intervals) * 1000.0
+        self.intervals = []
+        return total
+
+
+def bubble_textbook(schedule: str, n_ranks: int, n_microbatches: int, stages_per_rank: int) -> tuple[float, str]:
+    """The idle share of a step if every stage took the same time and communication were free.
+
+    GPipe and 1F1B: (p-1)/(m+p-1). Each rank idles for p-1 micro-batch slots while the pipeline fills and drains,
+    out of m+p-1 slots. GPipe (Huang et al. 2019, arXiv:1811.06965: bubble overhead O((K-1)/(M+K-1)) for K stages and
+    M micro-batches); 1F1B has the same bubble but keeps at most p micro-batches in flight (Narayanan et al. 2021,
+    arXiv:2104.04473, section 2.2.1: bubble/ideal = (p-1)/m, i.e. (p-1)/(m+p-1) of the total).
+    Interleaved 1F1B with v stages per rank: each slot is v times shorter, so (p-1)/(v*m+p-1) (ibid. section 2.2.2:
+    bubble/ideal = (p-1)/(v*m)).
+    ZBV: 0 when a forward, an input-gradient backward and a weight-gradient backward take the same time and
+    m >= 2p (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", arXiv:2401.10241, section 6); real stages
+    are not that even, so some bubble remains.
+    """
+    p, m, v = n_ranks, n_microbatches, stages_per_rank
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1), "(p-1)/(m+p-1)"
+    if schedule == "interleaved-1f1b":
+        return (p - 1) / (v * m + p - 1), "(p-1)/(v*m+p-1)"
+    return 0.0, "0 if T_F = T_B = T_W (zero bubble)"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Evaluation and export
+
+
+@torch.no_grad()
+def evaluate_pipeline(stages: dict[int, Qwen3Stage], stage_rank: list[int], data, micro_batch_size: int,
+                      device: torch.device) -> float | None:
+    """Token-weighted loss over the held-out split, forward only, one micro-batch at a time through all stages.
+
+    Plain send/recv rather than schedule.eval(): a forward-only pass has no backward to overlap with, and in this
+    PyTorch version schedule.eval() fails when two adjacent stages share a rank (ZBV's V), in get_local_bwd_output.
+    """
+    batches = data.eval_batches(micro_batch_size)
+    if not batches:
+        return None
+    rank = dist.get_rank()
+    for stage in stages.values():
+        stage.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = 0
+    for batch in batches:
+        batch = {key: value.to(device) for key, value in batch.items()}
+        hidden = None
+        for s, owner in enumerate(stage_rank):
+            if owner != rank:
+                continue
+            if s == 0:
+                inputs = batch["input_ids"]
+            elif stage_rank[s - 1] == rank:
+                inputs = hidden
+            else:
+                # Hidden states are fp32 even under bf16 autocast: the residual stream adds bf16 outputs to the fp32
+                # embedding, which promotes to fp32.
+                inputs = torch.empty(*batch["input_ids"].shape, stages[s].config.hidden_size, device=device)
+                dist.recv(inputs, src=stage_rank[s - 1])
+            hidden = stages[s](inputs, position_ids=batch["position_ids"])
+            if s == len(stage_rank) - 1:
+                total += token_loss_sum(hidden, batch["labels"]).double()
+            elif stage_rank[s + 1] != rank:
+                dist.send(hidden.contiguous(), dst=stage_rank[s + 1])
+        count += int((batch["labels"] != IGNORE_INDEX).sum())
+    for stage in stages.values():
+        stage.train()
+    dist.broadcast(total, src=stage_rank[-1])
+    return float(total) / count
+
+
+def save_hf_sharded(save_dir: Path, module: nn.Module, model_config, tokenizer) -> None:
+    """Write an HF sharded checkpoint: each rank writes its stages' weights as one safetensors shard, under their
+    original names; rank 0 writes the index that maps every name to its shard, the config and the tokenizer.
+
+    No rank ever holds the whole model. The LM head copy is not written: the config says the head is tied, so
+    from_pretrained rebuilds it from model.embed_tokens.weight (the copies are identical, see sum_tied_gradients).
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    save_dir.mkdir(parents=True, exist_ok=True)
+    shard = f"model-{rank + 1:05d}-of-{world_size:05d}.safetensors"
+    tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in module.state_dict().items()
+               if name != "lm_head.weight"}
+    save_file(tensors, save_dir / shard, metadata={"format": "pt"})
+    shards = [None] * world_size
+    dist.all_gather_object(shards, (shard, {name: t.numel() * t.element_size() for name, t in tensors.items()}))
+    if rank == 0:
+        weight_map = {name: file for file, sizes in shards for name in sizes}
+        total_size = sum(size for _, sizes in shards for size in sizes.values())
+        index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+        (save_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        model_config.architectures = ["Qwen3ForCausalLM"]
+        model_config.save_pretrained(save_dir)
+        tokenizer.save_pretrained(save_dir)
+    dist.barrier()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    (config,) = HfArgumentParser(Config).parse_args_into_dataclasses(args=argv)
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Processes and devices: one rank per pipeline rank (torchrun). A plain `python train.py` gets a one-rank group,
+    # so the same pipeline code runs as a one-stage pipeline (a HashStore: no port, no other process).
+    dist_info = init_distributed()
+    device = dist_info.device
+    config = resolve(config)
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    print0(f"config: {json.dumps(asdict(config))}")
+    torch.manual_seed(config.seed)
+    attention = setup_attention(device, config.attn, print_fn=print0)
+    # bf16 mixed precision: weights, gradients and AdamW state stay fp32 (the "master weights"); autocast inside each
+    # stage's forward runs the matrix multiplies in bf16. fp32: everything in fp32, which is what the parity tests use.
+    autocast_dtype = torch.bfloat16 if config.dtype == "bf16" else None
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Data: every rank builds the same rows; the first stage reads input_ids, the last labels, all of them
+    # position_ids (for the masks and rotary embeddings).
+    tokenizer = load_tokenizer(config.model)
+    try:
+        data = build_data(config.data, tokenizer, config.seq_len, packing=config.packing,
+                          eval_fraction=config.eval_fraction, seed=config.seed)
+    except DataError as error:
+        raise SystemExit(f"bad training data: {error}") from None
+    print0(describe(data.stats, config.seq_len, config.packing))
+    rows_per_step = config.micro_batch_size * config.grad_accum
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Model, then this rank's stages. Every rank builds the whole model on the CPU under the same seed (so the
+    # weights equal single-ft's) and keeps only its stages; the rest is freed. A 4B model briefly takes 16 GB of host
+    # memory per rank this way; building on the meta device and loading only this stage's tensors avoids it.
+    model = load_model(config.model, tokenizer, attention.impl, dtype=torch.float32, device="cpu")
+    if config.activation_checkpointing:
+        # Sets a flag on every decoder layer, which then recomputes itself in backward wherever it is called from.
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model_config = model.config
+    n_layers = model_config.num_hidden_layers
+    layers, stage_rank = pipeline_layout(n_layers, world_size, config.stages_per_rank, config.schedule, config.split)
+    n_stages = len(layers)
+    stages = {s: Qwen3Stage(model, layers[s], is_first=s == 0, is_last=s == n_stages - 1,
+                            autocast_dtype=autocast_dtype).to(device)
+              for s in range(n_stages) if stage_rank[s] == rank}
+    del model
+    module = rank_container(list(stages.values()))
+    module.train()
+    first_rank, last_rank = stage_rank[0], stage_rank[-1]
+    # The two ranks holding the tied weight's copies; every rank takes part in creating a group (a collective).
+    tie_group = dist.new_group([first_rank, last_rank]) if first_rank != last_rank else None
+    embedding = stages[0].model.embed_tokens.weight if 0 in stages else None
+    lm_head = stages[n_stages - 1].lm_head.weight if n_stages - 1 in stages else None
+
+    n_params = count_parameters(model_config)["total"]
+    params = list(module.parameters())
+    params_for_norm = [p for p in params if p is not lm_head]
+    local_params = sum(p.numel() for p in params)
+    held = [0] * world_size
+    dist.all_gather_object(held, local_params)
+    model_flops_per_token = flops_per_token(model_config, config.seq_len)
+    print0(f"model: {config.model} | {n_params:,} parameters ({sum(held):,} held by the stages, the LM head copy "
+           f"included) | {model_flops_per_token / 1e9:.3f} GFLOP/token (training) | dtype {config.dtype}")
+    for s in range(n_stages):
+        block = f"layer {layers[s].start}" if len(layers[s]) == 1 else f"layers {layers[s].start}-{layers[s].stop - 1}"
+        parts = (["embedding"] if s == 0 else []) + [block] + (["norm + LM head"] if s == n_stages - 1 else [])
+        print0(f"stage {s} on rank {stage_rank[s]}: {', '.join(parts)}")
+    print0(f"parameters held per rank: {', '.join(f'rank {r}: {n:,}' for r, n in enumerate(held))}")
+    textbook, formula = bubble_textbook(config.schedule, world_size, config.grad_accum, config.stages_per_rank)
+    print0(f"pipeline: {config.schedule}, p = {world_size} ranks x v = {config.stages_per_rank} stages each, "
+           f"m = {config.grad_accum} micro-batches | textbook bubble {formula} = {textbook:.1%}")
+    print0(f"batch: B = {config.micro_batch_size} x {config.grad_accum} = {rows_per_step} rows of {config.seq_len} "
+           f"-> T_eff = {rows_per_step * config.seq_len:,} token slots per optimizer step")
+    if world_size == 1:
+        print0(f"one process: all {n_stages} stage(s) on one rank, no parallelism; run under torchrun "
+               f"--nproc_per_node=2 (or more) to spread them")
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Pipeline schedule.
+    # loss_fn runs on the last stage once per micro-batch. Dividing each micro-batch's token-loss sum by the loss
+    # tokens of the whole step (common/data.py's step_loss_tokens, which every rank computes locally) makes the sum
+    # of the m micro-batch losses, and of their gradients, exactly the token-weighted step loss and its gradient.
+    # The schedules would also divide the gradients by m (scale_grads=True, made for a loss_fn that returns a
+    # per-micro-batch mean); scale_grads=False turns that off, so nothing needs undoing.
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor, step_loss_tokens: int) -> torch.Tensor:
+        return token_loss_sum(logits, labels) / step_loss_tokens
+
+    busy = BusyTimer(device)
+    pipeline_stages = []
+    for s, stage_module in stages.items():
+        stage = PipelineStage(stage_module, stage_index=s, num_stages=n_stages, device=device)
+        # Instance attributes shadow the methods the schedule calls, so every compute action is timed.
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            setattr(stage, name, busy.wrap(getattr(stage, name)))
+        pipeline_stages.append(stage)
+    schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
+                      "zbv": ScheduleZBVZeroBubble}[config.schedule]
+    try:
+        schedule = schedule_class(pipeline_stages if config.stages_per_rank > 1 else pipeline_stages[0],
+                                  n_microbatches=config.grad_accum, loss_fn=busy.wrap(loss_fn), scale_grads=False)
+    except ValueError as error:
+        raise SystemExit(f"--schedule {config.schedule} with {n_stages} stages and --grad-accum {config.grad_accum}: "
+                         f"{error} (more micro-batches also shrink the bubble)") from None
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Optimizer: AdamW over this rank's parameters only; no weight decay on norms (1-D weights). Fused kernels on GPU.
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=config.lr, fused=device.type == "cuda")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, config.warmup_steps, config.steps))
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Training loop
+    metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
+                            warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
+                            flops_per_token=model_flops_per_token, device=device, world_size=world_size,
+                            is_main=rank == 0)
+    comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
+    stopwatch = Stopwatch(device)
+    eval_losses = []
+    bubble_records = []  # (busy_ms, pipeline_ms) of this rank per step
+    start_step = load_checkpoint(config.resume, module, optimizer, scheduler) if config.resume else 0
+    if config.resume:
+        print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
+    for step in range(start_step, config.steps):
+        micro_batches = [{key: value.to(device, non_blocking=True) for key, value in batch.items()}
+                         for batch in data.micro_batches(step, config.micro_batch_size, config.grad_accum)]
+        loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step
+        lr = scheduler.get_last_lr()[0]
+
+        stopwatch.reset()
+        comm_timer.start(step)
+        busy.busy_ms()  # drop anything timed outside the schedule
+        micro_losses = []
+        pipeline_start = time.perf_counter()
+        schedule.step(arg_mbs=[(batch["input_ids"],) for batch in micro_batches] if 0 in stages else None,
+                      kwarg_mbs=[{"position_ids": batch["position_ids"]} for batch in micro_batches],
+                      target_mbs=[batch["labels"] for batch in micro_batches] if n_stages - 1 in stages else None,
+                      losses=micro_losses, loss_kwargs={"step_loss_tokens": loss_tokens}, return_outputs=False)
+        synchronize(device)
+        bubble_records.append((busy.busy_ms(), (time.perf_counter() - pipeline_start) * 1000.0))
+        # The tied weight's gradient first, then the norm: the norm must see the summed gradient.
+        sum_tied_gradients(embedding, lm_head, tie_group)
+        grad_norm = clip_grad_norm_across_stages(params_for_norm, params, config.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        # Only the last stage has the loss; rank 0 prints it, so it is broadcast (a tiny collective, every step).
+        step_loss = torch.stack(micro_losses).sum().detach() if micro_losses else torch.zeros((), device=device)
+        dist.broadcast(step_loss, src=last_rank)
+        step_loss_value = step_loss.item()
+        step_ms = stopwatch.elapsed_ms()
+        comm_ms = comm_timer.stop(step)
+
+        metrics.log_step(step + 1, step_loss_value, lr, grad_norm.item(), data.step_real_tokens(step, rows_per_step),
+                         loss_tokens, step_ms, comm_ms, print_fn=print0)
+        if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
+            eval_losses.append((step + 1, evaluate_pipeline(stages, stage_rank, data, config.micro_batch_size, device)))
+            print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
+        if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
+            print0(f"checkpoint: {save_checkpoint(config.out_dir, step + 1, module, optimizer, scheduler)}")
+
+    # ---------------------------------------------------------------------------------------------------------
+    # The bubble: per rank, busy = compute inside the schedule, idle = the rest of the schedule's wall time.
+    measured = bubble_records[metrics.warmup_steps:] or bubble_records
+    busy_ms = sum(b for b, _ in measured) / len(measured) if measured else 0.0
+    pipeline_ms = sum(t for _, t in measured) / len(measured) if measured else 0.0
+    per_rank = [None] * world_size
+    dist.all_gather_object(per_rank, (busy_ms, pipeline_ms))
+    bubble_per_rank = [(t - b) / t if t > 0 else None for b, t in per_rank]
+    measured_fractions = [f for f in bubble_per_rank if f is not None]
+    bubble_fraction = sum(measured_fractions) / len(measured_fractions) if measured_fractions else None
+    for r, ((b, t), fraction) in enumerate(zip(per_rank, bubble_per_rank)):
+        if fraction is not None:
+            print0(f"bubble rank {r}: busy {b:,.0f} ms, idle {t - b:,.0f} ms of {t:,.0f} ms in the schedule "
+                   f"-> {fraction:.1%}")
+    if bubble_fraction is not None:
+        print0(f"bubble: measured {bubble_fraction:.1%} (mean over ranks) | textbook {formula} = {textbook:.1%}")
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Evaluation, results, export
+    # Stages hold different layers and, under 1F1B, a different number of micro-batches' activations (the first
+    # stage the most): the step line shows rank 0's memory, so every rank's peak is gathered here.
+    peak_mem_gib_per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(peak_mem_gib_per_rank, peak_memory_gib(device))
+    print0(f"peak memory per rank ({memory_label(device)}): "
+           + ", ".join(f"rank {r} {gib:.2f} GiB" for r, gib in enumerate(peak_mem_gib_per_rank)))
+    eval_loss = evaluate_pipeline(stages, stage_rank, data, config.micro_batch_size, device)
+    print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
+           if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
+    summary = metrics.write_summary(
+        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(REPO_ROOT), config=asdict(config),
+        hardware=hardware_info(device, world_size=world_size), attention=asdict(attention),
+        model=dict(name=config.model, parameters=n_params, trainable_parameters=n_params,
+                   flops_per_token=model_flops_per_token, parameters_held_per_rank=held),
+        t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
+        # common/memory.py's prediction for the fullest stage, next to the measured peaks (comparable on a GPU). It
+        # models 1F1B with one stage per rank and an even split (p - s micro-batches in flight on stage s); GPipe
+        # keeps all m in flight, and --split or interleaving move memory between ranks.
+        predicted_peak_mem_gib=predict_peak_gib(
+            model_config, "pp", world_size, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
+            activation_checkpointing=config.activation_checkpointing, dtype=config.dtype,
+            attention=attention_kind(attention.impl, config.packing)),
+        packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
+        n_truncated=data.stats["n_truncated"], data=data.stats, peak_mem_gib_per_rank=peak_mem_gib_per_rank,
+        pipeline=dict(schedule=config.schedule, ranks=world_size, stages_per_rank=config.stages_per_rank,
+                      microbatches=config.grad_accum, stage_layers=[[r.start, r.stop] for r in layers],
+                      stage_rank=stage_rank),
+        bubble_fraction=bubble_fraction, bubble_fraction_per_rank=bubble_per_rank,
+        busy_ms_per_rank=[b for b, _ in per_rank], schedule_ms_per_rank=[t for _, t in per_rank],
+        bubble_fraction_textbook=textbook, bubble_formula=formula)
+    print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
+           f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
+
+    if config.save_hf:
+        save_hf_sharded(Path(config.save_hf), module, model_config, tokenizer)
+        print0(f"saved model to {config.save_hf} ({world_size} shard(s), one per rank)")
+    if own_group:
+        dist.destroy_process_group()
+    teardown()
+    return summary
+
+
+if __name__ == "__main__":
+    main()
