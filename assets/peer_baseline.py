@@ -196,7 +196,7 @@ def run_trl(config: Config, model_dir: Path, out_dir: Path, expected_real_tokens
     wall_s = time.perf_counter() - started
     n_params = count_parameters(model.config)["total"]
     return metrics.write_summary(
-        experiment="trl-sft", command=shlex.join(["uv", "run", "--with", "trl", "python", *sys.argv]),
+        experiment="trl-sft", command=shlex.join(["uv", "run", "--group", "peer", "python", *sys.argv]),
         config=asdict(config), trl_args=arguments.to_dict(),
         hardware=hardware_info(device, world_size=1), attention=asdict(attention),
         model=dict(name=str(model_dir), parameters=n_params, trainable_parameters=n_params,

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import random
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -61,32 +63,45 @@ def checkpoint_dir(out_dir: str | Path, step: int) -> Path:
     return Path(out_dir) / "checkpoints" / f"step-{step}"
 
 
-def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, scheduler) -> Path:
-    """Save after optimizer step `step` (1-based count of completed steps); returns the final folder."""
+@contextmanager
+def _published(out_dir: str | Path, step: int) -> Iterator[Path]:
+    """Yield an empty `step-<k>.tmp/` for every rank to write into; publish it as `step-<k>/` once all have."""
     final = checkpoint_dir(out_dir, step)
     temporary = final.with_name(final.name + ".tmp")
     if _rank() == 0:
         shutil.rmtree(temporary, ignore_errors=True)  # the leftovers of a save that crashed
         temporary.mkdir(parents=True)
     _barrier()
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=OPTIONS)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary)
-    torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": _rng_state()},
-               temporary / f"trainer_state_rank{_rank()}.pt")
-    _barrier()  # every rank's shards and trainer state are on disk before the rename publishes them
+    yield temporary
+    _barrier()  # every rank's files are on disk before the rename publishes them
     if _rank() == 0:
         if final.exists():
             shutil.rmtree(final)
         temporary.rename(final)
     _barrier()
-    return final
+
+
+def _check_resumable(path: Path) -> None:
+    if path.name.endswith(".tmp"):
+        raise SystemExit(f"{path} is an unfinished checkpoint (a save was interrupted): resume from a step-<k> folder")
+    if not path.is_dir():
+        raise SystemExit(f"{path} is not a checkpoint folder (expected <out-dir>/checkpoints/step-<k>)")
+
+
+def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, scheduler) -> Path:
+    """Save after optimizer step `step` (1-based count of completed steps); returns the final folder."""
+    with _published(out_dir, step) as temporary:
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=OPTIONS)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary)
+        torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": _rng_state()},
+                   temporary / f"trainer_state_rank{_rank()}.pt")
+    return checkpoint_dir(out_dir, step)
 
 
 def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> int:
     """Restore model, optimizer, scheduler and RNG in place from a `step-<k>` folder; returns k."""
     path = Path(path)
-    if path.name.endswith(".tmp"):
-        raise SystemExit(f"{path} is an unfinished checkpoint (a save was interrupted): resume from a step-<k> folder")
+    _check_resumable(path)
     trainer_file = path / f"trainer_state_rank{_rank()}.pt"
     if not trainer_file.exists():
         raise SystemExit(f"{path} is not a checkpoint of this run's layout: {trainer_file.name} is missing "
@@ -100,3 +115,30 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> int:
     scheduler.load_state_dict(trainer["scheduler"])
     _set_rng_state(trainer["rng"])
     return trainer["step"]
+
+
+# DeepSpeed's engines (zero-ft, pp-ds-ft) keep their optimizer state in their own sharded objects, which
+# get_state_dict does not understand; they save in DeepSpeed's own format, published by the same protocol.
+
+
+def save_deepspeed_checkpoint(out_dir: str | Path, step: int, engine) -> Path:
+    """engine.save_checkpoint into step-<k>.tmp/, published as step-<k>/; the step rides along as client state."""
+    with _published(out_dir, step) as temporary:
+        # DeepSpeed writes into <save_dir>/<tag>/. No "latest" file: --resume names the folder, and a "latest"
+        # naming the .tmp folder would be wrong after the rename anyway. The step fixes the data position.
+        engine.save_checkpoint(str(temporary.parent), tag=temporary.name, client_state={"step": step},
+                               save_latest=False)
+    return checkpoint_dir(out_dir, step)
+
+
+def load_deepspeed_checkpoint(path: str | Path, engine) -> int:
+    """Restore module, optimizer shards and LR schedule in place from a step-<k> folder; returns k.
+
+    The optimizer shards only fit the layout that wrote them (ZeRO stage, pipeline stages, number of ranks)."""
+    path = Path(path)
+    _check_resumable(path)
+    loaded, client_state = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True)
+    if loaded is None:
+        raise SystemExit(f"{path}: DeepSpeed found no checkpoint of this run's layout (stages, number of ranks)")
+    return client_state["step"]

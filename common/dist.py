@@ -8,6 +8,7 @@ to AMD's libraries); on a CPU-only machine it is gloo, so the same scripts and t
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -66,6 +67,20 @@ def init_distributed(timeout_minutes: int = 30) -> DistInfo:
     )
     _created_group = True
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
+
+
+def act_as_launcher_if_alone() -> None:
+    """Outside torchrun, set the variables torchrun would set for a world of one.
+
+    DeepSpeed's engines read LOCAL_RANK and need a real (TCP-rendezvous) process group even for one process, so
+    a plain `python train.py` of a DeepSpeed experiment plays its own launcher.
+    """
+    if "WORLD_SIZE" in os.environ:
+        return
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 def print0(*args, **kwargs) -> None:

@@ -176,6 +176,32 @@ def collective_ms(profiler) -> float:
     return _merged_length(intervals) / 1000.0
 
 
+COLLECTIVE_OP_PREFIXES = ("c10d::", "_c10d_functional::")  # eager process-group ops and DTensor's functional ones
+
+
+def _is_collective_op(name: str) -> bool:
+    return name.startswith(COLLECTIVE_OP_PREFIXES) and "wait" not in name
+
+
+def collective_counts(profiler) -> dict[str, int]:
+    """How many collectives of each kind a finished torch.profiler run issued, counted at the outermost PyTorch op.
+
+    A DTensor collective (`_c10d_functional::reduce_scatter_tensor`) and the process-group op it calls are one
+    collective, so an op nested inside another collective op is not counted again. The names are what the model
+    code asked for: gloo has no native reduce-scatter and runs one as an all-reduce, NCCL runs it as asked.
+    """
+    counts: dict[str, int] = {}
+    for event in profiler.events():
+        if event.device_type != torch.autograd.DeviceType.CPU or not _is_collective_op(event.name):
+            continue
+        parent = event.cpu_parent
+        while parent is not None and not _is_collective_op(parent.name):
+            parent = parent.cpu_parent
+        if parent is None:
+            counts[event.name] = counts.get(event.name, 0) + 1
+    return counts
+
+
 class CollectiveTimer:
     """Profiles steps [first_step, first_step + n_steps) one at a time and reports each one's comm_ms.
 
@@ -186,6 +212,8 @@ class CollectiveTimer:
         self.device = device
         self.window = range(first_step, first_step + n_steps)
         self.profiler = None
+        self.counts: dict[str, int] = {}  # collectives issued over the profiled steps, by op
+        self.profiled_steps = 0
 
     def start(self, step: int) -> None:
         if not dist.is_initialized() or step not in self.window:
@@ -204,8 +232,17 @@ class CollectiveTimer:
             return None
         self.profiler.__exit__(None, None, None)
         value = collective_ms(self.profiler)
+        for name, count in collective_counts(self.profiler).items():
+            self.counts[name] = self.counts.get(name, 0) + count
+        self.profiled_steps += 1
         self.profiler = None
         return value
+
+    def collectives_per_step(self) -> dict[str, float] | None:
+        """Average number of collectives of each kind per profiled step (None if no step was profiled)."""
+        if not self.profiled_steps:
+            return None
+        return {name: count / self.profiled_steps for name, count in sorted(self.counts.items())}
 
 
 # ---------------------------------------------------------------------------------------------------------------

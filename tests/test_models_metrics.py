@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from common.metrics import (MetricsLogger, _merged_length, collective_ms, format_step_line, mfu,
+from common.metrics import (MetricsLogger, _merged_length, collective_counts, collective_ms, format_step_line, mfu,
                             peak_flops_per_device)
 from common.models import PRESET_COMMON, PRESETS, count_parameters, flops_per_token, load_model, model_config, \
     resolve_model_name
@@ -85,6 +85,8 @@ def test_collective_time_is_seen_by_the_profiler():
         dist.destroy_process_group()
     assert collective_ms(with_comm) > 0
     assert collective_ms(without_comm) == 0
+    assert collective_counts(with_comm) == {"c10d::allreduce_": 1}
+    assert collective_counts(without_comm) == {}
 
 
 def test_summary_excludes_warmup_steps(tmp_path):

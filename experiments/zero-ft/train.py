@@ -22,8 +22,6 @@ import json
 import logging
 import math
 import os
-import shutil
-import socket
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -43,9 +41,9 @@ import deepspeed  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
 
 from common.attention import setup_attention  # noqa: E402
-from common.checkpoint import checkpoint_dir  # noqa: E402
+from common.checkpoint import load_deepspeed_checkpoint, save_deepspeed_checkpoint  # noqa: E402
 from common.data import DataError, build_data, describe, evaluate, token_loss_sum  # noqa: E402
-from common.dist import init_distributed, print0, teardown  # noqa: E402
+from common.dist import act_as_launcher_if_alone, init_distributed, print0, teardown  # noqa: E402
 from common.memory import DEEPSPEED_BF16, attention_kind, predict_peak_gib  # noqa: E402
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     memory_label, peak_memory_gib, summary_table  # noqa: E402
@@ -161,11 +159,6 @@ def full_shape(param: torch.nn.Parameter) -> torch.Size:
     return getattr(param, "ds_shape", param.shape)
 
 
-def free_port() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return str(probe.getsockname()[1])
-
 
 def main(argv: list[str] | None = None) -> dict:
     (config,) = HfArgumentParser(Config).parse_args_into_dataclasses(args=argv)
@@ -173,8 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
     # ---------------------------------------------------------------------------------------------------------
     # Processes and devices: one per GPU (or CPU process) under torchrun. DeepSpeed needs a process group and the
     # launcher's variables even for one process, so a plain `python train.py` plays a launcher with a world of one.
-    if "WORLD_SIZE" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+    act_as_launcher_if_alone()
     dist_info = init_distributed()
     # DeepSpeed's communication layer wraps the group just created (zero.Init, used before the engine exists, needs it).
     deepspeed.init_distributed(dist_backend=dist_info.backend)
@@ -268,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
     stopwatch = Stopwatch(device)
     eval_losses = []
     # The step count is the whole data position: step k always consumes the same rows.
-    start_step = load_checkpoint(config.resume, engine) if config.resume else 0
+    start_step = load_deepspeed_checkpoint(config.resume, engine) if config.resume else 0
     if config.resume:
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
     for step in range(start_step, config.steps):
@@ -312,7 +304,9 @@ def main(argv: list[str] | None = None) -> dict:
             eval_losses.append((step + 1, evaluate(engine, data, config.micro_batch_size, device, autocast)))
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
-            print0(f"checkpoint: {save_checkpoint(config.out_dir, step + 1, engine)}")
+            # DeepSpeed's own sharded format (its optimizer objects are opaque to torch.distributed.checkpoint),
+            # published atomically by common/checkpoint.py: written to step-<k>.tmp/, renamed once all ranks are done.
+            print0(f"checkpoint: {save_deepspeed_checkpoint(config.out_dir, step + 1, engine)}")
 
     # ---------------------------------------------------------------------------------------------------------
     # Evaluation, results, export. Every rank evaluates the whole held-out split: under ZeRO-3 each forward is a
@@ -334,6 +328,7 @@ def main(argv: list[str] | None = None) -> dict:
            + ", ".join(f"rank {r} {gib:.2f} GiB" for r, gib in enumerate(peak_mem_gib_per_rank))
            + f" | predicted by common/memory.py: {predicted_peak_mem_gib:.2f} GiB per device")
     summary = metrics.write_summary(
+        collectives_per_step=comm_timer.collectives_per_step(),  # counted by torch.profiler over the comm_ms window
         experiment=EXPERIMENT, command=launch_command(), commit=git_commit(REPO_ROOT), config=asdict(config),
         hardware=hardware_info(device, world_size=world_size), attention=asdict(attention),
         model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
@@ -352,48 +347,6 @@ def main(argv: list[str] | None = None) -> dict:
     engine.destroy()  # removes ZeRO's hooks, so that a next run in the same process (the tests) starts clean
     teardown()
     return summary
-
-
-# -------------------------------------------------------------------------------------------------------------
-# Checkpoints: DeepSpeed's own sharded format (each rank writes its optimizer shard, and under ZeRO-3 its parameter
-# shard; rank 0 the module and the LR schedule), published atomically like common/checkpoint.py: written into
-# `step-<k>.tmp/`, renamed to `step-<k>/` by rank 0 once every rank has finished. A crash mid-save leaves only a
-# .tmp folder, never read, cleared by the next save of that step. common/checkpoint.py's torch.distributed.checkpoint
-# route does not apply: DCP's get_state_dict cannot see inside DeepSpeed's ZeRO optimizer.
-
-
-def save_checkpoint(out_dir: str, step: int, engine) -> Path:
-    final = checkpoint_dir(out_dir, step)
-    temporary = final.with_name(final.name + ".tmp")
-    if dist.get_rank() == 0:
-        shutil.rmtree(temporary, ignore_errors=True)  # the leftovers of a save that crashed
-        temporary.parent.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    # DeepSpeed writes into <save_dir>/<tag>/. No "latest" file: --resume names the folder, and a "latest" pointing
-    # at a .tmp name would be wrong after the rename anyway. The step fixes the data position.
-    engine.save_checkpoint(str(temporary.parent), tag=temporary.name, client_state={"step": step}, save_latest=False)
-    dist.barrier()  # every rank's shards are on disk before the rename publishes them
-    if dist.get_rank() == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        temporary.rename(final)
-    dist.barrier()
-    return final
-
-
-def load_checkpoint(path: str, engine) -> int:
-    """Restore module, ZeRO optimizer shards and LR schedule in place from a `step-<k>` folder; returns k."""
-    path = Path(path)
-    if path.name.endswith(".tmp"):
-        raise SystemExit(f"{path} is an unfinished checkpoint (a save was interrupted): resume from a step-<k> folder")
-    if not path.is_dir():
-        raise SystemExit(f"{path} is not a checkpoint folder (expected <out-dir>/checkpoints/step-<k>)")
-    # The optimizer shards only fit the layout that wrote them: same stage, same number of ranks.
-    loaded, client_state = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
-                                                  load_lr_scheduler_states=True)
-    if loaded is None:
-        raise SystemExit(f"{path}: DeepSpeed found no checkpoint of this run's layout (ZeRO stage, number of ranks)")
-    return client_state["step"]
 
 
 # -------------------------------------------------------------------------------------------------------------
