@@ -28,7 +28,7 @@ matplotlib.use("Agg")  # files only; no display needed (CI, ssh sessions)
 import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 
-PARITY_RELATIVE_TOLERANCE = 1e-5  # DESIGN.md section 4: fp32 per-step losses match single-ft within this
+PARITY_RELATIVE_TOLERANCE = 1e-5  # the tests' bound: fp32 per-step losses match single-ft within this
 SMALLEST_SHOWN_DIFFERENCE = 1e-12  # a log axis cannot show 0: exact matches are drawn at this floor
 # Config fields that, with the model and T_eff, fix every step's rows and update. A run whose config lacks one
 # (TRL's in the peer baseline, which packs its own way) is never taken for a twin of one that has it.

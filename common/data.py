@@ -1,6 +1,6 @@
 """SFT data: JSONL records -> chat template -> token ids and loss labels -> packed rows -> deterministic batches.
 
-The semantics here are the contract every experiment shares (DESIGN.md section 4):
+The semantics here are the contract every experiment shares (the tests hold each one to it):
 - Records are {"messages": [...]} (roles system/user/assistant), {"instruction", "input"?, "output"} or
   {"prompt", "completion"}. Bad input stops the run before training with `<file>:<line>: <what is wrong>`.
 - Text is rendered with the tokenizer's chat template; only assistant tokens (and the <|im_end|> that closes each

@@ -112,7 +112,7 @@ DATA_PARALLEL_SHARDING = {
 }
 UNIT_SHARDED = ("zero-3", "fsdp", "fsdp-offload")  # gather one unit (layer) at a time in the compute dtype
 ATTENTION_KINDS = ("sdpa-packed", "sdpa", "flash")
-# How to run each strategy in this repository (DESIGN.md section 2).
+# How to run each strategy in this repository (the README's experiments table).
 RUN_WITH = {
     "single": "experiments/single-ft/train.py", "ddp": "experiments/ddp-ft/train.py",
     "zero-1": "experiments/zero-ft/train.py --zero-stage 1", "zero-2": "experiments/zero-ft/train.py --zero-stage 2",

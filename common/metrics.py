@@ -1,6 +1,6 @@
 """Step timing, communication time, tokens/s, peak memory and MFU; the step line; metrics.jsonl and summary.json.
 
-Definitions (DESIGN.md section 5, as in the seed table):
+Definitions (the same in every experiment):
 - step_ms: wall time of one optimizer step (forward, backward, communication, optimizer), excluding data loading,
   with the device synchronised before the clock is read.
 - comm_ms: time inside collectives per step, from torch.profiler over a window of steps: NCCL/RCCL kernels on
@@ -358,7 +358,7 @@ class Stopwatch:
 
 
 def runs_table(summaries: list[dict]) -> str:
-    """One row per run: the columns of the seed table, for comparing runs side by side."""
+    """One row per run, for comparing runs side by side (micro-batch, GA, checkpointing, dtype, times, memory)."""
     header = ("| run | micro | GA | ckpt | dtype | step_ms | comm_ms | tok/s | tok/s/device | peak_mem_gib | mfu "
               "| final_loss | eval_loss |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]

@@ -1,5 +1,5 @@
 """Sweep: run a grid of real training runs (strategy x micro-batch x grad-accum x checkpointing x dtype) and
-write the seed table's columns for a devlog.
+write a table of step_ms, comm_ms, tokens/s and peak memory per cell for a devlog.
 
     uv run python -m common.sweep --grid cpu-small                          # a few minutes on a 2-core CPU
     uv run python -m common.sweep --grid t-eff-100k --out runs/sweep-100k   # two GPUs, T_eff = 102,400 tokens
@@ -112,10 +112,10 @@ GRIDS: dict[str, Grid] = {
     "cpu-small": Grid(strategies=["single-ft", "ddp-ft", "fsdp-ft"], micro_batch_sizes=[1, 2],
                       checkpointing=[False], dtypes=["fp32"], model="qwen3-tiny", seq_len=128, steps=4,
                       tokens_per_step=512),
-    # The seed document's setting: T_eff = 1024 x 1 x 50 x 2 = 102,400 tokens per step on two GPUs. 102,400 is
+    # The setting of a published 2x MI100 Qwen3-0.6B SFT demo: T_eff = 1024 x 1 x 50 x 2 = 102,400 tokens per step on two GPUs. 102,400 is
     # 100 rows of 1024, which splits exactly into micro x GA x data-parallel ranks for micro 1, 2 and 5 (so every
     # strategy does exactly the same step, and single-ft, at GA 100/micro, is the 1-rank reference). 34 steps =
-    # 2 timing warm-up steps + 32 measured, as in the seed table.
+    # 2 timing warm-up steps + 32 measured steps.
     "t-eff-100k": Grid(strategies=["single-ft", "ddp-ft", "fsdp-ft", "zero-ft:2", "pp-ft:1f1b"],
                        micro_batch_sizes=[1, 2, 5], checkpointing=[True], dtypes=["bf16"],
                        model="Qwen/Qwen3-0.6B-Base", seq_len=1024, steps=34, tokens_per_step=102_400),

@@ -54,7 +54,7 @@ def test_t_eff_100k_grid_matches_the_seed_example():
     cells = sweep.expand(sweep.GRIDS["t-eff-100k"])
     assert {c.tokens_per_step for c in cells} == {102_400}
     by_key = {(c.strategy, c.micro_batch_size): c for c in cells}
-    # The seed document: S=1024, B_micro=1, GA=50, N=2 -> 1024 x 1 x 50 x 2 = 102,400.
+    # A published 2x MI100 SFT demo's setting: S=1024, B_micro=1, GA=50, N=2 -> 1024 x 1 x 50 x 2 = 102,400.
     ddp = by_key[("ddp-ft", 1)]
     assert (ddp.seq_len, ddp.grad_accum, ddp.nproc) == (1024, 50, 2)
     assert 1024 * 1 * 50 * 2 == ddp.tokens_per_step

@@ -5,7 +5,7 @@
     uv run torchrun --nproc_per_node=2 experiments/ddp-ft/train.py --lora-rank 16 --save-hf runs/lora --merge-lora
     uv run torchrun --nproc_per_node=2 experiments/ddp-ft/train.py --steps 3 --seq-len 128    # CPU smoke run (gloo)
 
-One optimizer step consumes B = micro_batch_size x grad_accum x world_size packed rows (DESIGN.md section 4); rank r
+One optimizer step consumes B = micro_batch_size x grad_accum x world_size packed rows (common/data.py); rank r
 runs the r-th contiguous slice of them. Every rank holds the whole model, gradient and AdamW state. In the backward of
 the last micro-batch DDP all-reduces the gradients, bucket by bucket while backward is still running, so every rank
 ends the step with the same gradient and takes the same optimizer step: the replicas never exchange weights.

@@ -7,7 +7,7 @@ state sharded over the ranks, each decoder layer's weights all-gathered just bef
     uv run torchrun --nproc_per_node=2 experiments/fsdp-ft/train.py --lora-rank 16 --save-hf runs/lora --merge-lora
     uv run torchrun --nproc_per_node=2 experiments/fsdp-ft/train.py --steps 3 --seq-len 128   # CPU smoke run (gloo)
 
-One optimizer step consumes B = micro_batch_size x grad_accum x world_size packed rows (DESIGN.md section 4); rank r
+One optimizer step consumes B = micro_batch_size x grad_accum x world_size packed rows (common/data.py); rank r
 runs the r-th contiguous slice of them, as in ddp-ft. What changes is where the model lives: each rank keeps 1/W of
 every parameter (fp32: the master weights), of its gradient and of its AdamW state. Each decoder layer is one FSDP
 unit: its forward all-gathers the layer's full weights (in bf16 under --dtype bf16) and frees them afterwards; its

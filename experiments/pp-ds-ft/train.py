@@ -13,7 +13,7 @@ is a TiedLayerSpec: each end stage builds its own copy, and DeepSpeed all-reduce
 optimizer step (ReduceTiedGrads in its schedule). The engine runs its 1F1B TrainSchedule over `--grad-accum`
 micro-batches. With more ranks than stages, the rest is data parallelism (`--zero-stage 1` then shards the optimizer).
 
-One optimizer step consumes B = micro_batch_size x grad_accum x data-parallel replicas rows (DESIGN.md section 4),
+One optimizer step consumes B = micro_batch_size x grad_accum x data-parallel replicas rows (common/data.py),
 the same rows as single-ft's on that B, and computes the same step: the token-weighted loss, with DeepSpeed's own
 averaging undone (see `loss_fn`). tests/test_pp_ft.py holds it to single-ft per step.
 """
@@ -275,7 +275,7 @@ def loss_fn(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> 
 
     DeepSpeed assumes each micro-batch returns a mean loss: it divides the loss by gradient_accumulation_steps before
     backward (and for the reported loss), and averages gradients and losses over the data-parallel replicas. We want
-    sum(token losses of the step) / loss tokens of the step (DESIGN.md section 4). With
+    sum(token losses of the step) / loss tokens of the step (common/data.py). With
         weight = grad_accum x data_parallel_size / step_loss_tokens,
     the engine's / grad_accum and / data_parallel_size cancel the factors (exactly for powers of two, to a rounding
     otherwise), leaving each micro-batch's share sum / step_loss_tokens; summed over micro-batches and replicas, that

@@ -15,7 +15,7 @@ micro-batches are alive per stage; interleaved 1F1B: v smaller stages per rank; 
 and weight halves, stages placed in a V). While it waits for its first activation or its last gradient a rank is
 idle: the bubble, measured here per rank and compared with the textbook fraction (see `bubble_textbook`).
 
-One optimizer step consumes B = micro_batch_size x grad_accum rows (DESIGN.md section 4), the same rows as single-ft's
+One optimizer step consumes B = micro_batch_size x grad_accum rows (common/data.py), the same rows as single-ft's
 micro x accum on that B, and computes the same step: the loss is token-weighted (see `loss_fn`), the tied
 embedding / LM head gets the sum of its two gradients (see `sum_tied_gradients`), and the gradient norm is the norm
 of the whole model's gradient (see `clip_grad_norm_across_stages`). tests/test_pp_ft.py holds every schedule to

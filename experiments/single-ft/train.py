@@ -4,8 +4,9 @@
     uv run python experiments/single-ft/train.py --model Qwen/Qwen3-0.6B-Base     # one GPU (bf16 by default there)
     uv run python experiments/single-ft/train.py --lora-rank 16 --save-hf runs/lora --merge-lora
     uv run python experiments/single-ft/train.py --steps 3 --seq-len 128            # smoke run
+    uv run python experiments/single-ft/train.py --model Qwen/Qwen3-0.6B-Base --loss-chunk-tokens 1024 --compile
 
-One optimizer step consumes B = micro_batch_size x grad_accum packed rows (DESIGN.md section 4). The loss of a step
+One optimizer step consumes B = micro_batch_size x grad_accum packed rows (common/data.py). The loss of a step
 is the sum of token losses over all its loss tokens divided by their number, so the split of B into micro-batches
 does not change the step; every parallel experiment is tested against this script on the same B.
 """
@@ -27,6 +28,7 @@ from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import DataError, build_data, describe, evaluate, token_loss_sum
 from common.dist import init_distributed, print0, teardown
+from common.loss import chunked_token_loss_sum
 from common.memory import attention_kind, predict_peak_gib
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     summary_table
@@ -52,6 +54,8 @@ class Config:
     seed: int = 0  # one seed for init, data order and held-out split
     dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 compute with fp32 master weights and AdamW state; default bf16 on GPU, fp32 on CPU
     activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of storing its activations
+    loss_chunk_tokens: int = 0  # 0 = plain loss over the full logits; N = LM head + cross-entropy on loss tokens only, N at a time, never holding the [tokens x vocab] logits (common/loss.py); meant for GPUs and a 152k vocabulary, e.g. 1024 (untuned)
+    compile: bool = False  # torch.compile each decoder layer (GPU speed; on CPU it only costs compile time)
     packing: bool = True  # pack conversations into rows (--no-packing: one padded conversation per row)
     lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
     lora_alpha: float | None = None  # LoRA scaling numerator; default 2 x rank
@@ -86,8 +90,8 @@ def resolve(config: Config) -> Config:
     if config.out_dir is None:
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
         config.out_dir = str(REPO_ROOT / "runs" / f"{EXPERIMENT}-{stamp}")
-    if config.micro_batch_size < 1 or config.grad_accum < 1 or config.steps < 0:
-        raise SystemExit("--micro-batch-size and --grad-accum must be >= 1 and --steps >= 0")
+    if config.micro_batch_size < 1 or config.grad_accum < 1 or config.steps < 0 or config.loss_chunk_tokens < 0:
+        raise SystemExit("--micro-batch-size and --grad-accum must be >= 1, --steps and --loss-chunk-tokens >= 0")
     return config
 
 
@@ -137,6 +141,14 @@ def main(argv: list[str] | None = None) -> dict:
         lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
         model = get_peft_model(model, lora)
+    if config.compile:
+        # One compiled graph per decoder layer, not one for the whole model (as torchtitan does): compile time stays
+        # bounded, and a graph break stays inside its layer. Module.compile() compiles in place, so parameter names
+        # (checkpoints, --save-hf) do not change.
+        for layer in model.get_decoder().layers:
+            layer.compile()
+    # --loss-chunk-tokens runs the decoder body (no LM head) and applies the head itself; these work with peft too.
+    decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
     model.train()
     n_params = count_parameters(model.config)["total"]
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -177,16 +189,25 @@ def main(argv: list[str] | None = None) -> dict:
         stopwatch.reset()
         comm_timer.start(step)
         step_loss = torch.zeros((), device=device)
-        for batch in micro_batches:
-            batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+        for host_batch in micro_batches:
+            batch = {key: value.to(device, non_blocking=True) for key, value in host_batch.items()}
             with autocast():
                 # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
                 # isolated (transformers builds a block-diagonal causal mask from the position_ids).
-                logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                               attention_mask=None, use_cache=False).logits
+                if config.loss_chunk_tokens:
+                    # Final hidden states, then the LM head on loss tokens only, chunk by chunk; the labels' host
+                    # copy picks those tokens without waiting for the device (a CUDA mask would force a sync).
+                    hidden = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                     attention_mask=None, use_cache=False).last_hidden_state
+                    loss_sum = chunked_token_loss_sum(hidden, lm_head.weight, host_batch["labels"],
+                                                      config.loss_chunk_tokens)
+                else:
+                    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                   attention_mask=None, use_cache=False).logits
+                    loss_sum = token_loss_sum(logits, batch["labels"])
             # Divide by the whole step's loss tokens, not this micro-batch's: summing the micro-batch gradients
             # then gives exactly the gradient of the token-weighted step loss.
-            loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
+            loss = loss_sum / loss_tokens
             loss.backward()
             step_loss += loss.detach()
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
@@ -212,6 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
     summary = metrics.write_summary(
+        collectives_per_step=comm_timer.collectives_per_step(),  # counted by torch.profiler over the comm_ms window
         experiment=EXPERIMENT, command=launch_command(), commit=git_commit(REPO_ROOT), config=asdict(config),
         hardware=hardware_info(device, world_size=1), attention=asdict(attention),
         model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,

@@ -11,7 +11,7 @@ stage 2 also the gradients (each rank receives only the sum of its own slice), s
 layer is all-gathered just before its forward and backward, then freed). The printed `peak memory per rank` line and
 `peak_mem_gib_per_rank` in summary.json put the stages side by side with fsdp-ft.
 
-One optimizer step consumes B = micro_batch_size x grad_accum x world_size packed rows (DESIGN.md section 4) and is the
+One optimizer step consumes B = micro_batch_size x grad_accum x world_size packed rows (common/data.py) and is the
 same computation as single-ft on that B: the loss is token-weighted over all ranks and micro-batches, and DeepSpeed's
 own loss/gradient scaling is undone (see the training loop). tests/test_zero_ft.py holds every stage to single-ft.
 """
