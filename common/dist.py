@@ -89,6 +89,15 @@ def print0(*args, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
+def all_ranks(value):
+    """Every rank's `value` (any picklable object), in rank order; [value] without a process group."""
+    if not dist.is_initialized():
+        return [value]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def teardown() -> None:
     """Destroy the process group if init_distributed created it."""
     global _created_group

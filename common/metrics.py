@@ -5,7 +5,11 @@ Definitions (the same in every experiment):
   with the device synchronised before the clock is read.
 - comm_ms: time inside collectives per step, from torch.profiler over a window of steps: NCCL/RCCL kernels on
   the GPU timeline, gloo's own events on CPU. Overlapping intervals are merged, so a collective that runs while
-  the GPU also computes is counted once. Profiling adds a little overhead to the steps it covers.
+  the GPU also computes is counted once. Profiling slows the steps it covers, so those steps are left out of the
+  step_ms, tokens/s and MFU averages (summary.json lists them as `profiled_steps`); the same window counts the
+  collectives by kind and the bytes each one was handed (`collectives_per_step`, `collective_bytes_per_step`).
+- state bytes: the weights, gradients and optimizer state a rank holds, summed from its local tensors
+  (`state_bytes`), to set beside common.memory's prediction.
 - tokens/s: real (non-pad) tokens of the step over all ranks / step time.
 - peak memory: torch.cuda.max_memory_reserved() per device; on CPU the process's peak resident set size.
 - MFU: tokens/s x training FLOPs per token (common/models.py) / (dense bf16 peak per device x devices).
@@ -14,6 +18,7 @@ Definitions (the same in every experiment):
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import resource
@@ -202,10 +207,40 @@ def collective_counts(profiler) -> dict[str, int]:
     return counts
 
 
+BACKEND_EVENT_PREFIXES = ("gloo:", "nccl:")  # the backend's own record of a collective (RCCL reports as nccl)
+DTYPE_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4,
+               "unsigned char": 1, "signed char": 1, "bool": 1, "short int": 2}
+
+
+def collective_bytes(profiler) -> dict[str, dict[str, int]]:
+    """Calls and bytes of every collective the backend ran in a finished torch.profiler run (record_shapes=True).
+
+    Read from the backend's own events (`gloo:all_reduce`, `nccl:all_gather`, ...), which carry the shapes and
+    dtypes of the tensors handed to the collective: bytes = their element count x element size, summed. That is the
+    buffer each rank contributes: the whole tensor for an all-reduce, broadcast or send, the local shard for an
+    all-gather, the full input for a reduce-scatter. What crosses the links follows from it (common/comm.py).
+    gloo has no native reduce-scatter: the model's reduce-scatter shows up here as the all-reduce gloo ran instead.
+    """
+    result: dict[str, dict[str, int]] = {}
+    for event in profiler.profiler.kineto_results.events():
+        name = event.name()
+        if not name.startswith(BACKEND_EVENT_PREFIXES):
+            continue
+        # A 0-d tensor (a loss scalar) has shape [] and one element; arguments that are not tensors have no dtype.
+        n_bytes = sum(math.prod(shape) * DTYPE_BYTES.get(dtype, 0)
+                      for shape, dtype in zip(event.shapes(), event.dtypes()))
+        entry = result.setdefault(name, {"calls": 0, "bytes": 0})
+        entry["calls"] += 1
+        entry["bytes"] += n_bytes
+    return result
+
+
 class CollectiveTimer:
     """Profiles steps [first_step, first_step + n_steps) one at a time and reports each one's comm_ms.
 
-    With no process group there are no collectives: comm_ms is 0 and nothing is profiled.
+    With no process group there are no collectives: comm_ms is 0 and nothing is profiled. The profiled steps are
+    slower than the others (the profiler records every op), so MetricsLogger leaves them out of the speed averages
+    and takes only comm_ms, the collective counts and their bytes from them.
     """
 
     def __init__(self, device: torch.device, first_step: int, n_steps: int):
@@ -213,7 +248,12 @@ class CollectiveTimer:
         self.window = range(first_step, first_step + n_steps)
         self.profiler = None
         self.counts: dict[str, int] = {}  # collectives issued over the profiled steps, by op
-        self.profiled_steps = 0
+        self.bytes: dict[str, dict[str, int]] = {}  # backend collectives over the profiled steps: calls and bytes
+        self.profiled: list[int] = []  # 1-based numbers of the steps that ran under the profiler
+
+    @property
+    def profiled_steps(self) -> int:
+        return len(self.profiled)
 
     def start(self, step: int) -> None:
         if not dist.is_initialized() or step not in self.window:
@@ -221,7 +261,7 @@ class CollectiveTimer:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.profiler = torch.profiler.profile(activities=activities)
+        self.profiler = torch.profiler.profile(activities=activities, record_shapes=True)
         self.profiler.__enter__()
 
     def stop(self, step: int) -> float | None:
@@ -234,15 +274,63 @@ class CollectiveTimer:
         value = collective_ms(self.profiler)
         for name, count in collective_counts(self.profiler).items():
             self.counts[name] = self.counts.get(name, 0) + count
-        self.profiled_steps += 1
+        for name, entry in collective_bytes(self.profiler).items():
+            total = self.bytes.setdefault(name, {"calls": 0, "bytes": 0})
+            total["calls"] += entry["calls"]
+            total["bytes"] += entry["bytes"]
+        self.profiled.append(step + 1)
         self.profiler = None
         return value
 
     def collectives_per_step(self) -> dict[str, float] | None:
         """Average number of collectives of each kind per profiled step (None if no step was profiled)."""
-        if not self.profiled_steps:
+        if not self.profiled:
             return None
-        return {name: count / self.profiled_steps for name, count in sorted(self.counts.items())}
+        return {name: count / len(self.profiled) for name, count in sorted(self.counts.items())}
+
+    def collective_bytes_per_step(self) -> dict[str, dict[str, float]] | None:
+        """Per backend collective: calls and bytes per profiled step, on this rank (None if nothing was profiled)."""
+        if not self.profiled:
+            return None
+        return {name: {key: value / len(self.profiled) for key, value in entry.items()}
+                for name, entry in sorted(self.bytes.items())}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model-state bytes, summed from the tensors a rank actually holds
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor (FSDP2, tensor parallel), else the tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the storages behind `tensors`, each storage counted once (views of one flat buffer share it)."""
+    seen, total = set(), 0
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        storage = local_tensor(tensor).untyped_storage()
+        key = (storage.data_ptr(), storage.device)
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def state_bytes(parameters, optimizer: torch.optim.Optimizer | None = None, master=()) -> dict[str, int]:
+    """Model-state bytes held by this rank, by kind, as common.memory names them: the weights (every parameter, its
+    local shard under FSDP2 or TP), their gradients, the optimizer's state (AdamW's moments and step counters) and
+    any separate master copy (`master`: tensors an engine keeps beside the weights, e.g. DeepSpeed's fp32 partition).
+    Call it after a backward, before the optimizer's update (so gradients exist) and after one update (so the
+    optimizer's state exists)."""
+    parameters = list(parameters)
+    optimizer_tensors = [] if optimizer is None else [
+        value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
+    return dict(weights=storage_bytes(parameters), grads=storage_bytes(p.grad for p in parameters),
+                optimizer=storage_bytes(optimizer_tensors), master=storage_bytes(master))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -297,24 +385,38 @@ class MetricsLogger:
             print_fn(format_step_line(record, self.total_steps))
         return record
 
-    def averages(self) -> dict:
+    def averages(self, profiled: list[int] = ()) -> dict:
+        """Means over the measured steps (after the warm-up). `profiled` (1-based step numbers) ran under
+        torch.profiler: they give comm_ms and are left out of step_ms, tokens/s and MFU, which the profiler slows."""
         measured = self.records[self.warmup_steps:] or self.records
+        timed = [r for r in measured if r["step"] not in set(profiled)] or measured
         result = {}
         for key in AVERAGED:
-            values = [r[key] for r in measured if r[key] is not None]
+            values = [r[key] for r in (measured if key in ("comm_ms", "peak_mem_gib") else timed)
+                      if r[key] is not None]
             result[key] = sum(values) / len(values) if values else None
         if measured:
             result["peak_mem_gib"] = max(r["peak_mem_gib"] for r in measured)
+        profiled_records = [r for r in measured if r["step"] in set(profiled)]
         result["measured_steps"] = len(measured)
         result["warmup_steps_excluded"] = len(self.records) - len(measured)
+        result["timed_steps"] = len(timed)
+        result["profiled_steps"] = sorted(profiled)
+        result["profiled_step_ms"] = (sum(r["step_ms"] for r in profiled_records) / len(profiled_records)
+                                      if profiled_records else None)
         tokens_per_s = result["tokens_per_s"]
         result["tokens_per_s_per_device"] = None if tokens_per_s is None else tokens_per_s / self.world_size
         return result
 
-    def write_summary(self, **fields) -> dict:
-        """Writes summary.json: the caller's fields (experiment, command, config, model, ...) plus the averages."""
+    def write_summary(self, comm_timer: CollectiveTimer | None = None, **fields) -> dict:
+        """Writes summary.json: the caller's fields (experiment, command, config, model, ...) plus the averages, and
+        from `comm_timer` the collectives per step (counts by op, calls and bytes by backend collective)."""
         summary = dict(fields)
-        summary.update(self.averages())
+        profiled = comm_timer.profiled if comm_timer else []
+        if comm_timer is not None:
+            summary["collectives_per_step"] = comm_timer.collectives_per_step()
+            summary["collective_bytes_per_step"] = comm_timer.collective_bytes_per_step()
+        summary.update(self.averages(profiled))
         summary["final_loss"] = self.records[-1]["loss"] if self.records else None
         summary["memory_measure"] = memory_label(self.device)
         if self.is_main:

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from common.metrics import (MetricsLogger, _merged_length, collective_counts, collective_ms, format_step_line, mfu,
-                            peak_flops_per_device)
+from common.metrics import (MetricsLogger, _merged_length, collective_bytes, collective_counts, collective_ms,
+                            format_step_line, mfu, peak_flops_per_device, state_bytes)
 from common.models import PRESET_COMMON, PRESETS, count_parameters, flops_per_token, load_model, model_config, \
     resolve_model_name
 
@@ -72,40 +72,71 @@ def test_merged_intervals_count_overlap_once():
     assert _merged_length([]) == 0
 
 
-def test_collective_time_is_seen_by_the_profiler():
+def test_collective_time_counts_and_bytes_are_seen_by_the_profiler():
     store = tempfile.NamedTemporaryFile(delete=False).name
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     try:
         tensor = torch.randn(1_000_000)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as with_comm:
+        profile = lambda: torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
+        with profile() as with_comm:
             dist.all_reduce(tensor)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as without_comm:
+            dist.all_gather_into_tensor(torch.empty(1000, dtype=torch.bfloat16), torch.ones(1000, dtype=torch.bfloat16))
+        with profile() as without_comm:
             tensor @ tensor
     finally:
         dist.destroy_process_group()
     assert collective_ms(with_comm) > 0
     assert collective_ms(without_comm) == 0
-    assert collective_counts(with_comm) == {"c10d::allreduce_": 1}
+    assert collective_counts(with_comm) == {"c10d::allreduce_": 1, "c10d::_allgather_base_": 1}
     assert collective_counts(without_comm) == {}
+    # fp32 all-reduce of 1e6 elements, bf16 all-gather of a 1000-element shard (the input each rank hands over)
+    assert collective_bytes(with_comm) == {"gloo:all_reduce": {"calls": 1, "bytes": 4_000_000},
+                                           "gloo:all_gather": {"calls": 1, "bytes": 2_000}}
+    assert collective_bytes(without_comm) == {}
 
 
-def test_summary_excludes_warmup_steps(tmp_path):
-    logger = MetricsLogger(out_dir=tmp_path, total_steps=4, warmup_steps=2, flops_per_token=1e6,
+def test_state_bytes_count_each_storage_once():
+    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Linear(20, 5, bias=False))
+    n = sum(p.numel() for p in model.parameters())  # 220 + 100
+    optimizer = torch.optim.AdamW(model.parameters())
+    assert state_bytes(model.parameters(), optimizer) == dict(weights=4 * n, grads=0, optimizer=0, master=0)
+    model(torch.randn(3, 10)).sum().backward()
+    optimizer.step()
+    flat = torch.zeros(n)  # a master copy as one flat buffer, handed over as views: counted once
+    views = [flat[:220], flat[220:]]
+    measured = state_bytes(model.parameters(), optimizer, master=views)
+    # AdamW: exp_avg and exp_avg_sq per parameter (4 bytes each) + one fp32 step counter per parameter tensor
+    assert measured == dict(weights=4 * n, grads=4 * n, optimizer=8 * n + 3 * 4, master=4 * n)
+
+
+def test_summary_excludes_warmup_and_profiled_steps(tmp_path):
+    logger = MetricsLogger(out_dir=tmp_path, total_steps=5, warmup_steps=2, flops_per_token=1e6,
                            device=torch.device("cpu"), world_size=2, is_main=True)
-    for step, step_ms in enumerate([1000.0, 500.0, 100.0, 300.0], start=1):
+    for step, step_ms in enumerate([1000.0, 500.0, 900.0, 100.0, 300.0], start=1):
         logger.log_step(step, loss=1.0 / step, lr=1e-3, grad_norm=1.0, tokens=1000, loss_tokens=500,
-                        step_ms=step_ms, comm_ms=None if step < 3 else 10.0, print_fn=lambda line: None)
-    summary = logger.write_summary(experiment="test")
-    assert summary["step_ms"] == pytest.approx(200.0)  # steps 3 and 4 only
+                        step_ms=step_ms, comm_ms=10.0 if step == 3 else None, print_fn=lambda line: None)
+    # Step 3 ran under the profiler (comm_ms): slower, so it is left out of the speed averages.
+    summary = logger.write_summary(experiment="test", comm_timer=type("Timer", (), dict(
+        profiled=[3], collectives_per_step=lambda self: {"c10d::allreduce_": 1.0},
+        collective_bytes_per_step=lambda self: {"gloo:all_reduce": {"calls": 1.0, "bytes": 8.0}}))())
+    assert summary["step_ms"] == pytest.approx(200.0)  # steps 4 and 5 only
     assert summary["tokens_per_s"] == pytest.approx((10_000 + 1000 / 0.3) / 2)
     assert summary["tokens_per_s_per_device"] == pytest.approx(summary["tokens_per_s"] / 2)
-    assert summary["comm_ms"] == 10.0 and summary["mfu"] is None and summary["final_loss"] == 0.25
-    assert (summary["measured_steps"], summary["warmup_steps_excluded"]) == (2, 2)
+    assert summary["comm_ms"] == 10.0 and summary["mfu"] is None and summary["final_loss"] == 0.2
+    assert summary["profiled_steps"] == [3] and summary["profiled_step_ms"] == 900.0
+    assert (summary["measured_steps"], summary["timed_steps"], summary["warmup_steps_excluded"]) == (3, 2, 2)
+    assert summary["collective_bytes_per_step"] == {"gloo:all_reduce": {"calls": 1.0, "bytes": 8.0}}
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     assert set(records[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "loss_tokens", "step_ms", "comm_ms",
                                "tokens_per_s", "peak_mem_gib", "mfu"}
+    # A run too short to have unprofiled measured steps averages what it has.
+    short = MetricsLogger(out_dir=tmp_path / "short", total_steps=2, warmup_steps=1, flops_per_token=1e6,
+                          device=torch.device("cpu"), world_size=1, is_main=False)
+    for step in (1, 2):
+        short.log_step(step, 1.0, 1e-3, 1.0, 100, 50, 100.0 * step, None, print_fn=lambda line: None)
+    assert short.averages(profiled=[2])["step_ms"] == 200.0
 
 
 def test_auto_model_on_cpu_is_the_tiny_preset(monkeypatch):

@@ -536,7 +536,7 @@ def main(argv: list[str] | None = None) -> dict:
     drift = replica_drift(list(model.parameters()), tp_mesh)
     print0(f"replicated parameters: largest difference between ranks {drift:.3g}")
     summary = metrics.write_summary(
-        collectives_per_step=comm_timer.collectives_per_step(),  # counted by torch.profiler over the comm_ms window
+        comm_timer=comm_timer,  # comm_ms, collective counts and bytes: torch.profiler over the profiled steps
         experiment=EXPERIMENT, command=launch_command(), commit=git_commit(REPO_ROOT), config=asdict(config), hardware=hardware_info(device, world_size=tp), attention=asdict(attention),
         model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
                    flops_per_token=model_flops_per_token),

@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> dict:
            + ", ".join(f"rank {r} {gib:.2f} GiB" for r, gib in enumerate(peak_mem_gib_per_rank))
            + f" | predicted by common/memory.py: {predicted_peak_mem_gib:.2f} GiB per device")
     summary = metrics.write_summary(
-        collectives_per_step=comm_timer.collectives_per_step(),  # counted by torch.profiler over the comm_ms window
+        comm_timer=comm_timer,  # comm_ms, collective counts and bytes: torch.profiler over the profiled steps
         experiment=EXPERIMENT, command=launch_command(), commit=git_commit(REPO_ROOT), config=asdict(config),
         hardware=hardware_info(device, world_size=world_size), attention=asdict(attention),
         model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
