@@ -409,15 +409,24 @@ def estimate(config_like, strategy: str, world_size: int = 1, *, seq_len: int = 
              activation_checkpointing: bool = False, lora_rank: int = 0, precision: BytesPerParam = PROJECT_BF16,
              attention: str = "sdpa-packed") -> MemoryEstimate:
     """Peak memory of one device (for pp: of the fullest stage), broken down as in the module docstring."""
+    stages = estimate_stages(config_like, strategy, world_size, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                             activation_checkpointing=activation_checkpointing, lora_rank=lora_rank,
+                             precision=precision, attention=attention)
+    return max(stages, key=lambda stage: stage.total_bytes)
+
+
+def estimate_stages(config_like, strategy: str, world_size: int = 1, *, seq_len: int = 1024,
+                    micro_batch_size: int = 1, activation_checkpointing: bool = False, lora_rank: int = 0,
+                    precision: BytesPerParam = PROJECT_BF16, attention: str = "sdpa-packed") -> list[MemoryEstimate]:
+    """The estimate of every distinct device: one per pipeline stage for pp (stage k on rank k), else one for all."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
     if strategy == "single" and world_size != 1:
         raise ValueError("single runs on one device")
     shape = model_shape(config_like)
-    stages = [_estimate_slice(shape, piece, strategy, world_size, micro_batch_size, seq_len,
-                              activation_checkpointing, lora_rank, precision, attention)
-              for piece in device_slices(shape, strategy, world_size, lora_rank)]
-    return max(stages, key=lambda stage: stage.total_bytes)
+    return [_estimate_slice(shape, piece, strategy, world_size, micro_batch_size, seq_len, activation_checkpointing,
+                            lora_rank, precision, attention)
+            for piece in device_slices(shape, strategy, world_size, lora_rank)]
 
 
 def uses_autocast(strategy: str, precision: BytesPerParam) -> bool:
