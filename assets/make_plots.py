@@ -1,35 +1,50 @@
-"""Plots for the devlog and the posts, made only from runs' summary.json and metrics.jsonl (never typed-in numbers).
+"""Figures for the posts and the devlog, made only from runs' summary.json and metrics.jsonl (never typed-in numbers),
+except the one labelled a prediction, which comes from common/memory.py.
 
-    uv run --group plots python assets/make_plots.py runs/sweep-cpu-small --out assets/plots
-    uv run --group plots python assets/make_plots.py runs/single-ft-A runs/fsdp-ft-B runs/pp-ft-C --out assets/plots
+    uv run --group plots python assets/make_plots.py                         # the series' figures -> assets/plots
+    uv run --group plots python assets/make_plots.py --only pp_schedule      # one of them
+    uv run --group plots python assets/make_plots.py runs/a runs/b --out /tmp/plots   # the same figures from any runs
 
-Each argument is a run folder (holding summary.json) or any folder above run folders (a sweep folder): every
-summary.json below it is one run. Writes, into --out:
-- loss_curves.png: loss per step of every run, and each run's relative difference from the reference run
-  (single-ft when present) doing the same step, against the 1e-5 the parity tests allow (fp32);
-- throughput_memory.png: tokens/s and peak memory per run (bars);
-- memory_predicted.png: measured peak memory next to summary.json's `predicted_peak_mem_gib` (common/memory.py),
-  for the runs that have it;
-- pp_bubble.png: measured bubble fraction of pp-ft runs against the number of micro-batches m, with the
-  textbook (p-1)/(m+p-1) of GPipe and 1F1B.
-A plot whose data no run has is skipped with a note, not drawn empty.
+Each figure is two functions: a data function (runs -> rows, plain dicts, no matplotlib) and a draw function
+(rows -> PNG). The rows are written as `<name>.csv` beside `<name>.png`, so every plotted value can be read back,
+and `assets/make_posts.py --check` recomputes the CSVs without matplotlib. FIGURES, at the end of this file, says
+which committed runs (globs under devlog/data) each figure of the series is made from; `assets/make_posts.py`
+draws them all. A figure whose runs are missing, or whose runs hold none of its fields, is skipped with a note.
+
+The figures:
+- loss_curves: loss per step of every run, and each run's relative difference from single-ft doing the same steps,
+  against the 1e-5 the parity tests allow (fp32);
+- throughput_memory: tokens/s and peak memory per run;
+- memory_predicted: measured peak memory beside summary.json's `predicted_peak_mem_gib` (common/memory.py);
+- state_bytes: model-state bytes per rank by kind (weights, gradients, optimizer, master), measured from the
+  tensors each rank holds, beside the prediction;
+- memory_breakdown: common.memory.estimate per strategy for Qwen3-0.6B and 4B on 2 x 24 GB (a prediction, no run);
+- collective_bytes: MiB per optimizer step handed to each backend collective, per strategy (log scale);
+- fsdp_collectives: FSDP's all-gather and reduce-scatter calls per step against grad-accum, measured and formula;
+- ddp_buckets: DDP's all-reduce calls and comm_ms against the bucket size, and per step vs per micro-batch;
+- tp_activations: activation MiB saved for backward by tensor parallelism with and without sequence parallelism;
+- pp_bubble: measured bubble fraction against the number of micro-batches m, with the textbook formulas;
+- pp_schedule: one traced step of each pipeline schedule as a timeline per rank (forward, backward, weight
+  gradient, loss, each box labelled with its micro-batch);
+- sweep: tokens/s and peak memory of every cell of a common.sweep grid.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only; no display needed (CI, ssh sessions)
-import matplotlib.pyplot as plt
-from matplotlib.ticker import MaxNLocator
-
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PLOTS_DIR = Path("assets/plots")  # relative to the repository root
 PARITY_RELATIVE_TOLERANCE = 1e-5  # the tests' bound: fp32 per-step losses match single-ft within this
 SMALLEST_SHOWN_DIFFERENCE = 1e-12  # a log axis cannot show 0: exact matches are drawn at this floor
+MIB, GIB = 2**20, 2**30
+STATE_KINDS = ("weights", "grads", "optimizer", "master")
 # Config fields that, with the model and T_eff, fix every step's rows and update. A run whose config lacks one
 # (TRL's in the peer baseline, which packs its own way) is never taken for a twin of one that has it.
 STEP_SETTINGS = ("data", "seq_len", "seed", "eval_fraction", "packing", "dtype", "lr", "warmup_steps",
@@ -44,6 +59,10 @@ class Run:
     label: str = ""
 
     @property
+    def name(self) -> str:
+        return self.folder.name
+
+    @property
     def config(self) -> dict:
         return self.summary.get("config", {})
 
@@ -54,6 +73,18 @@ class Run:
                 *(self.config.get(key) for key in STEP_SETTINGS))
 
 
+def load_run(folder: Path) -> Run:
+    metrics_path = folder / "metrics.jsonl"
+    steps = ([json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+             if metrics_path.exists() else [])
+    return Run(folder, json.loads((folder / "summary.json").read_text()), steps, label=folder.name)
+
+
+def run_folders(root: Path, pattern: str) -> list[Path]:
+    """The run folders (holding summary.json) that a glob relative to `root` matches, sorted by path."""
+    return sorted(path for path in root.glob(pattern) if (path / "summary.json").is_file())
+
+
 def find_runs(paths: list[Path]) -> list[Run]:
     """Every run folder at or below the given paths, in the order given (then sorted within a folder)."""
     runs = []
@@ -61,145 +92,666 @@ def find_runs(paths: list[Path]) -> list[Run]:
         if not path.exists():
             raise SystemExit(f"{path}: no such folder")
         summaries = [path / "summary.json"] if (path / "summary.json").exists() else sorted(path.rglob("summary.json"))
-        for summary_path in summaries:
-            metrics_path = summary_path.parent / "metrics.jsonl"
-            steps = ([json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-                     if metrics_path.exists() else [])
-            runs.append(Run(summary_path.parent, json.loads(summary_path.read_text()), steps))
+        runs += [load_run(summary.parent) for summary in summaries]
     if not runs:
         raise SystemExit(f"no summary.json under {', '.join(map(str, paths))}")
     # The experiment's name where it is unique, else the folder name (sweep cells' names say what differs).
-    names = [run.summary.get("experiment", run.folder.name) for run in runs]
+    names = [run.summary.get("experiment", run.name) for run in runs]
     for run, name in zip(runs, names):
-        run.label = name if names.count(name) == 1 else run.folder.name
+        run.label = name if names.count(name) == 1 else run.name
     return runs
 
 
+def csv_text(rows: list[dict]) -> str:
+    """The rows as CSV, columns in the first row's order (floats written exactly, as Python's repr)."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+def collective_kind(key: str) -> str:
+    """`gloo:all_reduce` -> `all_reduce`."""
+    return key.split(":", 1)[-1]
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# The plots
+# Data functions: runs -> rows (no matplotlib, so the posts' check can recompute every CSV)
 
 
-def plot_loss_curves(runs: list[Run], out: Path) -> str:
+def loss_curves_data(runs: list[Run]) -> list[dict]:
+    """One row per run and step: the loss, and its relative difference from the reference that did the same steps:
+    the single-ft run with the same step key, else the first run listed with it (empty for the reference itself)."""
     with_steps = [run for run in runs if run.steps]
-    if not with_steps:
-        return "loss_curves.png skipped: no run has metrics.jsonl records"
-    figure, (curves, differences) = plt.subplots(1, 2, figsize=(13, 4.8))
-    # Lines that coincide (the point of a parity plot) stay visible: thinner and dashed as the list goes on.
-    for index, run in enumerate(with_steps):
-        curves.plot([r["step"] for r in run.steps], [r["loss"] for r in run.steps], label=run.label,
-                    color=plt.cm.tab20(index % 20),  # 20 distinct colours: a sweep easily has more than 10 runs
-                    linewidth=max(0.8, 3.0 - 0.5 * index), linestyle=("-", "--", "-.", ":")[index % 4], marker=".")
-    curves.set(xlabel="optimizer step", ylabel="training loss (token-weighted)", title="Loss per step")
-    curves.legend(fontsize="small")
-
-    compared: list[tuple[Run, Run]] = []
+    rows = []
     for run in with_steps:
-        references = [ref for ref in with_steps if ref is not run and ref.step_key() == run.step_key()]
-        references.sort(key=lambda ref: ref.summary.get("experiment") != "single-ft")
-        if not references or run.summary.get("experiment") == "single-ft" or (references[0], run) in compared:
+        twins = [other for other in with_steps if other.step_key() == run.step_key()]
+        references = [t for t in twins if t.summary.get("experiment") == "single-ft"] or twins[:1]
+        reference = None if references[0] is run else references[0]
+        losses = {r["step"]: r["loss"] for r in reference.steps} if reference else {}
+        for record in run.steps:
+            ref_loss = losses.get(record["step"])
+            difference = "" if ref_loss is None else abs(record["loss"] - ref_loss) / abs(ref_loss)
+            rows.append(dict(run=run.label, experiment=run.summary.get("experiment"), step=record["step"],
+                             loss=record["loss"], reference=reference.label if reference else "",
+                             relative_difference=difference))
+    return rows
+
+
+def throughput_memory_data(runs: list[Run]) -> list[dict]:
+    return [dict(run=run.label, experiment=run.summary.get("experiment"),
+                 ranks=run.summary.get("hardware", {}).get("world_size"), tokens_per_s=run.summary["tokens_per_s"],
+                 tokens_per_s_per_device=run.summary.get("tokens_per_s_per_device"),
+                 peak_mem_gib=run.summary.get("peak_mem_gib"), memory_measure=run.summary.get("memory_measure"))
+            for run in runs if run.summary.get("tokens_per_s") is not None]
+
+
+def memory_predicted_data(runs: list[Run]) -> list[dict]:
+    return [dict(run=run.label, experiment=run.summary.get("experiment"),
+                 measured_peak_gib=run.summary.get("peak_mem_gib"),
+                 predicted_peak_gib=run.summary["predicted_peak_mem_gib"],
+                 memory_measure=run.summary.get("memory_measure"))
+            for run in runs if run.summary.get("predicted_peak_mem_gib") is not None]
+
+
+def predicted_state(summary: dict, rank: int) -> dict | None:
+    """common.memory's model-state bytes by kind for one rank: pp predicts each rank, the others one for all."""
+    per_rank = summary.get("predicted_state_bytes_per_rank")
+    if per_rank:
+        return per_rank[rank] if rank < len(per_rank) else None
+    return summary.get("predicted_state_bytes")
+
+
+def state_bytes_data(runs: list[Run]) -> list[dict]:
+    rows = []
+    for run in runs:
+        for rank, measured in enumerate(run.summary.get("state_bytes_per_rank") or []):
+            predicted = predicted_state(run.summary, rank) or {}
+            rows += [dict(run=run.label, rank=rank, kind=kind, measured_bytes=measured.get(kind, 0),
+                          predicted_bytes=predicted.get(kind, "")) for kind in STATE_KINDS]
+    return rows
+
+
+# The prediction drawn without runs: the setting most users ask about (two 24 GB cards, bf16, seq 1024).
+BREAKDOWN_MODELS = ("qwen3-0.6b", "qwen3-4b")
+BREAKDOWN_SETTING = dict(gpus=2, gpu_mem_gb=24, seq_len=1024, micro_batch_size=1)
+BREAKDOWN_PARTS = (("weights", "weights_bytes"), ("grads", "grads_bytes"), ("optimizer", "optimizer_bytes"),
+                   ("master", "master_bytes"), ("bf16 copies", "compute_copy_bytes"),
+                   ("activations", "activations_bytes"), ("logits", "logits_bytes"), ("buffers", "buffers_bytes"))
+
+
+def memory_breakdown_data(runs: list[Run]) -> list[dict]:
+    """common.memory.estimate per strategy and part, GiB per GPU (the fullest pipeline stage for pp)."""
+    from common import memory  # here: it imports torch and transformers, which only this figure needs
+
+    rows = []
+    for model in BREAKDOWN_MODELS:
+        for strategy in memory.STRATEGIES:
+            world = 1 if strategy == "single" else BREAKDOWN_SETTING["gpus"]
+            estimate = memory.estimate(model, strategy, world, seq_len=BREAKDOWN_SETTING["seq_len"],
+                                       micro_batch_size=BREAKDOWN_SETTING["micro_batch_size"],
+                                       precision="bf16")  # each strategy as its experiment runs --dtype bf16
+            usable_gib = BREAKDOWN_SETTING["gpu_mem_gb"] * memory.USABLE_FRACTION
+            rows += [dict(model=model, strategy=strategy, gpus=world, part=part,
+                          gib=getattr(estimate, field) / GIB, total_gib=estimate.total_gib, usable_gib=usable_gib,
+                          host_gib=estimate.cpu_bytes / GIB) for part, field in BREAKDOWN_PARTS]
+    return rows
+
+
+def collective_bytes_data(runs: list[Run]) -> list[dict]:
+    """Rank 0's calls and bytes per optimizer step for every backend collective."""
+    return [dict(run=run.label, experiment=run.summary.get("experiment"), collective=key, calls=entry["calls"],
+                 bytes=entry["bytes"])
+            for run in runs for key, entry in sorted((run.summary.get("collective_bytes_per_step") or {}).items())]
+
+
+def fsdp_collectives_data(runs: list[Run]) -> list[dict]:
+    rows = []
+    for run in runs:
+        measured = run.summary.get("collective_bytes_per_step")
+        if run.summary.get("experiment") != "fsdp-ft" or not measured:
             continue
-        reference = {r["step"]: r["loss"] for r in references[0].steps}
-        pairs = [(r["step"], abs(r["loss"] - reference[r["step"]]) / abs(reference[r["step"]]))
-                 for r in run.steps if r["step"] in reference]
-        differences.plot([step for step, _ in pairs], [max(d, SMALLEST_SHOWN_DIFFERENCE) for _, d in pairs],
-                         marker="o", label=f"{run.label} vs {references[0].label}")
-        compared.append((run, references[0]))
-    differences.axhline(PARITY_RELATIVE_TOLERANCE, color="red", linestyle="--", label="test tolerance (fp32)")
-    differences.set(yscale="log", xlabel="optimizer step", ylabel="|loss - reference| / reference",
-                    title="Difference from the reference on the same steps")
+        formula = run.summary.get("collective_bytes_formula") or {}
+        for key in sorted(set(measured) | set(formula)):
+            rows.append(dict(run=run.label, grad_accum=run.config.get("grad_accum"),
+                             reshard_after_forward=run.config.get("reshard_after_forward"),
+                             reduce_every_micro_batch=run.config.get("reduce_every_micro_batch"), collective=key,
+                             calls_measured=measured.get(key, {}).get("calls", 0),
+                             calls_formula=formula[key]["calls"] if key in formula else ""))
+    return rows
+
+
+def ddp_buckets_data(runs: list[Run]) -> list[dict]:
+    rows = []
+    for run in runs:
+        measured = run.summary.get("collective_bytes_per_step")
+        if run.summary.get("experiment") != "ddp-ft" or not measured:
+            continue
+        all_reduce = {"calls": 0, "bytes": 0}
+        for key, entry in measured.items():
+            if collective_kind(key) == "all_reduce":
+                all_reduce = {"calls": all_reduce["calls"] + entry["calls"],
+                              "bytes": all_reduce["bytes"] + entry["bytes"]}
+        rows.append(dict(run=run.label, bucket_cap_mb=run.config.get("bucket_cap_mb"),
+                         grad_accum=run.config.get("grad_accum"),
+                         reduce_every_micro_batch=bool(run.config.get("reduce_every_micro_batch")),
+                         all_reduce_calls=all_reduce["calls"], all_reduce_mib=all_reduce["bytes"] / MIB,
+                         comm_ms=run.summary.get("comm_ms")))
+    return rows
+
+
+def tp_activations_data(runs: list[Run]) -> list[dict]:
+    return [dict(run=run.label, experiment=run.summary.get("experiment"), seq_len=run.config.get("seq_len"),
+                 sync_qk_norm_grads=run.config.get("sync_qk_norm_grads"), activation_mib=run.summary["activation_mib"])
+            for run in runs if run.summary.get("activation_mib") is not None]
+
+
+def pipeline_shape(summary: dict) -> tuple[str, int, int, int]:
+    """(schedule, p ranks, v stages per rank, m micro-batches) from summary.json's `pipeline` (pp-ft, pp-ds-ft)."""
+    pipeline = summary.get("pipeline", {})
+    p = pipeline.get("ranks", pipeline.get("stages"))
+    return pipeline.get("schedule"), p, pipeline.get("stages_per_rank") or 1, pipeline.get("microbatches")
+
+
+def pp_bubble_data(runs: list[Run]) -> list[dict]:
+    rows = []
+    for run in runs:
+        if run.summary.get("bubble_fraction") is None:
+            continue
+        schedule, p, v, m = pipeline_shape(run.summary)
+        rows.append(dict(run=run.label, schedule=schedule, p=p, v=v, m=m, split=run.config.get("split") or "",
+                         bubble=run.summary["bubble_fraction"],
+                         bubble_per_rank=";".join(repr(b) for b in run.summary.get("bubble_fraction_per_rank", [])),
+                         textbook=run.summary.get("bubble_fraction_textbook"),
+                         formula=run.summary.get("bubble_formula")))
+    return rows
+
+
+def pp_schedule_data(runs: list[Run]) -> list[dict]:
+    """Every action of each run's traced step, times from the step's first action."""
+    rows = []
+    for run in runs:
+        trace = run.summary.get("schedule_trace")
+        if not trace or not trace.get("actions"):
+            continue
+        schedule, p, v, m = pipeline_shape(run.summary)
+        origin = min(action["start_ms"] for action in trace["actions"])
+        rows += [dict(run=run.label, schedule=schedule, p=p, v=v, m=m, step=trace.get("step"),
+                      rank=action["rank"], stage=action["stage"], microbatch=action["microbatch"],
+                      kind=action["kind"], start_ms=action["start_ms"] - origin, end_ms=action["end_ms"] - origin)
+                 for action in trace["actions"]]
+    return rows
+
+
+def sweep_data(runs: list[Run]) -> list[dict]:
+    return [dict(run=run.label, experiment=run.summary.get("experiment"),
+                 micro_batch_size=run.config.get("micro_batch_size"), grad_accum=run.config.get("grad_accum"),
+                 activation_checkpointing=run.config.get("activation_checkpointing"),
+                 tokens_per_s=run.summary["tokens_per_s"], peak_mem_gib=run.summary.get("peak_mem_gib"),
+                 memory_measure=run.summary.get("memory_measure"))
+            for run in runs if run.summary.get("tokens_per_s") is not None]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Draw functions: rows -> PNG (matplotlib is imported only here)
+
+KIND_COLOURS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green", "loss": "tab:gray"}
+KIND_NAMES = {"F": "forward", "B": "backward (input gradient under zbv)", "W": "weight gradient (zbv)",
+              "loss": "loss"}
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display needed (CI, ssh sessions)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(figure, path: Path, top: float = 1.0) -> None:
+    """`top` < 1 keeps that share of the height for a title and legend placed on the figure itself."""
+    figure.tight_layout(rect=(0, 0, 1, top))
+    figure.savefig(path, dpi=120)
+    pyplot().close(figure)
+
+
+def grouped(rows: list[dict], key: str) -> dict:
+    """Rows by the value of `key`, in first-seen order."""
+    groups: dict = {}
+    for row in rows:
+        groups.setdefault(row[key], []).append(row)
+    return groups
+
+
+def number(value) -> float | None:
+    return None if value in ("", None) else float(value)
+
+
+def draw_loss_curves(rows: list[dict], path: Path) -> None:
+    plt = pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    figure, (curves, differences) = plt.subplots(1, 2, figsize=(13, 5))
+    runs = grouped(rows, "run")
+    # Lines that coincide (the point of a parity plot) stay visible: thinner and dashed as the list goes on.
+    for index, (run, points) in enumerate(runs.items()):
+        curves.plot([p["step"] for p in points], [p["loss"] for p in points], label=run,
+                    color=plt.cm.tab20(index % 20), linewidth=max(0.8, 3.0 - 0.4 * index),
+                    linestyle=("-", "--", "-.", ":")[index % 4])
+    curves.set(xlabel="optimizer step", ylabel="training loss (token-weighted)", title="Loss per step, every run")
+    compared = 0
+    for index, (run, points) in enumerate(runs.items()):
+        pairs = [(p["step"], number(p["relative_difference"])) for p in points if p["reference"]]
+        pairs = [(step, d) for step, d in pairs if d is not None]
+        if pairs:
+            differences.plot([s for s, _ in pairs], [max(d, SMALLEST_SHOWN_DIFFERENCE) for _, d in pairs],
+                             marker=".", color=plt.cm.tab20(index % 20), label=f"{run} vs {points[0]['reference']}")
+            compared += 1
+    differences.axhline(PARITY_RELATIVE_TOLERANCE, color="red", linestyle="--", label="tests' tolerance (fp32)")
+    differences.set(yscale="log", xlabel="optimizer step",
+                    ylabel=f"|loss - reference| / reference (0 drawn at {SMALLEST_SHOWN_DIFFERENCE:g})",
+                    title="Relative difference from the reference on the same steps")
+    if not compared:
+        differences.text(0.5, 0.5, "no two runs did the same steps", ha="center", va="center",
+                         transform=differences.transAxes)
     for axis in (curves, differences):
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
-    if not compared:
-        differences.text(0.5, 0.5, "no two runs did the same steps\n(same model, seq_len, seed, T_eff, dtype, lr)",
-                         ha="center", va="center", transform=differences.transAxes)
-    differences.legend(fontsize="small")
-    return save(figure, out / "loss_curves.png")
+        axis.legend(fontsize="x-small", ncol=2)
+    save(figure, path)
 
 
-def plot_throughput_memory(runs: list[Run], out: Path) -> str:
-    measured = [run for run in runs if run.summary.get("tokens_per_s") is not None]
-    if not measured:
-        return "throughput_memory.png skipped: no run has tokens_per_s"
-    labels = [run.label for run in measured]
-    # Horizontal bars: run labels (sweep cell names) are long and stay readable on the y axis.
-    figure, (speed, memory) = plt.subplots(1, 2, figsize=(13, 1.5 + 0.4 * len(measured)), sharey=True)
-    bars = speed.barh(labels, [run.summary["tokens_per_s"] for run in measured], color="tab:blue")
-    speed.bar_label(bars, fmt="{:,.0f}", fontsize="small")
-    speed.set(xlabel="tokens/s (real tokens, all ranks)", title="Throughput")
-    bars = memory.barh(labels, [run.summary.get("peak_mem_gib") or 0.0 for run in measured], color="tab:orange")
-    memory.bar_label(bars, fmt="{:.2f}", fontsize="small")
-    memory.set(xlabel="GiB per device", title=f"Peak memory ({measured[0].summary.get('memory_measure', '?')})")
+def draw_bars(axis, labels: list[str], values: list[float], fmt: str, colour: str) -> None:
+    bars = axis.barh(labels, values, color=colour)
+    axis.bar_label(bars, fmt=fmt, fontsize="small", padding=2)
+    axis.margins(x=0.18)  # room for the value labels at the bars' ends
+
+
+def draw_throughput_memory(rows: list[dict], path: Path) -> None:
+    plt = pyplot()
+    figure, (speed, memory) = plt.subplots(1, 2, figsize=(13, 1.5 + 0.4 * len(rows)), sharey=True)
+    labels = [row["run"] for row in rows]
+    # Horizontal bars: run names are long and stay readable on the y axis.
+    draw_bars(speed, labels, [row["tokens_per_s"] for row in rows], "{:,.0f}", "tab:blue")
+    speed.set(xlabel="tokens/s (real tokens, all ranks)", title="Throughput of each run")
+    draw_bars(memory, labels, [row["peak_mem_gib"] or 0.0 for row in rows], "{:.2f}", "tab:orange")
+    memory.set(xlabel=f"GiB per process: {rows[0]['memory_measure']}", title="Peak memory of each run (rank 0)")
     speed.invert_yaxis()  # first run on top, as listed
-    return save(figure, out / "throughput_memory.png")
+    save(figure, path)
 
 
-def plot_memory_predicted(runs: list[Run], out: Path) -> str:
-    predicted = [run for run in runs if run.summary.get("predicted_peak_mem_gib") is not None]
-    if not predicted:
-        return "memory_predicted.png skipped: no summary.json has predicted_peak_mem_gib"
-    figure, axis = plt.subplots(figsize=(max(7, 1.2 * len(predicted) + 3), 4.8))
-    positions = range(len(predicted))
+def draw_memory_predicted(rows: list[dict], path: Path) -> None:
+    plt = pyplot()
+    figure, axis = plt.subplots(figsize=(max(7, 1.1 * len(rows) + 3), 5))
+    positions = list(range(len(rows)))
     width = 0.4
-    axis.bar([p - width / 2 for p in positions], [run.summary.get("peak_mem_gib") or 0.0 for run in predicted],
-             width, label=f"measured ({predicted[0].summary.get('memory_measure', '?')})")
-    axis.bar([p + width / 2 for p in positions], [run.summary["predicted_peak_mem_gib"] for run in predicted],
-             width, label="predicted (common/memory.py)")
-    axis.set_xticks(list(positions), [run.label for run in predicted], rotation=30, ha="right")
-    axis.set(ylabel="GiB per device", title="Peak memory: measured vs predicted")
+    measured = axis.bar([p - width / 2 for p in positions], [row["measured_peak_gib"] or 0.0 for row in rows], width,
+                        label=f"measured ({rows[0]['memory_measure']})")
+    predicted = axis.bar([p + width / 2 for p in positions], [row["predicted_peak_gib"] for row in rows], width,
+                         label="predicted (common/memory.py)")
+    for bars in (measured, predicted):
+        axis.bar_label(bars, fmt="{:.1f}", fontsize="x-small", padding=2)
+    axis.set_xticks(positions, [row["run"] for row in rows], rotation=30, ha="right")
+    axis.set(ylabel="GiB per device (rank 0)", title="Peak memory: measured beside common/memory.py's prediction")
     axis.legend()
-    return save(figure, out / "memory_predicted.png")
+    save(figure, path)
 
 
-def plot_pp_bubble(runs: list[Run], out: Path) -> str:
-    pipelined = [run for run in runs if run.summary.get("bubble_fraction") is not None]
-    if not pipelined:
-        return "pp_bubble.png skipped: no summary.json has bubble_fraction (pp-ft runs)"
-    figure, axis = plt.subplots(figsize=(7, 4.8))
-    by_schedule: dict[str, list[Run]] = {}
-    for run in pipelined:
-        pipeline = run.summary["pipeline"]
-        by_schedule.setdefault(f"{pipeline['schedule']} (p={pipeline['ranks']})", []).append(run)
-    for schedule, members in sorted(by_schedule.items()):
-        members.sort(key=lambda run: run.summary["pipeline"]["microbatches"])
-        m_values = [run.summary["pipeline"]["microbatches"] for run in members]
-        line, = axis.plot(m_values, [run.summary["bubble_fraction"] for run in members], marker="o",
-                          label=f"measured: {schedule}")
-        # Schedules with their own formula (interleaved, zero-bubble): the run's textbook value, same colour.
-        own_formula = [run for run in members if run.summary.get("bubble_formula") != "(p-1)/(m+p-1)"]
-        if own_formula:
-            axis.plot([run.summary["pipeline"]["microbatches"] for run in own_formula],
-                      [run.summary["bubble_fraction_textbook"] for run in own_formula], marker="x", linestyle=":",
-                      color=line.get_color(), label=f"textbook: {own_formula[0].summary.get('bubble_formula')}")
-    all_m = sorted({run.summary["pipeline"]["microbatches"] for run in pipelined})
+def draw_state_bytes(rows: list[dict], path: Path) -> None:
+    plt = pyplot()
+    bars = grouped(rows, "run")
+    labels = [f"{run}\nrank {rank}" for run, points in bars.items()
+              for rank in dict.fromkeys(p["rank"] for p in points)]
+    figure, axis = plt.subplots(figsize=(max(8, 0.9 * len(labels) + 3), 5.5))
+    width = 0.4
+    colours = dict(zip(STATE_KINDS, ("tab:blue", "tab:orange", "tab:green", "tab:purple")))
+    kinds = [kind for kind in STATE_KINDS if any(number(row["measured_bytes"]) or number(row["predicted_bytes"])
+                                                 for row in rows if row["kind"] == kind)]
+    top = 0.0
+    for offset, column, hatch, what in ((-width / 2, "measured_bytes", "", "measured"),
+                                        (width / 2, "predicted_bytes", "//", "predicted")):
+        bottom = [0.0] * len(labels)
+        for kind in kinds:
+            values = [(number(p[column]) or 0.0) / GIB for points in bars.values()
+                      for p in points if p["kind"] == kind]
+            axis.bar([i + offset for i in range(len(labels))], values, width, bottom=bottom, color=colours[kind],
+                     hatch=hatch, edgecolor="white", label=f"{kind} ({what})")
+            bottom = [b + v for b, v in zip(bottom, values)]
+        top = max(top, *bottom)
+    axis.set_ylim(0, top * 1.3)  # room for the legend above the tallest bar
+    axis.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize="small")
+    axis.set(ylabel="GiB held by the rank",
+             title="Model-state bytes per rank: measured from the rank's tensors (left) vs predicted (right, hatched)")
+    axis.legend(fontsize="x-small", ncol=len(kinds), loc="upper center")
+    save(figure, path)
+
+
+def draw_memory_breakdown(rows: list[dict], path: Path) -> None:
+    plt = pyplot()
+    models = grouped(rows, "model")
+    figure, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5.5), squeeze=False)
+    parts = [part for part in dict.fromkeys(row["part"] for row in rows)
+             if any(row["gib"] for row in rows if row["part"] == part)]
+    for axis, (model, points) in zip(axes[0], models.items()):
+        strategies = list(dict.fromkeys(p["strategy"] for p in points))
+        labels = [f"{s} (x{next(p['gpus'] for p in points if p['strategy'] == s)})" for s in strategies]
+        left = [0.0] * len(strategies)
+        for index, part in enumerate(parts):
+            values = [next(p["gib"] for p in points if p["strategy"] == s and p["part"] == part) for s in strategies]
+            axis.barh(labels, values, left=left, color=plt.cm.tab10(index), label=part)
+            left = [a + b for a, b in zip(left, values)]
+        axis.axvline(points[0]["usable_gib"], color="red", linestyle="--",
+                     label=f"usable: {points[0]['usable_gib']:.1f} GiB of 24 GB")
+        axis.invert_yaxis()
+        axis.set(xlabel="GiB per GPU (predicted)", title=f"{model}: predicted memory per GPU")
+        axis.legend(fontsize="x-small", loc="lower right")
+    figure.suptitle("A prediction, not a measurement: common.memory.estimate, 2 x 24 GB, bf16 (fp32 master), "
+                    "seq 1024, micro-batch 1; fsdp-offload keeps its model states in host memory", fontsize="medium")
+    save(figure, path)
+
+
+def draw_collective_bytes(rows: list[dict], path: Path) -> None:
+    plt = pyplot()
+    runs = list(dict.fromkeys(row["run"] for row in rows))
+    kinds = list(dict.fromkeys(row["collective"] for row in sorted(rows, key=lambda r: r["collective"])))
+    figure, axis = plt.subplots(figsize=(10, 1.5 + 0.55 * len(runs)))
+    height = 0.8 / len(kinds)
+    for index, kind in enumerate(kinds):
+        points = [(runs.index(row["run"]), row["bytes"] / MIB, row["calls"]) for row in rows
+                  if row["collective"] == kind and row["bytes"] > 0]
+        bars = axis.barh([y + (index - (len(kinds) - 1) / 2) * height for y, _, _ in points],
+                         [mib for _, mib, _ in points], height, color=plt.cm.tab10(index), label=kind)
+        axis.bar_label(bars, labels=[f"{mib:,.2f} MiB, {calls:g} calls" for _, mib, calls in points],
+                       fontsize="xx-small", padding=2)
+    axis.set_yticks(range(len(runs)), runs)
+    axis.invert_yaxis()
+    axis.set_xscale("log")
+    axis.margins(x=0.3)
+    axis.set(xlabel="MiB per optimizer step handed to the collective (rank 0, measured, log scale)",
+             title="Collective bytes per step, by strategy")
+    axis.legend(fontsize="small")
+    save(figure, path)
+
+
+def draw_fsdp_collectives(rows: list[dict], path: Path) -> None:
+    plt = pyplot()
+    kinds = list(dict.fromkeys(row["collective"] for row in rows))
+    figure, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4.8), squeeze=False)
+    for axis, kind in zip(axes[0], kinds):
+        points = [row for row in rows if row["collective"] == kind]
+        for index, (setting, label) in enumerate(((True, "reshard after forward"), (False, "no reshard"))):
+            line = sorted((p for p in points if p["reshard_after_forward"] == setting
+                           and not p["reduce_every_micro_batch"]), key=lambda p: p["grad_accum"])
+            if not line:
+                continue
+            ga = [p["grad_accum"] for p in line]
+            axis.plot(ga, [p["calls_measured"] for p in line], marker="o", color=plt.cm.tab10(index),
+                      label=f"measured, {label}")
+            formula = [(p["grad_accum"], number(p["calls_formula"])) for p in line
+                       if number(p["calls_formula"]) is not None]
+            axis.plot([g for g, _ in formula], [c for _, c in formula], linestyle="--", marker="x",
+                      color=plt.cm.tab10(index), label=f"formula, {label}")
+        every = [p for p in points if p["reduce_every_micro_batch"]]
+        if every:
+            axis.scatter([p["grad_accum"] for p in every], [p["calls_measured"] for p in every], marker="s",
+                         color="tab:red", zorder=3, label="measured, reduce every micro-batch")
+        axis.set_xscale("log", base=2)
+        all_ga = sorted({p["grad_accum"] for p in points})
+        axis.set_xticks(all_ga, [str(g) for g in all_ga])
+        axis.set(xlabel="grad-accum (micro-batches per step)", ylabel="calls per optimizer step (rank 0)",
+                 title=f"{kind}")
+        axis.legend(fontsize="x-small")
+    figure.suptitle("FSDP collectives per step against grad-accum: measured (profiler) and common/comm.py's formula")
+    save(figure, path)
+
+
+def draw_ddp_buckets(rows: list[dict], path: Path) -> None:
+    plt = pyplot()
+    figure, (calls, comm, accumulation) = plt.subplots(1, 3, figsize=(16, 4.5))
+    # The bucket runs share grad-accum and sync once per step; the bucket size is the only thing that differs.
+    buckets = sorted((r for r in rows if not r["reduce_every_micro_batch"]), key=lambda r: r["bucket_cap_mb"])
+    ga = {r["grad_accum"] for r in buckets}
+    by_ga = {g: [r for r in buckets if r["grad_accum"] == g] for g in sorted(ga)}
+    for g, line in by_ga.items():
+        if len({r["bucket_cap_mb"] for r in line}) < 2:
+            continue
+        calls.plot([r["bucket_cap_mb"] for r in line], [r["all_reduce_calls"] for r in line], marker="o",
+                   label=f"GA {g}")
+        comm.plot([r["bucket_cap_mb"] for r in line], [r["comm_ms"] for r in line], marker="o", label=f"GA {g}")
+    for axis, ylabel, title in ((calls, "all-reduce calls per optimizer step", "All-reduce calls vs bucket size"),
+                                (comm, "comm_ms per step (profiler)", "Time in collectives vs bucket size")):
+        axis.set(xlabel="--bucket-cap-mb (MiB)", ylabel=ylabel, title=title)
+        if axis.lines:
+            axis.set_xscale("log")
+            axis.legend(fontsize="small")
+        else:
+            axis.text(0.5, 0.5, "needs runs with two or more bucket sizes", ha="center", va="center",
+                      transform=axis.transAxes)
+    labels, values, colours = [], [], []
+    for row in sorted(rows, key=lambda r: (r["grad_accum"], r["reduce_every_micro_batch"], r["bucket_cap_mb"])):
+        when = "every micro-batch" if row["reduce_every_micro_batch"] else "once per step"
+        labels.append(f"GA {row['grad_accum']}, {when}\nbucket {row['bucket_cap_mb']:g} MiB")
+        values.append(row["all_reduce_calls"])
+        colours.append("tab:red" if row["reduce_every_micro_batch"] else "tab:blue")
+    bars = accumulation.barh(labels, values, color=colours)
+    accumulation.bar_label(bars, fmt="{:g}", fontsize="small", padding=2)
+    accumulation.invert_yaxis()
+    accumulation.tick_params(axis="y", labelsize="x-small")
+    accumulation.set(xlabel="all-reduce calls per optimizer step",
+                     title="no_sync: reduce once per step, not per micro-batch")
+    save(figure, path)
+
+
+def draw_tp_activations(rows: list[dict], path: Path) -> None:
+    plt = pyplot()
+    shown = [row for row in rows if row["sync_qk_norm_grads"] is not False]  # a variant with the same activations
+    seqs = sorted({row["seq_len"] for row in shown})
+    experiments = list(dict.fromkeys(row["experiment"] for row in shown))
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    width = 0.8 / len(experiments)
+    for index, experiment in enumerate(experiments):
+        values = [next((r["activation_mib"] for r in shown if r["experiment"] == experiment and r["seq_len"] == s), 0)
+                  for s in seqs]
+        bars = axis.bar([i + (index - (len(experiments) - 1) / 2) * width for i in range(len(seqs))], values, width,
+                        label=experiment)
+        axis.bar_label(bars, fmt="{:.1f}", fontsize="small", padding=2)
+    axis.set_xticks(range(len(seqs)), [f"seq {s}" for s in seqs])
+    axis.margins(y=0.15)  # room for the value labels and the legend
+    axis.set(ylabel="MiB saved for backward (one micro-batch, rank 0)",
+             title="Activation memory: tensor parallel vs tensor + sequence parallel")
+    axis.legend()
+    save(figure, path)
+
+
+def textbook_bubble(p: int, m: float, v: int = 1) -> float:
+    return (p - 1) / (v * m + p - 1)
+
+
+def draw_pp_bubble(rows: list[dict], path: Path) -> None:
+    plt = pyplot()
+    figure, axis = plt.subplots(figsize=(8, 5))
+    # One line per schedule with the even split of the layers; a run with --split moves the stage boundary, so it
+    # is a point of its own.
+    even = [row for row in rows if not row["split"]]
+    for index, (schedule, points) in enumerate(grouped(even, "schedule").items()):
+        points = sorted(points, key=lambda p: p["m"])
+        axis.plot([p["m"] for p in points], [p["bubble"] for p in points], marker="o", color=plt.cm.tab10(index),
+                  label=f"measured: {schedule} (p={points[0]['p']}, v={points[0]['v']})")
+        if points[0]["formula"] != "(p-1)/(m+p-1)":
+            axis.plot([p["m"] for p in points], [p["textbook"] for p in points], marker="x", linestyle=":",
+                      color=plt.cm.tab10(index), label=f"textbook {schedule}: {points[0]['formula']}")
+    for row in rows:
+        if row["split"]:
+            axis.scatter([row["m"]], [row["bubble"]], marker="D", color="black", zorder=3,
+                         label=f"measured: {row['schedule']} --split {row['split']} (m={row['m']})")
+    all_m = sorted({p["m"] for p in rows})
     m_range = [all_m[0] * (all_m[-1] / all_m[0]) ** (i / 50) for i in range(51)]
-    for p in sorted({run.summary["pipeline"]["ranks"] for run in pipelined}):
-        axis.plot(m_range, [(p - 1) / (m + p - 1) for m in m_range], color="gray", linestyle="--",
+    for p in sorted({row["p"] for row in rows}):
+        axis.plot(m_range, [textbook_bubble(p, m) for m in m_range], color="gray", linestyle="--",
                   label=f"textbook (p-1)/(m+p-1), p={p}")
     axis.set_xscale("log", base=2)
     axis.set_xticks(all_m, [str(m) for m in all_m])
     axis.set(xlabel="micro-batches per step m (--grad-accum)", ylabel="bubble fraction (idle / schedule time)",
-             title="Pipeline bubble", ylim=(0, 1))
-    axis.legend(fontsize="small")
-    return save(figure, out / "pp_bubble.png")
+             title="Pipeline bubble: measured (mean over ranks) vs textbook", ylim=(0, 1))
+    axis.legend(fontsize="x-small")
+    save(figure, path)
 
 
-def save(figure, path: Path) -> str:
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return f"wrote {path}"
+def draw_pp_schedule(rows: list[dict], path: Path) -> None:
+    plt = pyplot()
+    from matplotlib.patches import Patch
+
+    runs = grouped(rows, "run")
+    # Each timeline is as tall as its ranks need, plus room for its title.
+    heights = [0.6 * len({a["rank"] for a in actions}) + 0.7 for actions in runs.values()]
+    figure, axes = plt.subplots(len(runs), 1, figsize=(13, 1.0 + sum(heights)), squeeze=False,
+                                gridspec_kw=dict(height_ratios=heights))
+    for axis, (run, actions) in zip(axes[:, 0], runs.items()):
+        ranks = sorted({a["rank"] for a in actions})
+        span = max(a["end_ms"] for a in actions)
+        # With v > 1 a rank holds several stages: the first is drawn plain, the later ones hatched.
+        first_stage = {rank: min(a["stage"] for a in actions if a["rank"] == rank) for rank in ranks}
+        for action in actions:
+            width = action["end_ms"] - action["start_ms"]
+            axis.barh(action["rank"], width, left=action["start_ms"], height=0.7, color=KIND_COLOURS[action["kind"]],
+                      edgecolor="black", linewidth=0.4,
+                      hatch="//" if action["stage"] != first_stage[action["rank"]] else None)
+            if width > span / 70 and action["kind"] != "loss":  # label only boxes wide enough to hold it
+                axis.text(action["start_ms"] + width / 2, action["rank"], str(action["microbatch"]), ha="center",
+                          va="center", fontsize="x-small", color="white")
+        first = actions[0]
+        axis.set_yticks(ranks, [f"rank {r}" for r in ranks])
+        axis.set_ylim(max(ranks) + 0.6, min(ranks) - 0.6)  # rank 0 on top
+        axis.set_xlim(0, span * 1.01)
+        axis.set_title(f"{run}: {first['schedule']}, p={first['p']}, v={first['v']}, m={first['m']} "
+                       f"(step {first['step']}, {span:,.0f} ms)", fontsize="small", loc="left")
+    axes[-1, 0].set_xlabel("ms since the step's first action")
+    kinds = [kind for kind in KIND_COLOURS if any(row["kind"] == kind for row in rows)]
+    handles = [Patch(color=KIND_COLOURS[k], label=KIND_NAMES[k]) for k in kinds]
+    if any(row["v"] > 1 for row in rows):
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="the rank's second stage (v=2)"))
+    heading = 0.6 / figure.get_figheight()  # the title and the legend take a fixed height above the plots
+    figure.suptitle("One step of each pipeline schedule: boxes are a rank computing, numbered by micro-batch; "
+                    "gaps are the bubble", fontsize="medium", y=1 - 0.15 * heading)
+    figure.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.45 * heading), fontsize="small",
+                  ncol=len(handles), frameon=False)
+    save(figure, path, top=1 - heading)
+
+
+def draw_sweep(rows: list[dict], path: Path) -> None:
+    draw_throughput_memory(rows, path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The figures of the series: which committed runs each one is made from
+
+
+@dataclass(frozen=True)
+class Figure:
+    name: str  # assets/plots/<name>.png and .csv
+    title: str  # what the figure compares; the posts use it as the image's alt text
+    runs: tuple[str, ...]  # globs of run folders relative to the repository root; () for a prediction without runs
+    data: Callable[[list[Run]], list[dict]]
+    draw: Callable[[list[dict], Path], None]
+    from_any_runs: bool = True  # also drawn by `make_plots.py RUN_DIR ...` (the sweep's is throughput_memory there)
+
+
+SERIES = "devlog/data/2026-11-23-"
+FIGURES = {figure.name: figure for figure in (
+    Figure("loss_curves", "Loss per step of every strategy on the workload, and its relative difference from single-ft",
+           (SERIES + "workload/*",), loss_curves_data, draw_loss_curves),
+    Figure("throughput_memory", "Tokens/s and peak memory of every strategy on the workload",
+           (SERIES + "workload/*",), throughput_memory_data, draw_throughput_memory),
+    Figure("memory_predicted", "Qwen3-0.6B: measured peak memory beside common/memory.py's prediction",
+           (SERIES + "memory-0.6b/*",), memory_predicted_data, draw_memory_predicted),
+    Figure("state_bytes", "Qwen3-0.6B: model-state bytes per rank by kind, measured vs predicted",
+           (SERIES + "memory-0.6b/*",), state_bytes_data, draw_state_bytes),
+    Figure("memory_breakdown", "Predicted memory per GPU by strategy, Qwen3-0.6B and 4B on 2 x 24 GB (a prediction)",
+           (), memory_breakdown_data, draw_memory_breakdown),
+    Figure("collective_bytes", "Collective bytes per optimizer step by strategy on the workload (measured, log scale)",
+           (SERIES + "workload/*",), collective_bytes_data, draw_collective_bytes),
+    Figure("fsdp_collectives", "FSDP all-gather and reduce-scatter calls per step against grad-accum, with the formula",
+           (SERIES + "fsdp/*",), fsdp_collectives_data, draw_fsdp_collectives),
+    Figure("ddp_buckets", "DDP all-reduce calls and comm_ms against the bucket size",
+           (SERIES + "ddp/*",), ddp_buckets_data, draw_ddp_buckets),
+    Figure("tp_activations", "Activation MiB saved for backward: tensor parallel vs tensor + sequence parallel",
+           (SERIES + "tp/*",), tp_activations_data, draw_tp_activations),
+    Figure("pp_bubble", "Pipeline bubble against micro-batches: measured vs textbook",
+           (SERIES + "pp/*",), pp_bubble_data, draw_pp_bubble),
+    Figure("pp_schedule", "One step of GPipe, 1F1B, interleaved 1F1B and ZBV at m = 4, per rank",
+           tuple(f"{SERIES}pp/pp-ft-{schedule}-m4" for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zbv")),
+           pp_schedule_data, draw_pp_schedule),
+    Figure("sweep", "Sweep cells: tokens/s and peak memory",
+           (SERIES + "sweep/*",), sweep_data, draw_sweep, from_any_runs=False),
+)}
+
+
+def figure_runs(figure: Figure, root: Path) -> tuple[list[Run], list[str]]:
+    """The figure's runs under `root`, and the globs that matched no run folder."""
+    runs, missing = [], []
+    for pattern in figure.runs:
+        folders = run_folders(root, pattern)
+        if not folders:
+            missing.append(pattern)
+        runs += [load_run(folder) for folder in folders if folder not in [run.folder for run in runs]]
+    return runs, missing
+
+
+def figure_rows(figure: Figure, root: Path = REPO_ROOT) -> tuple[list[dict] | None, str]:
+    """(rows, "") or (None, why the figure cannot be made from the runs under `root`)."""
+    runs, missing = figure_runs(figure, root)
+    if missing:
+        return None, f"no run folder matches {', '.join(missing)}"
+    rows = figure.data(runs)
+    if not rows:
+        return None, f"its runs ({', '.join(figure.runs)}) hold none of the fields it plots"
+    return rows, ""
+
+
+def write_figure(figure: Figure, rows: list[dict], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{figure.name}.csv").write_text(csv_text(rows))
+    figure.draw(rows, out / f"{figure.name}.png")
+
+
+def draw_series(root: Path = REPO_ROOT, names: list[str] | None = None, print_fn=print) -> None:
+    """Draw the registered figures (all, or `names`) from the runs under `root` into root/assets/plots."""
+    for name in list(FIGURES) if names is None else names:
+        figure = FIGURES[name]
+        rows, why = figure_rows(figure, root)
+        if rows is None:
+            print_fn(f"{name}: skipped, {why}")
+            continue
+        write_figure(figure, rows, root / PLOTS_DIR)
+        print_fn(f"{name}: wrote {PLOTS_DIR / name}.png and .csv ({len(rows)} rows)")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", type=Path, help="run folders, or folders above them (a sweep)")
-    parser.add_argument("--out", type=Path, default=Path("assets/plots"))
+    parser.add_argument("runs", nargs="*", type=Path,
+                        help="run folders, or folders above them (a sweep); none: the series' figures (FIGURES)")
+    parser.add_argument("--out", type=Path, help="where the PNGs and CSVs go (default assets/plots)")
+    parser.add_argument("--only", nargs="+", choices=sorted(FIGURES), help="draw only these figures")
     args = parser.parse_args(argv)
+    if not args.runs:
+        if args.out:
+            parser.error("--out goes with run folders; the series' figures always go to assets/plots")
+        draw_series(REPO_ROOT, args.only)
+        return
     runs = find_runs(args.runs)
-    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out or REPO_ROOT / PLOTS_DIR
     print(f"{len(runs)} runs: {', '.join(run.label for run in runs)}")
-    for plot in (plot_loss_curves, plot_throughput_memory, plot_memory_predicted, plot_pp_bubble):
-        print(plot(runs, args.out))
+    for name in args.only or list(FIGURES):
+        figure = FIGURES[name]
+        if not figure.runs or not figure.from_any_runs:
+            continue  # a prediction without runs, or a series' own view of figures drawn here anyway
+        rows = figure.data(runs)
+        if not rows:
+            print(f"{name}: skipped, no run holds the fields it plots")
+            continue
+        write_figure(figure, rows, out)
+        print(f"{name}: wrote {out / name}.png and .csv")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     uv run python -m common.memory --model qwen3-0.6b --gpus 2 --gpu-mem-gb 32 --seq-len 1024
     uv run python -m common.memory --model qwen3-4b --gpus 1 --gpu-mem-gb 24 --activation-checkpointing --lora-rank 16
+    uv run python -m common.memory --model qwen3-4b --gpus 8 --gpu-mem-gb 24 --dtype fp32 --grad-accum 4
     uv run python -m common.memory --zero-paper          # reproduce Figure 1 of the ZeRO paper
 
 The peak of one device is taken as the sum of everything below. That is what happens once a step holds the
@@ -22,13 +23,31 @@ gradients of activations inside one layer's backward, the input ids and labels.
      For Psi = 7.5e9 and N_d = 64 that is 120 GB, 31.4 GB, 16.6 GB and 1.9 GB (GB = 1e9 bytes), the paper's numbers.
    - BF16_RULE_OF_THUMB: bf16 weights 2 + bf16 gradients 2 + fp32 AdamW moments 8 = 12 bytes per parameter, no
      master copy (the usual back-of-envelope figure: a 7B model needs 84 GB before activations).
-   - PROJECT_BF16: what the experiments do under `--dtype bf16`: the weights stay fp32 and are the master copy
-     (4), fp32 gradients (4), fp32 AdamW m and v (8): 16 bytes per parameter. The bf16 copies the matrix multiplies
-     read are made by torch.autocast (single, ddp, tp, pp), which caches the cast of every trainable
-     weight for the whole forward, or by FSDP2's MixedPrecisionPolicy(param_dtype=bf16) (fsdp), which
-     all-gathers each layer in bf16 just before it runs. PROJECT_FP32 (`--dtype fp32`): 4 + 4 + 8, no copies.
+   - PROJECT_BF16: what single, ddp, tp, tp-sp, pp and fsdp do under `--dtype bf16`: the weights stay fp32 and
+     are the master copy (4), fp32 gradients (4), fp32 AdamW m and v (8): 16 bytes per parameter. The bf16 copies
+     the matrix multiplies read are made by torch.autocast (single, ddp, tp, pp), which caches the cast of every
+     trainable weight for the whole forward, or by FSDP2's MixedPrecisionPolicy(param_dtype=bf16,
+     reduce_dtype=fp32) (fsdp), which all-gathers each layer in bf16 just before it runs. PROJECT_FP32
+     (`--dtype fp32`): 4 + 4 + 8, no copies.
+   - DEEPSPEED_BF16: what zero-ft does under `--dtype bf16`, DeepSpeed's own bf16 mode (no autocast): the module
+     itself is bf16 (2), gradients accumulate in fp32 (4, data_types.grad_accum_dtype), the optimizer keeps an fp32
+     master copy (4) and AdamW m and v (8): 18 bytes per parameter. DEEPSPEED_FP32 (`--dtype fp32`): the module
+     stays fp32 (4) and ZeRO still clones this rank's partition into a separate fp32 master copy (4), + 4 + 8 = 20.
+   strategy_precision() is the one place that says which strategy keeps which: the command line (--dtype),
+   recommend() and every experiment's predict_peak_gib() take it from there; a BytesPerParam given instead
+   (--precision zero-paper) prices every strategy with that one convention.
    With LoRA only the adapter's parameters have gradients and optimizer state; the frozen base weights cost
-   `weights` bytes each.
+   `weights` bytes each (bf16 ones under DeepSpeed, which casts every parameter of the module).
+   What DeepSpeed 0.19.8 allocates for these states (runtime/bf16_optimizer.py, zero/stage_1_and_2.py,
+   zero/stage3.py), in bytes per parameter, P parameters sharded over N ranks:
+       zero-1, bf16   BF16_Optimizer (DeepSpeed's choice for stage 1 with bf16 weights and fp32 accumulation):
+                      bf16 weights 2 + the bf16 gradients autograd writes 2 + a full fp32 gradient buffer 4
+                      + (fp32 master 4 + AdamW 8) / N  =  8 + 12/N
+       zero-1, fp32   fp32 weights 4 + full fp32 gradients 4 (reduced only at the last micro-batch) + (4 + 8) / N
+       zero-2         bf16: 2 + (fp32 gradient partition 4 + master 4 + AdamW 8) / N = 2 + 16/N; fp32: 4 + 16/N
+       zero-3         bf16: (2 + 4 + 4 + 8) / N = 18/N; fp32: 20/N; and parameters of fewer than
+                      stage3_param_persistence_threshold = 1e5 elements (the norms, most LoRA adapters) are
+                      gathered once and never released: every rank keeps them whole beside their partition (+2)
 
 2. Activations, bytes per token saved for backward by one decoder layer. The method is that of Korthikanti et
    al. 2022, "Reducing Activation Recomputation in Large Transformer Models", section 4 (list every tensor autograd
@@ -64,27 +83,80 @@ gradients of activations inside one layer's backward, the input ids and labels.
    fp32 tensors alive together inside the cross-entropy backward (log-probabilities, their gradient, the logits'
    gradient): c + 12 bytes per element, at the very start of backward, when every activation is still alive.
 
-4. Temporary buffers:
-   - ddp: PyTorch's reducer copies every gradient into flat all-reduce buckets (gradient_as_bucket_view=False,
-     the default): a second copy of the gradients.
-   - zero-1, zero-2: DeepSpeed's reduce bucket, `reduce_bucket_size` = 5e8 elements by default, in the
-     gradient dtype (at most the trainable parameter count).
-   - zero-3, fsdp: the unsharded units. FSDP2 never reshards the root module (embedding, final norm and, when
-     untied, the LM head) between forward and backward, and it all-gathers the next layer while the current one
-     runs: root + 2 layers of weights in the compute dtype, and root + 1 layer of unsharded gradients.
-   - fsdp-offload: the same units; the sharded weights, gradients and optimizer state sit in CPU memory.
+4. Temporary buffers, in the `buffers` column (symbols: c compute bytes, w the weights' bytes, T trainable
+   parameters, E elements of the largest trainable parameter, B = reduce_bucket_size = 5e8 elements):
+   - ddp: none. ddp-ft passes gradient_as_bucket_view=True, so the gradients are views into the all-reduce buckets
+     (the default, False, would copy every gradient into a second, bucketed copy).
+   - zero-1 under bf16: BF16_Optimizer all-reduces its fp32 gradient buffer in place, one param group at a time;
+     only when the group of matrices has at most 5e8 elements (the engine's all-reduce bucket) are both groups
+     flattened into one copy first, 4 T (small models only).
+   - zero-1 under fp32, zero-2, zero-3: the reduce bucket, allocated at its full B elements whatever the trainable
+     count (a LoRA run pays it too), in the module's dtype for stages 1-2 (w B: 0.93 GiB in bf16) and in the fp32
+     communication dtype for stage 3 (4 B), plus the fp32 tensor that the collective reduces, flattened from one
+     full bucket (4 min(B, T): 1.86 GiB). Stages 2-3 also hold each gradient as autograd writes it (c bytes) until
+     it is copied into the bucket; the largest, a tied embedding whose LM-head half arrives at the start of
+     backward and embedding half at its end, is alive for all of it: c E.
+   - zero-3: the gathered parameters, in the weights' dtype. zero3_gathered_elements() replays one step of
+     DeepSpeed's parameter coordinator with zero-ft's defaults (prefetch 5e7, max live 1e9, reuse distance 1e9
+     elements): 1.39e9 elements for Qwen3-4B (2.6 GiB in bf16), 1.31e9 for 1.7B, the whole 0.6B model (5.96e8).
+     On one rank nothing is gathered: a parameter becomes a view of its (whole) partition.
+   - fsdp: the unsharded units. FSDP2 never reshards the root module (embedding, final norm and, when untied, the
+     LM head) between forward and backward, and it all-gathers the next layer while the current one runs: root +
+     2 layers of weights in the compute dtype. A unit's gradients arrive in c bytes and are copied into an fp32
+     reduce-scatter input (the reduce dtype); the root's reduce-scatter waits for the embedding's gradient at the
+     end of backward: max(c root + (c + 4) layer, (c + 4) root) of trainable parameters. With --grad-accum > 1
+     fsdp-ft reduce-scatters only in the last micro-batch: until then every unit keeps its unsharded gradients,
+     upcast to fp32 to accumulate: 4 T + (c + 4) layer (estimate(grad_accum=...)).
    - tp, tp-sp, pp: none counted (their all-gather and send/receive buffers are a few hidden-state tensors).
-   Tensor parallelism shards the decoder layers' linear weights as transformers' Qwen3 tp_plan does; the
-   embedding (tied with the LM head) and the norms are replicated, and the logits are gathered on every rank.
+   Tensor parallelism shards the decoder layers' linear weights and, as tp-ft and tp-sp-ft do, the embedding and
+   the LM head over the vocabulary (tied or not: each rank holds V/t rows); the norms are replicated. With loss
+   parallel (their default) each rank computes and keeps only its V/t columns of the logits.
    Pipeline parallelism (1F1B, at least as many micro-batches as stages) splits the layers evenly, puts the
    embedding on the first stage and the final norm and LM head on the last (a tied head becomes a second copy
-   there); stage k keeps p - k micro-batches of activations in flight, so the first stage holds p.
+   there, frozen under LoRA like the embedding); stage k keeps p - k micro-batches of activations in flight, so
+   the first stage holds p.
+
+5. CPU offload (`cpu_bytes`: host memory per rank; `cpu_buffers_bytes`: its staging buffers):
+   - zero-2-offload (ZeRO-Offload, offload_optimizer device cpu): the GPU keeps the weights (w P) and the buffers
+     of section 4 plus a staging buffer for one gradient (w E); the host keeps the fp32 master partition, the fp32
+     gradient partition and AdamW's m and v, (4 + 4 + 8) T / N, and copies in the weights' dtype of this rank's
+     partition (w T / N) and of the largest gradient (w E).
+   - zero-3-offload (offload_optimizer device cpu, parameters on the GPU): the GPU keeps its partition of the
+     weights (w P / N), the persistent parameters and the buffers of section 4; the host keeps (4 + 4 + 8) T / N.
+   - fsdp-offload: the GPU keeps the units of section 4; the host keeps every sharded state, (4 + 4 + 8) P / N.
+
+6. Where this model and DeepSpeed's estimators differ, and why. DeepSpeed prints per-GPU and per-node estimates of
+   model states (deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs_all_cold,
+   zero.stage3.estimate_zero3_model_states_mem_needs_all_cold). Both sides assume full SFT (every parameter
+   trainable), bf16 weights with an fp32 master copy and fp32 AdamW m and v, N GPUs on one node, and they agree on
+   those states: ZeRO-3's 18 P / N is this model's (2 + 4 + 4 + 8) P / N, the offloaded optimizer's 16 P is this
+   model's (4 + 4 + 8) P / N summed over the ranks, and ZeRO-Offload's GPU 2 P is this model's bf16 weights.
+   They differ where DeepSpeed's formulas simplify (tests/test_memory.py reconciles them term by term):
+   - ZeRO-2 gradients: DeepSpeed counts 2 + 18 P / N, its 18 being 16-bit gradients 2 + fp32 gradients 4 + fp32
+     master 4 + AdamW 8. Stage 2 keeps no 16-bit gradient partition (each bf16 gradient is staged in the reduce
+     bucket and reduced into the fp32 partition), so this model has 2 + 16 P / N: 2 P / N less.
+   - Buffers: DeepSpeed's estimators leave out the reduce bucket and its flattened fp32 copy (w B + 4 B: 2.8 GiB
+     in bf16 stages 1-2, 3.7 GiB in stage 3, whatever N) and the gradient of the largest parameter (c E: 0.72 GiB
+     for Qwen3-4B's embedding), which this model counts.
+   - ZeRO-3 working set: DeepSpeed adds 4 bytes x largest_layer_params, the largest module gathered in 16 bits (2)
+     with its 16-bit gradient (2). This model keeps the gradient half (c E) but replaces the gathered half by what
+     the coordinator really keeps gathered, w x zero3_gathered_elements() (1.39e9 elements rather than 3.9e8 for
+     Qwen3-4B), adds the persistent parameters, whole on every rank, and the bucket above.
+   - ZeRO-1 has no estimator of its own; zero-ft's bf16 ZeRO-1 (BF16_Optimizer) keeps 8 + 12 P / N.
+   - Host memory: DeepSpeed's per-node estimates multiply by additional_buffer_factor = 1.5, a margin, and take the
+     larger of the optimizer's 16 P and 4 P per GPU for each process loading the fp32 model into host memory
+     (ZeRO-2 offload, ZeRO-3 without zero.Init; zero-ft builds a preset whole on the host before DeepSpeed takes
+     it, which is a peak at start-up, not during training). This model counts neither, and adds DeepSpeed's host
+     staging copies (w T / N + w E per rank for ZeRO-Offload). Without offload DeepSpeed prints 4 P x N x 1.5 of
+     host memory for loading the model; this model counts no host memory there.
+   - Outside model states DeepSpeed counts nothing: no activations, logits or autocast copies (sections 2-3).
 """
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from functools import lru_cache
 from types import SimpleNamespace
 
 from transformers import PretrainedConfig
@@ -96,29 +168,47 @@ GB = 1e9  # the ZeRO paper's unit
 # Share of a GPU's memory a run can fill: the rest goes to the CUDA/HIP context, cuBLAS and NCCL workspaces and
 # allocator fragmentation. GPU makers' "24 GB" is 24 GiB of address space (an RTX 4090 has 24,564 MiB).
 USABLE_FRACTION = 0.90
-DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default zero_optimization.reduce_bucket_size
 FP32_BYTES = 4
 CROSS_ENTROPY_FP32_BUFFERS = 3  # log-probabilities, their gradient, the logits' gradient
 LORA_PROJECTIONS = 7  # q, k, v, o, gate, up, down: every linear of a decoder layer, as the experiments adapt
 DEFAULT_LORA_RANK = 16  # what the recommendation falls back to when full SFT fits nowhere
+# DeepSpeed's defaults, which zero-ft leaves as they are (deepspeed/runtime/zero/config.py, runtime/engine.py)
+DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000  # zero_optimization.reduce_bucket_size
+DEEPSPEED_ALLREDUCE_BUCKET_ELEMENTS = 500_000_000  # the engine's all-reduce bucket (MEMORY_OPT_ALLREDUCE_SIZE)
+DEEPSPEED_PREFETCH_BUCKET_ELEMENTS = 50_000_000  # stage3_prefetch_bucket_size
+DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold: smaller ones stay gathered
+DEEPSPEED_MAX_LIVE_PARAMETERS = 1_000_000_000  # stage3_max_live_parameters (bounds prefetching only)
+DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000  # stage3_max_reuse_distance, in parameter elements
 
-STRATEGIES = ("single", "ddp", "zero-1", "zero-2", "zero-3", "fsdp", "fsdp-offload", "tp", "tp-sp", "pp")
+STRATEGIES = ("single", "ddp", "zero-1", "zero-2", "zero-3", "fsdp", "tp", "tp-sp", "pp",
+              "zero-2-offload", "zero-3-offload", "fsdp-offload")
 # Which model states a strategy divides by the data-parallel world size: (weights, gradients, optimizer + master).
 DATA_PARALLEL_SHARDING = {
     "single": (False, False, False), "ddp": (False, False, False),
-    "zero-1": (False, False, True), "zero-2": (False, True, True),
-    "zero-3": (True, True, True), "fsdp": (True, True, True), "fsdp-offload": (True, True, True),
+    "zero-1": (False, False, True), "zero-2": (False, True, True), "zero-2-offload": (False, True, True),
+    "zero-3": (True, True, True), "zero-3-offload": (True, True, True),
+    "fsdp": (True, True, True), "fsdp-offload": (True, True, True),
     "tp": (False, False, False), "tp-sp": (False, False, False), "pp": (False, False, False),
 }
-UNIT_SHARDED = ("zero-3", "fsdp", "fsdp-offload")  # gather one unit (layer) at a time in the compute dtype
+DEEPSPEED_STRATEGIES = ("zero-1", "zero-2", "zero-3", "zero-2-offload", "zero-3-offload")  # zero-ft
+ZERO3_STRATEGIES = ("zero-3", "zero-3-offload")  # DeepSpeed gathers each module's parameters as it runs
+FSDP_STRATEGIES = ("fsdp", "fsdp-offload")  # FSDP2 gathers one unit (decoder layer, root) at a time
+UNIT_SHARDED = ZERO3_STRATEGIES + FSDP_STRATEGIES  # weights sharded, gathered in the compute dtype to run
+# The model states each offloading strategy keeps in host memory instead of on the GPU.
+OFFLOADED_STATES = {"zero-2-offload": ("grads", "optimizer", "master"),
+                    "zero-3-offload": ("grads", "optimizer", "master"),
+                    "fsdp-offload": ("weights", "grads", "optimizer", "master")}
 ATTENTION_KINDS = ("sdpa-packed", "sdpa", "flash")
+DTYPES = ("bf16", "fp32")  # the experiments' --dtype
 # How to run each strategy in this repository (the README's experiments table).
 RUN_WITH = {
     "single": "experiments/single-ft/train.py", "ddp": "experiments/ddp-ft/train.py",
     "zero-1": "experiments/zero-ft/train.py --zero-stage 1", "zero-2": "experiments/zero-ft/train.py --zero-stage 2",
     "zero-3": "experiments/zero-ft/train.py --zero-stage 3", "fsdp": "experiments/fsdp-ft/train.py",
-    "fsdp-offload": "experiments/fsdp-ft/train.py --cpu-offload", "tp": "experiments/tp-ft/train.py",
-    "tp-sp": "experiments/tp-sp-ft/train.py", "pp": "experiments/pp-ft/train.py",
+    "tp": "experiments/tp-ft/train.py", "tp-sp": "experiments/tp-sp-ft/train.py", "pp": "experiments/pp-ft/train.py",
+    "zero-2-offload": "experiments/zero-ft/train.py --zero-stage 2 --cpu-offload",
+    "zero-3-offload": "experiments/zero-ft/train.py --zero-stage 3 --cpu-offload",
+    "fsdp-offload": "experiments/fsdp-ft/train.py --cpu-offload",
 }
 
 
@@ -157,7 +247,31 @@ PROJECT_FP32 = BytesPerParam("project-fp32", weights=4, grads=4, optimizer=8, ma
 # accumulation 4 (data_types.grad_accum_dtype), fp32 master copy 4 and AdamW moments 8 in the optimizer.
 DEEPSPEED_BF16 = BytesPerParam("deepspeed-bf16", weights=2, grads=4, optimizer=8, master=4, compute=2,
                                description="DeepSpeed bf16: bf16 weights 2 + fp32 grads 4 + fp32 master 4 + m, v 8")
-PRECISIONS = {p.name: p for p in (PROJECT_BF16, PROJECT_FP32, ZERO_PAPER, BF16_RULE_OF_THUMB, DEEPSPEED_BF16)}
+# DeepSpeed without bf16 (zero-ft --dtype fp32): the module stays fp32, and ZeRO still clones this rank's partition
+# of it into a separate fp32 master copy (stages 1-2: single_partition_of_fp32_groups; stage 3:
+# fp32_partitioned_groups_flat), so the master costs 4 bytes more than the weights alone.
+DEEPSPEED_FP32 = BytesPerParam("deepspeed-fp32", weights=4, grads=4, optimizer=8, master=4, compute=4,
+                               description="DeepSpeed fp32: fp32 weights 4 + grads 4 + fp32 master copy 4 + m, v 8")
+PRECISIONS = {p.name: p for p in (PROJECT_BF16, PROJECT_FP32, ZERO_PAPER, BF16_RULE_OF_THUMB, DEEPSPEED_BF16,
+                                  DEEPSPEED_FP32)}
+
+
+def strategy_precision(strategy: str, dtype: str = "bf16") -> BytesPerParam:
+    """The bytes per parameter that the experiment running `strategy` keeps under `--dtype dtype`: DeepSpeed's own
+    layouts for zero-ft (DeepSpeed's bf16 mode, no autocast), fp32 weights that are their own master copy for
+    every other experiment (autocast or FSDP2's mixed-precision policy make the bf16 copies). The one place the
+    command line, recommend() and the experiments' predict_peak_gib() take it from."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if strategy in DEEPSPEED_STRATEGIES:
+        return DEEPSPEED_BF16 if dtype == "bf16" else DEEPSPEED_FP32
+    return PROJECT_BF16 if dtype == "bf16" else PROJECT_FP32
+
+
+def resolve_precision(strategy: str, precision: BytesPerParam | str) -> BytesPerParam:
+    """`precision` as given (one convention for every strategy, e.g. ZERO_PAPER), or a --dtype ("bf16", "fp32")
+    turned into what that strategy's experiment keeps (strategy_precision)."""
+    return strategy_precision(strategy, precision) if isinstance(precision, str) else precision
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -260,6 +374,118 @@ def zero_paper_figure1(parameters: float = 7.5e9, devices: int = 64) -> list[tup
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Parameters module by module: what DeepSpeed's ZeRO-3 keeps whole, gathers and releases
+Module = tuple[tuple[str, int, bool], ...]  # one leaf module's own parameters: (name, elements, trainable)
+
+
+def leaf_modules(shape: ModelShape, lora_rank: int = 0) -> tuple[Module, list[list[Module]], list[Module]]:
+    """The embedding, the decoder layers' leaf modules and the final norm + LM head, each in the order the forward
+    runs them (Qwen3: q_proj then q_norm, k_proj then k_norm, v_proj, o_proj; gate, up, down). peft's LoRA puts
+    the base weight and the adapters' A and B in three modules of their own. A tied LM head is the embedding's
+    parameter again; only the adapters are trainable under LoRA, everything is in full SFT. Counted from the
+    geometry: the extra parameters of a stated total (ModelShape.parameters) are not listed."""
+    d, q, kv, inner, h = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, \
+        shape.intermediate, shape.head_dim
+    full = lora_rank == 0
+
+    def linear(name: str, inputs: int, outputs: int) -> list[Module]:
+        base = ((name, inputs * outputs, full),)
+        if full:
+            return [base]
+        return [base, ((f"{name}.lora_A", lora_rank * inputs, True),),
+                ((f"{name}.lora_B", outputs * lora_rank, True),)]
+
+    layers = []
+    for index in range(shape.layers):
+        p = f"layers.{index}."
+        layers.append([((p + "input_layernorm", d, full),), *linear(p + "q_proj", d, q), ((p + "q_norm", h, full),),
+                       *linear(p + "k_proj", d, kv), ((p + "k_norm", h, full),), *linear(p + "v_proj", d, kv),
+                       *linear(p + "o_proj", q, d), ((p + "post_attention_layernorm", d, full),),
+                       *linear(p + "gate_proj", d, inner), *linear(p + "up_proj", d, inner),
+                       *linear(p + "down_proj", inner, d)])
+    embedding = (("embed_tokens", shape.embedding_parameters, full),)
+    head = embedding if shape.tied_embeddings else (("lm_head", shape.embedding_parameters, full),)
+    return embedding, layers, [(("norm", d, full),), head]
+
+
+def zero3_persistent_parameters(shape: ModelShape, lora_rank: int = 0) -> int:
+    """Elements of the parameters ZeRO-3 never releases once gathered (fewer than stage3_param_persistence_threshold
+    elements each): every rank keeps them whole beside its partition. For Qwen3: the norms, most LoRA adapters."""
+    embedding, layers, tail = leaf_modules(shape, lora_rank)
+    unique = {name: elements for module in (embedding, *(m for layer in layers for m in layer), *tail)
+              for name, elements, _ in module}
+    return sum(n for n in unique.values() if n < DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD)
+
+
+def largest_trainable_parameter(shape: ModelShape, lora_rank: int = 0) -> int:
+    """Elements of the largest trainable parameter (the embedding in full SFT, an adapter matrix with LoRA)."""
+    embedding, layers, tail = leaf_modules(shape, lora_rank)
+    return max(n for module in (embedding, *layers[0], *tail) for _, n, trainable in module if trainable)
+
+
+@lru_cache(maxsize=None)
+def zero3_gathered_elements(shape: ModelShape, lora_rank: int = 0, activation_checkpointing: bool = False) -> int:
+    """The most parameter elements ZeRO-3 holds gathered at once during one training step, under zero-ft's defaults.
+
+    DeepSpeed's PartitionedParameterCoordinator replays the order of the first step: before a module runs it
+    all-gathers the module's parameters and prefetches the next ones, up to stage3_prefetch_bucket_size elements
+    (and while fewer than stage3_max_live_parameters are gathered); after it runs, it releases each parameter
+    unless the same parameter is used again within the next stage3_max_reuse_distance elements of the order
+    (deepspeed/runtime/zero/partitioned_param_coordinator.py, __params_to_release). Both keep far more than the
+    module running: prefetching goes on, one bucket per module, until 1e9 elements are gathered, and a model
+    smaller than the reuse window (Qwen3-0.6B, 5.96e8 elements) is never released at all. Parameters under
+    stage3_param_persistence_threshold are never released either (zero3_persistent_parameters) and are not
+    counted here. With activation checkpointing, backward runs each layer's forward again just before the
+    layer's backward."""
+    embedding, layers, tail = leaf_modules(shape, lora_rank)
+    order = [embedding, *(module for layer in layers for module in layer), *tail, *reversed(tail)]
+    for layer in reversed(layers):
+        order += [*(layer if activation_checkpointing else []), *reversed(layer)]
+    order.append(embedding)
+    gathered = [[(name, n) for name, n, _ in module if n >= DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD]
+                for module in order]
+    # Elements traversed before each step (every parameter counts, persistent ones too), and where each gathered
+    # parameter is used next.
+    before = [0]
+    for module in order:
+        before.append(before[-1] + sum(n for _, n, _ in module))
+    next_use, seen = [dict() for _ in order], {}
+    for step in range(len(order) - 1, -1, -1):
+        next_use[step] = {name: seen.get(name) for name, _ in gathered[step]}
+        seen.update({name: step for name, _ in gathered[step]})
+    queue = [(step, name, n) for step, module in enumerate(gathered) for name, n in module]  # the prefetch queue
+
+    live: dict[str, int] = {}
+    fetched_for: dict[str, int] = {}  # the latest step a parameter was fetched or prefetched for
+    position = peak = 0
+    for step, module in enumerate(gathered):
+        for name, n in module:
+            live[name] = n
+        while position < len(queue) and queue[position][0] <= step:
+            fetched_for[queue[position][1]] = max(fetched_for.get(queue[position][1], 0), queue[position][0])
+            position += 1
+        budget, prefetched = min(DEEPSPEED_MAX_LIVE_PARAMETERS - sum(live.values()),
+                                 DEEPSPEED_PREFETCH_BUCKET_ELEMENTS), 0
+        while position < len(queue) and prefetched < budget:
+            for_step, name, n = queue[position]
+            fetched_for[name] = max(fetched_for.get(name, 0), for_step)
+            if name not in live:
+                live[name] = n
+                prefetched += n
+            position += 1
+        peak = max(peak, sum(live.values()))
+        for name, _ in module:
+            reused = next_use[step][name]
+            # Kept: used again before the reuse window (the elements after this step) reaches its limit, or
+            # prefetched for a later step.
+            if (reused is not None and before[reused] - before[step + 1] < DEEPSPEED_MAX_REUSE_DISTANCE) \
+                    or fetched_for.get(name, 0) > step:
+                continue
+            live.pop(name, None)
+    return peak
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Activations
 def layer_activation_terms(shape: ModelShape, *, compute_bytes: int, autocast: bool, seq_len: int,
                            attention: str = "sdpa-packed", lora_rank: int = 0) -> dict[str, float]:
@@ -311,6 +537,7 @@ class DeviceSlice:
     sequence_parallel: bool = False
     micro_batches_in_flight: int = 1  # pipeline stages keep several micro-batches of activations
     computes_logits: bool = True
+    vocab_share: float = 1.0  # the share of the logits' vocabulary this device computes (tensor parallel: 1/t)
     label: str = ""
 
     @property
@@ -342,13 +569,13 @@ def device_slices(shape: ModelShape, strategy: str, world_size: int, lora_rank: 
         if shape.heads % world_size or shape.kv_heads % world_size:
             raise ValueError(f"tensor parallelism over {world_size} needs the {shape.heads} heads and "
                              f"{shape.kv_heads} KV heads to divide by {world_size}")
-        # transformers' Qwen3 tp_plan: every projection of a layer is split (LoRA adapters counted as split with
-        # it, they are tiny); norms and the embedding are replicated; an untied LM head is split by columns.
-        untied_head = 0 if shape.tied_embeddings else lm_head
-        root = shape.root_parameters - untied_head + untied_head / world_size
-        head = lm_head if shape.tied_embeddings else lm_head / world_size
-        return [piece(shape.layers, root, head, linear_share=1 / world_size, tensor_parallel=world_size,
-                      sequence_parallel=strategy == "tp-sp")]
+        # tp-ft's plan: every projection of a layer is split (LoRA adapters counted as split with it, they are
+        # tiny), the embedding and the LM head are split over the vocabulary (V/t rows each; one tensor when
+        # tied), the norms are replicated; loss parallel keeps each rank's V/t columns of the logits.
+        replicated_norms = shape.root_parameters - shape.embedding_parameters * (1 if shape.tied_embeddings else 2)
+        root = (shape.root_parameters - replicated_norms) / world_size + replicated_norms
+        return [piece(shape.layers, root, lm_head / world_size, linear_share=1 / world_size,
+                      tensor_parallel=world_size, sequence_parallel=strategy == "tp-sp", vocab_share=1 / world_size)]
     if strategy == "pp":
         if world_size > shape.layers:
             raise ValueError(f"{world_size} pipeline stages for {shape.layers} layers")
@@ -384,8 +611,9 @@ class MemoryEstimate:
     compute_copy_bytes: float  # bf16 copies of fp32 weights made by autocast
     activations_bytes: float
     logits_bytes: float
-    buffers_bytes: float  # communication buckets, unsharded FSDP/ZeRO-3 units
-    cpu_bytes: float = 0.0  # model states held in host memory by this rank (fsdp-offload)
+    buffers_bytes: float  # communication buckets, gathered FSDP/ZeRO-3 parameters, unsharded gradients
+    cpu_bytes: float = 0.0  # host memory of this rank: offloaded model states and the offload's staging buffers
+    cpu_buffers_bytes: float = 0.0  # of which staging buffers (DeepSpeed's offload)
     note: str = ""  # e.g. which pipeline stage is the largest
 
     @property
@@ -406,38 +634,52 @@ class MemoryEstimate:
 
 
 def estimate(config_like, strategy: str, world_size: int = 1, *, seq_len: int = 1024, micro_batch_size: int = 1,
-             activation_checkpointing: bool = False, lora_rank: int = 0, precision: BytesPerParam = PROJECT_BF16,
-             attention: str = "sdpa-packed") -> MemoryEstimate:
-    """Peak memory of one device (for pp: of the fullest stage), broken down as in the module docstring."""
+             activation_checkpointing: bool = False, lora_rank: int = 0, precision: BytesPerParam | str = "bf16",
+             attention: str = "sdpa-packed", grad_accum: int = 1) -> MemoryEstimate:
+    """Peak memory of one device (for pp: of the fullest stage), broken down as in the module docstring.
+    `precision`: the experiments' --dtype ("bf16", "fp32"), priced as each strategy's experiment keeps it
+    (strategy_precision), or one BytesPerParam for every strategy. `grad_accum`: micro-batches per optimizer step
+    whose gradients are accumulated before they are reduced (it only changes fsdp, see section 4)."""
     stages = estimate_stages(config_like, strategy, world_size, seq_len=seq_len, micro_batch_size=micro_batch_size,
                              activation_checkpointing=activation_checkpointing, lora_rank=lora_rank,
-                             precision=precision, attention=attention)
+                             precision=precision, attention=attention, grad_accum=grad_accum)
     return max(stages, key=lambda stage: stage.total_bytes)
 
 
 def estimate_stages(config_like, strategy: str, world_size: int = 1, *, seq_len: int = 1024,
                     micro_batch_size: int = 1, activation_checkpointing: bool = False, lora_rank: int = 0,
-                    precision: BytesPerParam = PROJECT_BF16, attention: str = "sdpa-packed") -> list[MemoryEstimate]:
+                    precision: BytesPerParam | str = "bf16", attention: str = "sdpa-packed",
+                    grad_accum: int = 1) -> list[MemoryEstimate]:
     """The estimate of every distinct device: one per pipeline stage for pp (stage k on rank k), else one for all."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
     if strategy == "single" and world_size != 1:
         raise ValueError("single runs on one device")
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
     shape = model_shape(config_like)
+    precision = resolve_precision(strategy, precision)
     return [_estimate_slice(shape, piece, strategy, world_size, micro_batch_size, seq_len, activation_checkpointing,
-                            lora_rank, precision, attention)
+                            lora_rank, precision, attention, grad_accum)
             for piece in device_slices(shape, strategy, world_size, lora_rank)]
 
 
 def uses_autocast(strategy: str, precision: BytesPerParam) -> bool:
     """Autocast runs wherever the kept weights are wider than the compute dtype, except under FSDP/ZeRO-3, whose
-    mixed-precision policy hands each layer its weights already in the compute dtype."""
+    mixed-precision policy hands each layer its weights already in the compute dtype. (DeepSpeed's bf16 mode keeps
+    the module itself in bf16: weights as wide as the compute dtype, no autocast.)"""
     return precision.weights > precision.compute and strategy not in UNIT_SHARDED
+
+
+def uses_bf16_optimizer(strategy: str, precision: BytesPerParam) -> bool:
+    """DeepSpeed runs ZeRO-1 with low-precision weights and wider gradient accumulation (zero-ft --zero-stage 1
+    --dtype bf16) through its BF16_Optimizer, not the ZeRO stage 1-2 optimizer (engine._do_optimizer_sanity_check)."""
+    return strategy == "zero-1" and precision.weights < precision.grads
 
 
 def _estimate_slice(shape: ModelShape, piece: DeviceSlice, strategy: str, world_size: int, micro_batch_size: int,
                     seq_len: int, activation_checkpointing: bool, lora_rank: int, precision: BytesPerParam,
-                    attention: str) -> MemoryEstimate:
+                    attention: str, grad_accum: int) -> MemoryEstimate:
     states = model_state_bytes(piece.trainable, piece.frozen, precision, strategy, world_size)
     c, tokens = precision.compute, micro_batch_size * seq_len
     autocast = uses_autocast(strategy, precision)
@@ -465,29 +707,68 @@ def _estimate_slice(shape: ModelShape, piece: DeviceSlice, strategy: str, world_
     logits = 0.0
     if piece.computes_logits:
         per_token += outside_layers_bytes_per_token(shape, compute_bytes=c, autocast=autocast, lora_rank=lora_rank)
-        logits = tokens * shape.vocab * (c + CROSS_ENTROPY_FP32_BUFFERS * FP32_BYTES)
+        logits = tokens * shape.vocab * piece.vocab_share * (c + CROSS_ENTROPY_FP32_BUFFERS * FP32_BYTES)
 
-    buffers = 0.0
-    if strategy == "ddp":
-        buffers = piece.trainable * precision.grads
-    elif strategy in ("zero-1", "zero-2"):
-        buffers = min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, piece.trainable) * precision.grads
-    elif strategy in UNIT_SHARDED:
+    buffers = cpu_buffers = 0.0
+    # ddp: gradient_as_bucket_view=True makes the gradients views into the all-reduce buckets: no second copy.
+    if uses_bf16_optimizer(strategy, precision):
+        # BF16_Optimizer keeps the bf16 gradients autograd writes in the module beside its own fp32 ones
+        # (immediate_grad_update is off by default), and all-reduces the fp32 gradients of each param group in
+        # place, unless groups small enough to share one all-reduce bucket are flattened into a copy first.
+        states["grads"] += piece.trainable * c
+        matrices = piece.trainable - (piece.layers * shape.layer_norm_parameters + shape.hidden
+                                      if not lora_rank else 0)  # decay group; the norms are the other one
+        if matrices < piece.trainable and matrices <= DEEPSPEED_ALLREDUCE_BUCKET_ELEMENTS:
+            buffers += piece.trainable * precision.grads
+    elif strategy in DEEPSPEED_STRATEGIES:
+        # The reduce bucket, allocated at its full reduce_bucket_size whatever the trainable count (in the module's
+        # dtype for stages 1-2, in the fp32 communication dtype for stage 3), plus the fp32 tensor that the
+        # collective reduces, flattened from one full bucket.
+        bucket_bytes = FP32_BYTES if strategy in ZERO3_STRATEGIES else precision.weights
+        buffers += DEEPSPEED_REDUCE_BUCKET_ELEMENTS * bucket_bytes \
+            + min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, piece.trainable) * FP32_BYTES
+        if strategy != "zero-1":
+            # Stages 2-3 reduce each gradient as autograd writes it (in the compute dtype), one parameter at a time;
+            # a tied embedding's gradient waits for both uses, so the largest one is alive for the whole backward.
+            buffers += largest_trainable_parameter(shape, lora_rank) * c
+        if strategy == "zero-2-offload":
+            # A GPU staging buffer and a host one, each as large as the largest parameter, for the gradient copies;
+            # a host copy of this rank's partition in the weights' dtype, for the updated weights on their way back.
+            buffers += largest_trainable_parameter(shape, lora_rank) * precision.weights
+            cpu_buffers = (largest_trainable_parameter(shape, lora_rank) + piece.trainable / world_size) \
+                * precision.weights
+    if strategy in ZERO3_STRATEGIES and world_size > 1:  # one rank's "gather" is a view of its partition
+        buffers += zero3_gathered_elements(shape, lora_rank, activation_checkpointing) * precision.weights
+        # Persistent parameters (too small to be worth releasing) stay gathered, whole, beside their partition.
+        states["weights"] += zero3_persistent_parameters(shape, lora_rank) * precision.weights
+    elif strategy in FSDP_STRATEGIES:
         layer = piece.layer_trainable + piece.layer_frozen
         gathered_weights = (piece.root_trainable + piece.root_frozen + min(2, piece.layers) * layer) * c
-        unsharded_grads = (piece.root_trainable + piece.layer_trainable) * precision.grads
-        buffers = gathered_weights + unsharded_grads
+        # Each unit's gradients arrive in the compute dtype and are copied into a reduce-scatter input in the fp32
+        # reduce dtype. The root's reduce-scatter waits for the embedding's gradient at the end of backward, so
+        # its gradient (the LM head's part arrives first) is alive beside each layer's.
+        reduce_scatter = c + FP32_BYTES
+        if grad_accum > 1:
+            # fsdp-ft reduce-scatters only in the last micro-batch: before it, every unit keeps its unsharded
+            # gradients, upcast to the fp32 reduce dtype to accumulate across backwards.
+            unsharded_grads = piece.trainable * FP32_BYTES + piece.layer_trainable * reduce_scatter
+        else:
+            unsharded_grads = max(piece.root_trainable * c + piece.layer_trainable * reduce_scatter,
+                                  piece.root_trainable * reduce_scatter)
+        buffers += gathered_weights + unsharded_grads
 
     cpu = 0.0
-    if strategy == "fsdp-offload":
-        cpu, states = sum(states.values()), dict.fromkeys(states, 0.0)
+    if strategy in OFFLOADED_STATES:
+        for state in OFFLOADED_STATES[strategy]:
+            cpu += states[state]
+            states[state] = 0.0
     return MemoryEstimate(
         strategy=strategy, world_size=world_size, precision=precision,
         activation_checkpointing=activation_checkpointing, lora_rank=lora_rank,
         weights_bytes=states["weights"], grads_bytes=states["grads"],
         optimizer_bytes=states["optimizer"], master_bytes=states["master"], compute_copy_bytes=compute_copy,
-        activations_bytes=tokens * per_token, logits_bytes=logits, buffers_bytes=buffers, cpu_bytes=cpu,
-        note=piece.label)
+        activations_bytes=tokens * per_token, logits_bytes=logits, buffers_bytes=buffers,
+        cpu_bytes=cpu + cpu_buffers, cpu_buffers_bytes=cpu_buffers, note=piece.label)
 
 
 def attention_kind(attn_implementation: str, packing: bool) -> str:
@@ -499,16 +780,19 @@ def attention_kind(attn_implementation: str, packing: bool) -> str:
 
 def predict_peak_gib(config_like, strategy: str, world_size: int = 1, *, seq_len: int, micro_batch_size: int = 1,
                      activation_checkpointing: bool = False, lora_rank: int = 0, dtype: str = "bf16",
-                     attention: str = "sdpa-packed", precision: BytesPerParam | None = None) -> float:
+                     attention: str = "sdpa-packed", precision: BytesPerParam | None = None,
+                     grad_accum: int = 1) -> float:
     """Predicted peak GiB of one device, for an experiment's summary.json (`predicted_peak_mem_gib`), next to the
-    measured `torch.cuda.max_memory_reserved()`. `strategy` is one of STRATEGIES (zero-ft: f"zero-{stage}",
-    fsdp-ft --cpu-offload: "fsdp-offload"); `dtype` is the experiment's --dtype; pass `precision` where the engine
-    keeps other dtypes (DeepSpeed's bf16 mode keeps bf16 weights and an fp32 master: DEEPSPEED_BF16); `attention` is
-    "sdpa" for --no-packing and "flash" for --attn flash."""
-    precision = precision or {"bf16": PROJECT_BF16, "fp32": PROJECT_FP32}[dtype]
+    measured `torch.cuda.max_memory_reserved()`. `strategy` is one of STRATEGIES (zero-ft: f"zero-{stage}", with
+    --cpu-offload f"zero-{stage}-offload"; fsdp-ft --cpu-offload: "fsdp-offload"); `dtype` is the experiment's
+    --dtype, priced as strategy_precision says that strategy's experiment keeps it (zero-ft: DeepSpeed's layouts);
+    `precision` overrides it where an engine keeps other dtypes (pp-ds-ft's DeepSpeed bf16: DEEPSPEED_BF16);
+    `attention` is "sdpa" for --no-packing and "flash" for --attn flash; `grad_accum` is the number of
+    micro-batches whose gradients stay unreduced until the last one (fsdp-ft: --grad-accum, or 1 with
+    --reduce-every-micro-batch)."""
     return estimate(config_like, strategy, world_size, seq_len=seq_len, micro_batch_size=micro_batch_size,
-                    activation_checkpointing=activation_checkpointing, lora_rank=lora_rank, precision=precision,
-                    attention=attention).total_gib
+                    activation_checkpointing=activation_checkpointing, lora_rank=lora_rank,
+                    precision=precision or dtype, attention=attention, grad_accum=grad_accum).total_gib
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -523,6 +807,8 @@ class Recommendation:
     estimates: list[MemoryEstimate]  # every strategy that applies to these GPUs, with the settings as given
     gpus: int
     gpu_mem_gb: float
+    dtype: str | None = None  # the --dtype the estimates priced (None: a convention given for every strategy)
+    grad_accum: int = 1
 
     @property
     def fitting(self) -> list[str]:
@@ -534,6 +820,8 @@ class Recommendation:
         launcher = "python" if self.strategy == "single" else f"torchrun --nproc_per_node={self.gpus}"
         flags = " --activation-checkpointing" * self.activation_checkpointing
         flags += f" --lora-rank {self.lora_rank}" if self.lora_rank else ""
+        flags += f" --grad-accum {self.grad_accum}" if self.grad_accum > 1 else ""
+        flags += " --dtype fp32" if self.dtype == "fp32" else ""
         return f"uv run {launcher} {RUN_WITH[self.strategy]}{flags}"
 
 
@@ -550,24 +838,44 @@ WHY = {
           "every layer, so it wants fast links (NVLink, Infinity Fabric)",
     "pp": "pipeline parallelism splits the layers into stages and sends only hidden states between them, which "
           "suits PCIe links; the first stage keeps one micro-batch of activations per stage",
+    "zero-2-offload": "ZeRO-Offload keeps the bf16 weights and the gradient buckets on the GPU and moves the fp32 "
+                      "master weights, the gradient partitions and AdamW state to host memory, where AdamW runs on "
+                      "the CPU: slower (every step sends the gradients to the host and the new weights back), but "
+                      "the GPU holds 2 bytes per parameter of model states",
+    "zero-3-offload": "ZeRO-3 with its optimizer offloaded keeps only its share of the bf16 weights and the "
+                      "parameters being computed on the GPU; master weights, gradient partitions and AdamW state "
+                      "live in host memory and AdamW runs on the CPU",
     "fsdp-offload": "CPU offload keeps weights, gradients and AdamW state in host memory (sharded across ranks) "
                     "and runs AdamW on the CPU: much slower, but only the layers being computed sit on the GPU",
 }
+# After every strategy that keeps its model states on the GPUs: the GPU keeps the whole bf16 model, then a 1/N share
+# of it, then only the layers being computed.
+OFFLOAD_LADDER = ("zero-2-offload", "zero-3-offload", "fsdp-offload")
 
 
 def recommend(config_like, gpus: int, gpu_mem_gb: float, *, seq_len: int = 1024, micro_batch_size: int = 1,
-              activation_checkpointing: bool = False, lora_rank: int = 0, precision: BytesPerParam = PROJECT_BF16,
-              attention: str = "sdpa-packed", interconnect: str = "pcie") -> Recommendation:
+              activation_checkpointing: bool = False, lora_rank: int = 0, precision: BytesPerParam | str = "bf16",
+              attention: str = "sdpa-packed", interconnect: str = "pcie", grad_accum: int = 1) -> Recommendation:
     """The decision tree, first rung that fits wins:
     1. a replica fits one GPU: single (DDP with more GPUs, for throughput);
-    2. its model states fit but its activations do not: the same with activation checkpointing;
-    3. model states do not fit one GPU: ZeRO-2, then FSDP/ZeRO-3 (each without, then with checkpointing);
-    4. still not: model parallelism, TP(+SP) first on fast links, PP first on PCIe; then CPU offload;
-    5. full SFT fits nowhere: LoRA (rank DEFAULT_LORA_RANK unless given), down the same ladder.
+    2. its model states do not fit, but sharding gradients and AdamW state does: ZeRO-2, whose traffic is DDP's;
+    3. activations do not fit: the same (DDP, then ZeRO-2) with activation checkpointing, which costs about a
+       third more compute where ZeRO-2 cost no traffic, hence after it;
+    4. still not: FSDP/ZeRO-3, then model parallelism, TP(+SP) first on fast links, PP first on PCIe (each
+       without, then with checkpointing);
+    5. nothing fits on the GPUs alone: CPU offload, ZeRO-Offload (zero-2-offload: the GPU keeps the whole bf16 model)
+       before ZeRO-3 with its optimizer offloaded (a 1/N share) before FSDP's offload (only the layers being
+       computed). Offload comes last because every step then runs AdamW on the CPU and moves gradients and weights
+       over PCIe, several times slower than any strategy that keeps its states on the GPUs, and it needs about
+       16-18 bytes per parameter of host memory;
+    6. full SFT fits nowhere: LoRA (rank DEFAULT_LORA_RANK unless given), down the same ladder.
+    `precision` is the --dtype ("bf16", "fp32"), each strategy priced as its experiment runs (strategy_precision),
+    or one BytesPerParam for every strategy.
     """
     shape = model_shape(config_like)
     usable_gib = gpu_mem_gb * USABLE_FRACTION
-    settings = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, precision=precision, attention=attention)
+    settings = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, precision=precision, attention=attention,
+                    grad_accum=grad_accum)
 
     def attempt(strategy: str, checkpointing: bool, rank: int) -> MemoryEstimate | None:
         try:
@@ -576,36 +884,39 @@ def recommend(config_like, gpus: int, gpu_mem_gb: float, *, seq_len: int = 1024,
         except ValueError:  # e.g. heads that do not divide over the GPUs
             return None
 
-    candidates = ("single", "fsdp-offload") if gpus == 1 else STRATEGIES[1:]
+    candidates = ("single", *OFFLOAD_LADDER) if gpus == 1 else STRATEGIES[1:]
     as_given = [e for e in (attempt(s, activation_checkpointing, lora_rank) for s in candidates) if e]
     model_parallel = ("tp-sp", "tp", "pp") if interconnect == "nvlink" else ("pp", "tp-sp", "tp")
-    ladder = ["single"] if gpus == 1 else ["ddp", "zero-2", "fsdp", *model_parallel]
-    ladder.append("fsdp-offload")
     checkpointing_options = (True,) if activation_checkpointing else (False, True)
+    replicas = ["single"] if gpus == 1 else ["ddp", "zero-2"]
+    on_gpus = [(s, ac) for ac in checkpointing_options for s in replicas] + \
+        [(s, ac) for s in ([] if gpus == 1 else ["fsdp", *model_parallel]) for ac in checkpointing_options]
+    ladder = on_gpus + [(s, ac) for s in OFFLOAD_LADDER for ac in checkpointing_options]
+    dtype = precision if isinstance(precision, str) else None
 
     failures: list[MemoryEstimate] = []
     for rank in (lora_rank,) if lora_rank else (0, DEFAULT_LORA_RANK):
-        for strategy in ladder:
-            for checkpointing in checkpointing_options:
-                result = attempt(strategy, checkpointing, rank)
-                if result is None:
-                    continue
-                if not result.fits(gpu_mem_gb):
-                    failures.append(result)
-                    continue
-                lora_alternative = None
-                if strategy == "fsdp-offload" and not rank:
-                    # Offloading full SFT is slow; LoRA on the GPUs alone is the usual way out, so name it too.
-                    lora_alternative = next((e for s in ladder[:-1] for ac in checkpointing_options
-                                             if (e := attempt(s, ac, DEFAULT_LORA_RANK)) and e.fits(gpu_mem_gb)),
-                                            None)
-                reason = _explain(result, failures, shape, usable_gib, lora_rank, activation_checkpointing,
-                                  lora_alternative)
-                return Recommendation(strategy, checkpointing, rank, reason, result, as_given, gpus, gpu_mem_gb)
+        for strategy, checkpointing in ladder:
+            result = attempt(strategy, checkpointing, rank)
+            if result is None:
+                continue
+            if not result.fits(gpu_mem_gb):
+                failures.append(result)
+                continue
+            lora_alternative = None
+            if strategy in OFFLOAD_LADDER and not rank:
+                # Offloading full SFT is slow; LoRA on the GPUs alone is the usual way out, so name it too.
+                lora_alternative = next((e for s, ac in on_gpus
+                                         if (e := attempt(s, ac, DEFAULT_LORA_RANK)) and e.fits(gpu_mem_gb)), None)
+            reason = _explain(result, failures, shape, usable_gib, lora_rank, activation_checkpointing,
+                              lora_alternative)
+            return Recommendation(strategy, checkpointing, rank, reason, result, as_given, gpus, gpu_mem_gb,
+                                  dtype, grad_accum)
     smallest = min(failures, key=lambda e: e.total_bytes)
     reason = (f"nothing fits in {usable_gib:.1f} GiB per GPU; the smallest, {_label(smallest)}, needs "
               f"{smallest.total_gib:.1f} GiB: shorten --seq-len or --micro-batch-size, or add GPUs")
-    return Recommendation(None, activation_checkpointing, lora_rank, reason, None, as_given, gpus, gpu_mem_gb)
+    return Recommendation(None, activation_checkpointing, lora_rank, reason, None, as_given, gpus, gpu_mem_gb,
+                          dtype, grad_accum)
 
 
 def _label(e: MemoryEstimate) -> str:
@@ -671,6 +982,19 @@ def format_table(estimates: list[MemoryEstimate], gpu_mem_gb: float) -> str:
     return "\n".join(lines)
 
 
+def describe_precisions(strategies: list[str], precision: BytesPerParam | str) -> str:
+    """Which bytes per parameter the rows use: one convention, or each strategy's experiment under --dtype."""
+    if not isinstance(precision, str):
+        return (f"precision {precision.name} for every strategy: {precision.description} = {precision.trainable} "
+                f"bytes per trainable parameter")
+    groups: dict[BytesPerParam, list[str]] = {}
+    for strategy in strategies:
+        groups.setdefault(strategy_precision(strategy, precision), []).append(strategy)
+    return f"bytes per trainable parameter under --dtype {precision}, as each experiment keeps them:\n" + "\n".join(
+        f"  {layout.name}: {layout.description} = {layout.trainable} ({', '.join(members)})"
+        for layout, members in groups.items())
+
+
 def describe_activations(shape: ModelShape, precision: BytesPerParam, tokens: int, seq_len: int, attention: str,
                          lora_rank: int) -> str:
     """The per-layer activation terms for the single/ddp regime, in bytes per token and in MiB per micro-batch."""
@@ -680,8 +1004,8 @@ def describe_activations(shape: ModelShape, precision: BytesPerParam, tokens: in
     total = sum(terms.values())
     listed = " + ".join(f"{name.replace('_', ' ')} {value:,.0f}" for name, value in terms.items() if value)
     checkpoint = (FP32_BYTES if autocast else precision.compute) * shape.hidden
-    return (f"activations per layer ({'autocast' if autocast else 'no autocast'}, {attention}): {listed} = "
-            f"{total:,.0f} bytes/token -> {total * tokens / 2**20:.1f} MiB per layer per micro-batch; "
+    return (f"activations per layer of single/ddp ({'autocast' if autocast else 'no autocast'}, {attention}): "
+            f"{listed} = {total:,.0f} bytes/token -> {total * tokens / 2**20:.1f} MiB per layer per micro-batch; "
             f"checkpointed: {checkpoint:,} bytes/token (the layer's input)")
 
 
@@ -698,8 +1022,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--lora-rank", type=int, default=0)
+    parser.add_argument("--grad-accum", type=int, default=1,
+                        help="micro-batches per optimizer step (fsdp-ft keeps their gradients unsharded until the "
+                             "last)")
     parser.add_argument("--strategy", choices=STRATEGIES, help="show only this strategy")
-    parser.add_argument("--precision", choices=PRECISIONS, default=PROJECT_BF16.name)
+    parser.add_argument("--dtype", choices=DTYPES, default="bf16",
+                        help="the experiments' --dtype; each strategy is priced as its experiment keeps it (zero-ft: "
+                             "DeepSpeed's own bf16 or fp32 layout; the others: fp32 weights, autocast or FSDP2 casts)")
+    parser.add_argument("--precision", choices=PRECISIONS,
+                        help="instead of --dtype, one bytes-per-parameter convention for every strategy (e.g. "
+                             "zero-paper, bf16-rule-of-thumb)")
     parser.add_argument("--attention", choices=ATTENTION_KINDS, default="sdpa-packed",
                         help="sdpa-packed: the experiments' default (packed rows through SDPA); sdpa: unpacked "
                              "rows; flash: flash_attention_2")
@@ -722,11 +1054,11 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"give --model, or all of the raw counts (missing: {flags})")
         shape = ModelShape(name="custom", tied_embeddings=not args.untied,
                            parameters=int(args.parameters) if args.parameters else None, **geometry)
-    precision = PRECISIONS[args.precision]
+    precision = PRECISIONS[args.precision] if args.precision else args.dtype
     advice = recommend(shape, args.gpus, args.gpu_mem_gb, seq_len=args.seq_len,
                        micro_batch_size=args.micro_batch_size, activation_checkpointing=args.activation_checkpointing,
                        lora_rank=args.lora_rank, precision=precision, attention=args.attention,
-                       interconnect=args.interconnect)
+                       interconnect=args.interconnect, grad_accum=args.grad_accum)
     shown = [e for e in advice.estimates if args.strategy in (None, e.strategy)]
     if args.strategy and not shown:  # single on several GPUs, or a layout these GPUs cannot take
         world = 1 if args.strategy == "single" else args.gpus
@@ -734,20 +1066,21 @@ def main(argv: list[str] | None = None) -> None:
             shown = [estimate(shape, args.strategy, world, seq_len=args.seq_len,
                               micro_batch_size=args.micro_batch_size, lora_rank=args.lora_rank,
                               activation_checkpointing=args.activation_checkpointing, precision=precision,
-                              attention=args.attention)]
+                              attention=args.attention, grad_accum=args.grad_accum)]
         except ValueError as error:
             parser.error(str(error))
     trainable = shape.lora_parameters(args.lora_rank) if args.lora_rank else shape.total_parameters
     print(f"model {shape.name}: {shape.total_parameters:,} parameters, {trainable:,} trainable | {shape.layers} "
           f"layers, hidden {shape.hidden}, {shape.heads}/{shape.kv_heads} heads x {shape.head_dim}, MLP "
           f"{shape.intermediate}, vocab {shape.vocab:,}{'' if shape.tied_embeddings else ', untied LM head'}")
-    print(f"precision {precision.name}: {precision.description} = {precision.trainable} bytes per trainable parameter")
-    print(f"micro-batch {args.micro_batch_size} x {args.seq_len} tokens | activation checkpointing "
-          f"{'on' if args.activation_checkpointing else 'off'}")
-    print(describe_activations(shape, precision, args.micro_batch_size * args.seq_len, args.seq_len,
-                               args.attention, args.lora_rank))
+    print(describe_precisions([e.strategy for e in shown], precision))
+    print(f"micro-batch {args.micro_batch_size} x {args.seq_len} tokens x {args.grad_accum} accumulated | activation "
+          f"checkpointing {'on' if args.activation_checkpointing else 'off'}")
+    print(describe_activations(shape, resolve_precision("single", precision), args.micro_batch_size * args.seq_len,
+                               args.seq_len, args.attention, args.lora_rank))
     print(f"\nGiB per device on {args.gpus} x {args.gpu_mem_gb:g} GB ({args.gpu_mem_gb * USABLE_FRACTION:.1f} GiB "
-          f"usable); copies = autocast's bf16 weight copies, buffers = buckets and gathered FSDP units")
+          f"usable); copies = autocast's bf16 weight copies, buffers = reduce buckets, gathered FSDP/ZeRO-3 "
+          f"parameters and unsharded gradients")
     print(format_table(shown, args.gpu_mem_gb))
     print()
     if advice.strategy is None:

@@ -1,11 +1,13 @@
 """ddp-ft and fsdp-ft against single-ft (2 ranks, gloo, CPU): same per-step losses on the same B, bf16, LoRA,
-the FSDP memory options, checkpoint/resume (also after a save that died half-way), and the HF export.
+the FSDP memory options, checkpoint/resume (also after a save that died half-way), and the HF export; the model-state
+bytes each rank holds against common/memory.py, and the collectives' calls and bytes against common/comm.py.
 
 Each experiment runs all its configurations in ONE torchrun launch (a module-scoped fixture returns the folder
 holding one --out-dir per configuration); the single-ft references run once, in this process.
 """
 
 import json
+import math
 import shutil
 from contextlib import contextmanager, nullcontext
 
@@ -16,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from common.checkpoint import load_checkpoint
 from common.data import build_data, evaluate
 from conftest import load_experiment, read_losses, torchrun
+from test_comm import assert_formula_matches, tiny_parameters
 
 single_ft = load_experiment("single-ft")
 fsdp_ft = load_experiment("fsdp-ft")
@@ -24,6 +27,9 @@ STEPS = 6  # every compared run has the same --steps (the cosine schedule depend
 FP32 = ("--seq-len", 128, "--dtype", "fp32", "--warmup-steps", 2)
 # torch.profiler's teardown costs seconds per profiled step on this CPU: only the "1x2" runs measure comm_ms.
 NO_PROFILE = ("--comm-profile-steps", 0)
+# One profiled step, the third (after the 2 timing warm-up steps, and after DDP has rebuilt its buckets): its
+# collectives are compared with common/comm.py's formula.
+PROFILE_ONE = ("--comm-profile-steps", 1)
 LORA = ("--lora-rank", 4, "--steps", 3)
 
 
@@ -86,8 +92,11 @@ def ddp(tmp_path_factory, small_data):
     launch("ddp-ft", root, small_data, {
         "1x2": [*split(1, 2), "--steps", STEPS, "--checkpoint-every", 3, "--save-hf", root / "hf"],
         "resumed": [*split(1, 2), "--steps", STEPS, *NO_PROFILE, "--resume", root / "1x2" / "checkpoints" / "step-3"],
-        # 1 MiB buckets: ~20 all-reduces per step instead of one, the same sums.
-        "2x1": [*split(2, 1), "--steps", STEPS, *NO_PROFILE, "--bucket-cap-mb", 1],
+        # 1 MiB buckets: 9 all-reduces per step instead of one, the same sums.
+        "2x1": [*split(2, 1), "--steps", STEPS, *PROFILE_ONE, "--bucket-cap-mb", 1],
+        # Every micro-batch's backward all-reduces (no no_sync()): the same step, twice the gradient traffic.
+        "1x2-every": [*split(1, 2), "--steps", STEPS, *PROFILE_ONE, "--bucket-cap-mb", 1,
+                      "--reduce-every-micro-batch"],
         "lora": [*split(1, 2), *LORA, *NO_PROFILE, "--activation-checkpointing", "--save-hf", root / "lora-merged",
                  "--merge-lora"],
     })
@@ -101,12 +110,14 @@ def fsdp(tmp_path_factory, small_data):
     launch("fsdp-ft", root, small_data, {
         "1x2": [*split(1, 2), "--steps", STEPS, "--checkpoint-every", 3, "--save-hf", root / "hf"],
         "resumed": [*split(1, 2), "--steps", STEPS, *NO_PROFILE, "--resume", root / "1x2" / "checkpoints" / "step-3"],
-        "2x1": [*split(2, 1), "--steps", STEPS, *NO_PROFILE],
-        "bf16": [*split(1, 2), "--steps", STEPS, *NO_PROFILE, "--dtype", "bf16"],  # the later --dtype wins
+        "2x1": [*split(2, 1), "--steps", STEPS, *PROFILE_ONE],
+        "bf16": [*split(1, 2), "--steps", STEPS, *PROFILE_ONE, "--dtype", "bf16"],  # the later --dtype wins
         # An eval between steps leaves the gathered weights in place (no backward reshards them): the next step
         # must still see the updated ones.
-        "options": [*split(1, 2), "--steps", STEPS, *NO_PROFILE, "--no-reshard-after-forward",
-                    "--activation-checkpointing", "--cpu-offload", "--reduce-every-micro-batch", "--eval-every", 2],
+        # Profiled: the fourth step (3 timing warm-up steps), which no evaluation precedes (the formula's steady state).
+        "options": [*split(1, 2), "--steps", STEPS, *PROFILE_ONE, "--timing-warmup-steps", 3,
+                    "--no-reshard-after-forward", "--activation-checkpointing", "--cpu-offload",
+                    "--reduce-every-micro-batch", "--eval-every", 2],
         "lora": [*split(1, 2), *LORA, *NO_PROFILE, "--save-hf", root / "lora-merged", "--merge-lora"],
     })
     return root
@@ -207,3 +218,49 @@ def test_fsdp_checkpoint_of_a_killed_save_resumes_from_the_previous_one_in_one_p
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-3", "step-6"]
     assert (checkpoints / "step-6" / ".metadata").exists()
     assert not torch.distributed.is_initialized()  # the 1-rank group the script made is gone
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What each rank holds and what it sends
+
+
+def test_ddp_reduce_every_micro_batch_is_the_same_step_for_m_times_the_traffic(ddp, reference):
+    assert read_losses(ddp / "1x2-every") == pytest.approx(read_losses(reference / "full"), rel=1e-5)
+    every, once = summary(ddp / "1x2-every"), summary(ddp / "2x1")  # both in 1 MiB buckets
+    gradients = once["collective_bytes_per_step"]["gloo:all_reduce"]["bytes"] - 4  # less the step loss
+    assert gradients == 4 * sum(math.prod(shape) for _, shape in tiny_parameters())  # every fp32 gradient, once
+    all_reduce = every["collective_bytes_per_step"]["gloo:all_reduce"]
+    assert all_reduce["bytes"] == 2 * gradients + 4  # grad_accum 2: every micro-batch sends the whole gradient
+    assert all_reduce["calls"] == 2 * (once["collective_bytes_per_step"]["gloo:all_reduce"]["calls"] - 1) + 1
+
+
+@pytest.mark.parametrize("experiment,runs", [("ddp", ["1x2", "2x1", "1x2-every"]),
+                                             ("fsdp", ["1x2", "2x1", "bf16", "options"])])
+def test_collective_bytes_equal_the_formula(experiment, runs, request):
+    # ddp: the default 25 MiB bucket (one bucket) and 1 MiB buckets (9), GA 1 and 2, with and without no_sync();
+    # fsdp: GA 1 and 2, resharded after forward or not, bf16 gathers, offload, checkpointing, reduce per micro-batch.
+    root = request.getfixturevalue(experiment)
+    for name in runs:
+        assert_formula_matches(summary(root / name))
+
+
+def test_model_state_bytes_are_the_predicted_ones(reference, ddp, fsdp):
+    shapes = [shape for _, shape in tiny_parameters()]
+    psi = sum(math.prod(shape) for shape in shapes)
+    counters = 4 * len(shapes)  # AdamW's `step`: one fp32 scalar per parameter tensor, not in common/memory.py
+    for run, world, sharded in [(reference / "full", 1, 1), (ddp / "1x2", 2, 1), (fsdp / "1x2", 2, 2)]:
+        result = summary(run)
+        per_rank, predicted = result["state_bytes_per_rank"], result["predicted_state_bytes"]
+        assert len(per_rank) == world and result["state_bytes_step"] == 2, run
+        for measured in per_rank:
+            # single-ft and DDP: every rank holds 4 Psi of weights and of gradients (DDP's are views into its
+            # buckets), 8 Psi of AdamW moments; FSDP2 a 1/W shard of each (no padding: every dim 0 divides by 2).
+            assert measured == {"weights": 4 * psi // sharded, "grads": 4 * psi // sharded,
+                                "optimizer": 8 * psi // sharded + counters, "master": 0}, run
+            assert measured == {**predicted, "optimizer": predicted["optimizer"] + counters}, run
+    # --cpu-offload: the same shards, in host memory, where common/memory.py predicts them.
+    offloaded = summary(fsdp / "options")
+    assert offloaded["predicted_state_bytes"] == dict.fromkeys(("weights", "grads", "optimizer", "master"), 0)
+    for measured in offloaded["state_bytes_per_rank"]:
+        assert measured == summary(fsdp / "1x2")["state_bytes_per_rank"][0]
+        assert sum(measured.values()) == offloaded["predicted_cpu_bytes"] + counters

@@ -1,16 +1,27 @@
 """common/memory.py: the ZeRO paper's numbers, the rule of thumb, sharding, the activation formula (by hand and
-against what autograd really keeps), LoRA, the decision tree and the command line."""
+against what autograd really keeps), LoRA, what each experiment keeps (DeepSpeed's layouts counted in a live engine,
+and reconciled term by term with DeepSpeed's own estimators), the decision tree and the command line."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from common.memory import (BF16_RULE_OF_THUMB, GB, GIB, PROJECT_BF16, PROJECT_FP32, ZERO_PAPER, device_slices,
-                           estimate, layer_activation_terms, main, model_shape, model_state_bytes,
-                           outside_layers_bytes_per_token, predict_peak_gib, recommend, zero_paper_figure1)
+from common.memory import (BF16_RULE_OF_THUMB, DEEPSPEED_BF16, DEEPSPEED_FP32, DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD,
+                           DEEPSPEED_REDUCE_BUCKET_ELEMENTS, GB, GIB, PROJECT_BF16, PROJECT_FP32, STRATEGIES,
+                           ZERO_PAPER, device_slices, estimate, estimate_stages, largest_trainable_parameter,
+                           layer_activation_terms, leaf_modules, main, model_shape, model_state_bytes,
+                           outside_layers_bytes_per_token, predict_peak_gib, recommend, strategy_precision,
+                           zero3_gathered_elements, zero3_persistent_parameters, zero_paper_figure1)
 from common.models import PRESET_COMMON, PRESETS, model_config
 
 QWEN3_4B_PARAMETERS = 4_022_468_096  # count_parameters of the preset (tests/test_models_metrics.py checks 0.6B)
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -49,6 +60,44 @@ def test_project_precisions_are_what_the_scripts_keep():
     assert estimate("qwen3-4b", "fsdp", 2).compute_copy_bytes == 0
 
 
+def test_each_strategy_is_priced_as_its_experiment_runs_it():
+    # zero-ft runs DeepSpeed's own bf16 mode (bf16 module, fp32 gradient accumulation, fp32 master, no autocast);
+    # with --dtype fp32 DeepSpeed still keeps a separate fp32 master partition. Every other experiment keeps fp32
+    # weights that are their own master copy.
+    def layout(p):
+        return p.weights, p.grads, p.master, p.optimizer
+
+    assert layout(DEEPSPEED_BF16) == (2, 4, 4, 8) and layout(DEEPSPEED_FP32) == (4, 4, 4, 8)
+    for strategy in STRATEGIES:
+        deepspeed = strategy.startswith("zero-")
+        assert strategy_precision(strategy, "bf16") is (DEEPSPEED_BF16 if deepspeed else PROJECT_BF16)
+        assert strategy_precision(strategy, "fp32") is (DEEPSPEED_FP32 if deepspeed else PROJECT_FP32)
+    with pytest.raises(ValueError, match="dtype"):
+        strategy_precision("zero-2", "fp16")
+    zero2 = estimate("qwen3-4b", "zero-2", 8)
+    assert zero2.precision is DEEPSPEED_BF16 and zero2.compute_copy_bytes == 0  # no autocast in DeepSpeed's bf16
+    assert zero2.weights_bytes == QWEN3_4B_PARAMETERS * 2
+    # One convention for every strategy when asked for (the ZeRO paper's, say)
+    assert estimate("qwen3-4b", "zero-2", 8, precision=ZERO_PAPER).precision is ZERO_PAPER
+
+
+@pytest.mark.parametrize("strategy", ["zero-2", "zero-3-offload", "ddp", "fsdp"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_command_line_recommend_and_summaries_agree(strategy, dtype, capsys):
+    """The CLI's row, recommend()'s estimate and predict_peak_gib (what zero-ft and the others write to summary.json)
+    come from one place; zero-ft passes DEEPSPEED_BF16 for bf16 and nothing for fp32."""
+    config = model_config("qwen3-4b")
+    zero_ft_precision = DEEPSPEED_BF16 if strategy.startswith("zero-") and dtype == "bf16" else None
+    summary = predict_peak_gib(config, strategy, 8, seq_len=1024, dtype=dtype, precision=zero_ft_precision)
+    assert summary == predict_peak_gib(config, strategy, 8, seq_len=1024, dtype=dtype)
+    advice = recommend("qwen3-4b", 8, 24, precision=dtype)
+    (row,) = [e for e in advice.estimates if e.strategy == strategy]
+    assert row.total_gib == pytest.approx(summary) and row.precision is strategy_precision(strategy, dtype)
+    main(["--model", "qwen3-4b", "--gpus", "8", "--gpu-mem-gb", "24", "--dtype", dtype, "--strategy", strategy])
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"{strategy} ")]
+    assert float(line.split()[9]) == pytest.approx(summary, abs=0.005)  # the "total" column
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Sharding
 SHARDED = {"zero-1": {"optimizer"}, "zero-2": {"grads", "optimizer"},
@@ -61,12 +110,17 @@ SHARDED = {"zero-1": {"optimizer"}, "zero-2": {"grads", "optimizer"},
 def test_sharded_states_add_up_to_the_unsharded_ones(strategy, devices, precision):
     replica = estimate("qwen3-0.6b", "ddp", devices, precision=precision)
     shard = estimate("qwen3-0.6b", strategy, devices, precision=precision)
+    # ZeRO-3 keeps its persistent parameters (the norms: 28 x (2 x 1024 + 2 x 128) + 1024) gathered beside their
+    # partition: every rank holds them whole once more.
+    persistent = 65_536 * precision.weights if strategy == "zero-3" else 0
+    assert zero3_persistent_parameters(model_shape("qwen3-0.6b")) == 65_536
     for state in ("weights", "grads", "optimizer", "master"):
         per_device, whole = getattr(shard, f"{state}_bytes"), getattr(replica, f"{state}_bytes")
         sharded = state in SHARDED[strategy] or (state == "master" and "optimizer" in SHARDED[strategy])
-        assert per_device * (devices if sharded else 1) == pytest.approx(whole)
+        extra = persistent if state == "weights" else 0
+        assert (per_device - extra) * (devices if sharded else 1) == pytest.approx(whole)
     if strategy in ("zero-3", "fsdp"):
-        assert shard.model_states_bytes * devices == pytest.approx(replica.model_states_bytes)
+        assert (shard.model_states_bytes - persistent) * devices == pytest.approx(replica.model_states_bytes)
 
 
 def test_pipeline_stages_hold_every_layer_once_and_the_tied_head_twice():
@@ -76,6 +130,19 @@ def test_pipeline_stages_hold_every_layer_once_and_the_tied_head_twice():
     assert [s.micro_batches_in_flight for s in stages] == [2, 1]  # 1F1B: the first stage keeps p micro-batches
     held = sum(s.trainable for s in stages)
     assert held == shape.total_parameters + shape.embedding_parameters  # the LM head copy on the last stage
+
+
+def test_pipeline_stages_under_lora_train_only_their_adapters():
+    # pp-ft --lora-rank: the embedding and the last stage's copy of the tied head stay frozen, like the tied weight
+    # in single-ft; each stage trains the adapters of its own layers.
+    shape = model_shape("qwen3-0.6b")
+    stages = device_slices(shape, "pp", 2, lora_rank=16)
+    adapters = shape.lora_parameters(16)
+    assert [s.trainable for s in stages] == [adapters / 2, adapters / 2]
+    assert sum(s.frozen for s in stages) == shape.total_parameters + shape.embedding_parameters
+    first, last = estimate_stages(shape, "pp", 2, lora_rank=16)
+    assert first.grads_bytes == last.grads_bytes == adapters / 2 * 4  # fp32 gradients of the adapters only
+    assert last.weights_bytes == (stages[1].frozen + adapters / 2) * 4
 
 
 def test_tensor_parallel_degree_must_divide_the_heads():
@@ -173,8 +240,8 @@ def test_lora_shrinks_grads_and_optimizer_to_the_adapters():
     assert lora.optimizer_bytes == adapters * 8
     assert lora.weights_bytes == (shape.total_parameters + adapters) * 4  # the frozen base stays fp32
     assert lora.total_bytes < full.total_bytes
-    ddp = estimate(shape, "ddp", 2, lora_rank=16)
-    assert ddp.buffers_bytes == adapters * 4  # DDP's buckets hold only the adapters' gradients
+    # DeepSpeed casts every parameter of the module to bf16, the frozen base included
+    assert estimate(shape, "zero-2", 2, lora_rank=16).weights_bytes == (shape.total_parameters + adapters) * 2
 
 
 def test_lora_count_matches_peft():
@@ -185,22 +252,350 @@ def test_lora_count_matches_peft():
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert model_shape(config).lora_parameters(8) == trainable
+    # leaf_modules lists the same parameters peft's model has, adapters and frozen base alike
+    embedding, layers, tail = leaf_modules(model_shape(config), 8)
+    modules = (embedding, *(m for layer in layers for m in layer), *tail)
+    listed = {name: n for module in modules for name, n, _ in module}
+    assert sum(listed.values()) == sum(p.numel() for p in model.parameters())
+    assert sum(n for module in (m for layer in layers for m in layer) for _, n, trainable in module if trainable) \
+        == trainable
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Decisions, checked by hand (project-bf16: 16 bytes per trainable parameter; 90% of a GPU usable)
-def test_qwen3_4b_full_sft_needs_sharding_across_two_80gb_gpus():
-    # 4.02B x 16 = 64.4 GB = 59.9 GiB of model states: far over one 24 GB GPU (21.6 GiB usable) ...
+# DDP and FSDP, as ddp-ft and fsdp-ft run them
+def test_ddp_gradients_are_its_buckets():
+    # ddp-ft wraps with gradient_as_bucket_view=True: the gradients are views into the all-reduce buckets, so
+    # nothing beyond the fp32 gradients themselves (LoRA: the adapters' only).
+    for lora_rank in (0, 16):
+        ddp = estimate("qwen3-0.6b", "ddp", 2, lora_rank=lora_rank)
+        single = estimate("qwen3-0.6b", "single", lora_rank=lora_rank)
+        assert ddp.buffers_bytes == 0 and ddp.total_bytes == single.total_bytes
+
+
+def test_fsdp_units_and_gradients_by_hand():
+    # Qwen3-4B over 2 ranks, bf16: FSDP2 gathers the root (embedding E + final norm d, never resharded before
+    # backward) and 2 layers in bf16. Each unit's gradients arrive in bf16 and are copied into an fp32
+    # reduce-scatter input; the root's bf16 gradient (LM-head half first) lives until the embedding's half arrives
+    # at the end of backward: max(2 R + 6 L, 6 R).
+    shape = model_shape("qwen3-4b")
+    root, layer = shape.embedding_parameters + 2560, shape.layer_parameters
+    assert root == 388_958_720 and layer == 100_930_816
+    gathered = (root + 2 * layer) * 2
+    fsdp = estimate(shape, "fsdp", 2)
+    assert fsdp.buffers_bytes == gathered + max(2 * root + 6 * layer, 6 * root) == gathered + 6 * root
+    assert (fsdp.weights_bytes, fsdp.grads_bytes, fsdp.optimizer_bytes, fsdp.master_bytes) == (
+        QWEN3_4B_PARAMETERS * 4 / 2, QWEN3_4B_PARAMETERS * 4 / 2, QWEN3_4B_PARAMETERS * 8 / 2, 0)
+    # fsdp-ft with --grad-accum 4 reduce-scatters only in the last micro-batch: every unit's unsharded gradient,
+    # upcast to fp32 to accumulate, is alive until then (16 GB for 4B), plus one layer's reduce-scatter.
+    accumulating = estimate(shape, "fsdp", 2, grad_accum=4)
+    assert accumulating.buffers_bytes == gathered + QWEN3_4B_PARAMETERS * 4 + 6 * layer
+    assert predict_peak_gib(shape, "fsdp", 2, seq_len=1024, grad_accum=4) == pytest.approx(accumulating.total_gib)
+    # the other strategies reduce every micro-batch (or keep whole gradients anyway): no change
+    for strategy in ("ddp", "zero-2", "zero-3", "tp"):
+        assert estimate(shape, strategy, 2, grad_accum=4) == estimate(shape, strategy, 2)
+    # fsdp-offload keeps the same units on the GPU and every sharded state on the host
+    offload = estimate(shape, "fsdp-offload", 2)
+    assert offload.model_states_bytes == 0 and offload.buffers_bytes == fsdp.buffers_bytes
+    assert offload.cpu_bytes == fsdp.model_states_bytes
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DeepSpeed, as zero-ft runs it
+@pytest.mark.parametrize("devices", [2, 8])
+def test_deepspeed_model_states_by_stage(devices):
+    """Bytes per parameter read off DeepSpeed 0.19.8 (module docstring, section 1), for Qwen3-0.6B, full SFT."""
+    P, N, c = 596_049_920, devices, 2
+    states = {(stage, dtype): estimate("qwen3-0.6b", f"zero-{stage}", N, precision=dtype)
+              for stage in (1, 2, 3) for dtype in ("bf16", "fp32")}
+
+    def per_param(e):
+        return (e.weights_bytes / P, e.grads_bytes / P, e.master_bytes / P, e.optimizer_bytes / P)
+
+    # zero-1 bf16 is BF16_Optimizer: bf16 weights, the bf16 gradients autograd writes + a full fp32 gradient buffer
+    assert per_param(states[1, "bf16"]) == pytest.approx((2, c + 4, 4 / N, 8 / N))
+    assert per_param(states[1, "fp32"]) == pytest.approx((4, 4, 4 / N, 8 / N))  # the master is a separate clone
+    assert per_param(states[2, "bf16"]) == pytest.approx((2, 4 / N, 4 / N, 8 / N))
+    assert per_param(states[2, "fp32"]) == pytest.approx((4, 4 / N, 4 / N, 8 / N))
+    persistent = 65_536 / P  # the norms, gathered beside their partition
+    assert per_param(states[3, "bf16"]) == pytest.approx((2 / N + 2 * persistent, 4 / N, 4 / N, 8 / N))
+    assert per_param(states[3, "fp32"]) == pytest.approx((4 / N + 4 * persistent, 4 / N, 4 / N, 8 / N))
+    for (stage, _), e in states.items():
+        assert e.compute_copy_bytes == 0  # no autocast under DeepSpeed
+
+
+def test_deepspeed_buffers_by_hand():
+    shape, B = model_shape("qwen3-4b"), DEEPSPEED_REDUCE_BUCKET_ELEMENTS
+    E = shape.embedding_parameters
+    assert largest_trainable_parameter(shape) == E and largest_trainable_parameter(shape, 16) == 16 * 9728
+    # zero-1 bf16 (BF16_Optimizer) all-reduces its fp32 gradient buffer in place: 4B's matrices exceed one
+    # all-reduce bucket (5e8 elements). qwen3-tiny's do not, and its two param groups are flattened into one copy.
+    assert estimate(shape, "zero-1", 8).buffers_bytes == 0
+    tiny = model_shape(Qwen3Config(**PRESETS["qwen3-tiny"], **PRESET_COMMON))
+    assert estimate(tiny, "zero-1", 2).buffers_bytes == tiny.total_parameters * 4
+    assert estimate(tiny, "zero-1", 2, lora_rank=8).buffers_bytes == 0  # one param group (adapters): in place
+    # Stages 1 (fp32) and 2: the bucket in the module's dtype, allocated whole, + the fp32 tensor the collective
+    # reduces; stage 2 also the largest gradient (the tied embedding) in bf16. The same for any N, and for LoRA.
+    assert estimate(shape, "zero-1", 8, precision="fp32").buffers_bytes == B * 4 + B * 4
+    for devices in (2, 8):
+        assert estimate(shape, "zero-2", devices).buffers_bytes == B * 2 + B * 4 + E * 2
+    assert estimate(shape, "zero-2", 2, lora_rank=16).buffers_bytes == B * 2 + shape.lora_parameters(16) * 4 \
+        + 16 * 9728 * 2
+    # Stage 3: an fp32 bucket, its flattened copy, the largest gradient and the gathered parameters
+    gathered = zero3_gathered_elements(shape)
+    assert estimate(shape, "zero-3", 8).buffers_bytes == B * 4 + B * 4 + E * 2 + gathered * 2
+    # one rank gathers nothing: its parameters are views of its whole partition
+    assert estimate(shape, "zero-3", 1).buffers_bytes == B * 4 + B * 4 + E * 2
+    assert estimate(shape, "zero-3", 1).weights_bytes == QWEN3_4B_PARAMETERS * 2
+
+
+def test_zero3_gathers_what_its_coordinator_keeps():
+    # stage3_max_reuse_distance = 1e9 elements: a parameter used again within the next 1e9 elements of the step's
+    # module order stays gathered. All of Qwen3-0.6B (5.96e8 elements) fits in that window, so after the first
+    # step every parameter stays gathered: the whole model, less the persistent norms counted apart.
+    small = model_shape("qwen3-0.6b")
+    assert zero3_gathered_elements(small) == small.total_parameters - zero3_persistent_parameters(small)
+    # Qwen3-4B (4.0e9) does not fit: prefetching (5e7 at a time) runs ahead until stage3_max_live_parameters (1e9)
+    # are gathered, overshooting by at most one parameter (the embedding, 3.9e8) and the module being run.
+    large = model_shape("qwen3-4b")
+    gathered = zero3_gathered_elements(large)
+    assert 1e9 <= gathered <= 1e9 + large.embedding_parameters + large.layer_parameters
+    assert gathered > large.embedding_parameters + 2 * large.layer_parameters  # more than FSDP2's root + 2 layers
+    # Persistence: below 1e5 elements, the norms; with LoRA r16 on 0.6B, every adapter matrix as well
+    assert zero3_persistent_parameters(small, 16) == 65_536 + small.lora_parameters(16)
+    assert all(n < DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD for n in (16 * 3072, 3072 * 16))
+
+
+def test_offload_keeps_on_the_gpu_only_what_deepspeed_leaves_there():
+    shape, P, N = model_shape("qwen3-4b"), QWEN3_4B_PARAMETERS, 2
+    E, B = shape.embedding_parameters, DEEPSPEED_REDUCE_BUCKET_ELEMENTS
+    zero2 = estimate(shape, "zero-2-offload", N)
+    # GPU: the bf16 weights; the zero-2 buffers and a staging buffer for one gradient
+    assert (zero2.weights_bytes, zero2.grads_bytes, zero2.optimizer_bytes, zero2.master_bytes) == (2 * P, 0, 0, 0)
+    assert zero2.buffers_bytes == estimate(shape, "zero-2", N).buffers_bytes + E * 2
+    # host: fp32 master, fp32 gradient partition, AdamW m and v, + a bf16 copy of the partition and one gradient
+    assert zero2.cpu_bytes - zero2.cpu_buffers_bytes == pytest.approx(16 * P / N)
+    assert zero2.cpu_buffers_bytes == pytest.approx(2 * P / N + 2 * E)
+    zero3 = estimate(shape, "zero-3-offload", N)
+    assert zero3.model_states_bytes == pytest.approx(2 * P / N + 2 * zero3_persistent_parameters(shape))
+    assert zero3.cpu_bytes == pytest.approx(16 * P / N) and zero3.cpu_buffers_bytes == 0
+    assert zero3.buffers_bytes == estimate(shape, "zero-3", N).buffers_bytes == B * 8 + E * 2 + \
+        zero3_gathered_elements(shape) * 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Against DeepSpeed's own estimators, called for real. Shared assumptions: full SFT (every parameter trainable),
+# bf16 weights with an fp32 master copy and fp32 AdamW m and v, N GPUs on one node, model states only (DeepSpeed
+# counts no activations, logits or buffers). P and the largest layer are counted as DeepSpeed counts them
+# (test_deepspeed_counts_parameters_as_the_model_does). Known differences, each named where it is reconciled:
+# - ZeRO-2: DeepSpeed's 18 P / N includes 2 bytes of 16-bit gradients that stage 2 does not keep (this model: 16);
+# - ZeRO-3: DeepSpeed's 4 x largest layer is that layer gathered (2) with its gradient (2); this model keeps the
+#   gradient half, counts what the coordinator really keeps gathered instead, and the persistent parameters;
+# - buckets and the largest gradient: this model only;
+# - host memory: DeepSpeed's additional_buffer_factor 1.5 and 4 P per GPU for loading the model; this model's
+#   staging copies.
+def _deepspeed_estimators():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed picks its accelerator at import; no GPU probing
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    return estimate_zero2_model_states_mem_needs, estimate_zero3_model_states_mem_needs
+
+
+def test_deepspeed_counts_parameters_as_the_model_does():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.zero.stage3 import model_to_params
+
+    config = Qwen3Config(**PRESETS["qwen3-tiny"], **PRESET_COMMON)
+    total, largest_layer = model_to_params(AutoModelForCausalLM.from_config(config))  # the tied head counted once
+    shape = model_shape(config)
+    assert (total, largest_layer) == (shape.total_parameters, shape.embedding_parameters)
+
+
+MODELS_AND_GPUS = [(model, gpus) for model in ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b") for gpus in (1, 2, 4, 8)]
+
+
+@pytest.mark.parametrize("model,gpus", MODELS_AND_GPUS)
+def test_zero2_against_deepspeeds_estimator(model, gpus):
+    zero2_estimator, _ = _deepspeed_estimators()
+    shape = model_shape(model)
+    P, E, N, B = shape.total_parameters, shape.embedding_parameters, gpus, DEEPSPEED_REDUCE_BUCKET_ELEMENTS
+    host, gpu = zero2_estimator(P, num_gpus_per_node=N, cpu_offload=False)
+    ours = estimate(shape, "zero-2", N)
+    # DeepSpeed: 2 P + int(18 P / N). This model: 2 P + 16 P / N, + the 2 P / N of 16-bit gradients DeepSpeed
+    # counts: term by term, equal to the byte (DeepSpeed rounds down).
+    sixteen_bit_gradients = 2 * P / N
+    assert gpu == pytest.approx(ours.model_states_bytes + sixteen_bit_gradients, abs=1)
+    assert ours.weights_bytes == 2 * P and ours.grads_bytes + ours.master_bytes + ours.optimizer_bytes == \
+        pytest.approx(16 * P / N)
+    # ... and what DeepSpeed leaves out: the bucket, its fp32 copy, the embedding's bf16 gradient
+    assert ours.buffers_bytes == 2 * B + 4 * min(B, P) + 2 * E
+    # Host memory without offload: DeepSpeed's 4 P per GPU x 1.5 for loading the model; not modelled here.
+    assert host == int(P * 4 * N * 1.5) and ours.cpu_bytes == 0
+
+
+@pytest.mark.parametrize("model,gpus", MODELS_AND_GPUS)
+def test_zero3_against_deepspeeds_estimator(model, gpus):
+    _, zero3_estimator = _deepspeed_estimators()
+    shape = model_shape(model)
+    P, E, N, B = shape.total_parameters, shape.embedding_parameters, gpus, DEEPSPEED_REDUCE_BUCKET_ELEMENTS
+    _, gpu, largest_layer_memory = zero3_estimator(P, E, num_gpus_per_node=N, cpu_offload=False)
+    ours = estimate(shape, "zero-3", N)
+    persistent = 2 * zero3_persistent_parameters(shape) if N > 1 else 0  # gathered beside the partition
+    assert ours.model_states_bytes - persistent == pytest.approx(18 * P / N)  # DeepSpeed's 18 P / N, exactly
+    # DeepSpeed's 4 x largest layer = that layer gathered in bf16 (2 E) + its bf16 gradient (2 E)
+    gathered_largest_layer, largest_gradient = 2 * E, 2 * E
+    assert largest_layer_memory == gathered_largest_layer + largest_gradient
+    assert gpu == pytest.approx(ours.model_states_bytes - persistent + gathered_largest_layer + largest_gradient,
+                                abs=1)
+    # This model keeps the gradient half and, instead of the largest layer, everything the coordinator keeps
+    # gathered (none on one rank), and adds the fp32 bucket with its copy.
+    gathered = zero3_gathered_elements(shape) if N > 1 else 0
+    assert ours.buffers_bytes == largest_gradient + 2 * gathered + 4 * B + 4 * min(B, P)
+    if N > 1:
+        assert gathered >= E
+
+
+@pytest.mark.parametrize("model,gpus", MODELS_AND_GPUS)
+def test_offload_against_deepspeeds_estimators(model, gpus):
+    zero2_estimator, zero3_estimator = _deepspeed_estimators()
+    shape = model_shape(model)
+    P, E, N = shape.total_parameters, shape.embedding_parameters, gpus
+    # ZeRO-Offload: DeepSpeed's GPU 2 P is this model's bf16 weights, to the byte.
+    host, gpu = zero2_estimator(P, num_gpus_per_node=N, cpu_offload=True)
+    zero2 = estimate(shape, "zero-2-offload", N)
+    assert gpu == zero2.model_states_bytes == 2 * P
+    # Host, per node: 1.5 x the larger of the optimizer's states (this model's, summed over the N ranks: 16 P)
+    # and 4 P per GPU for loading the model. This model adds its staging copies (2 P / N + 2 E per rank).
+    states_on_host = (zero2.cpu_bytes - zero2.cpu_buffers_bytes) * N
+    assert states_on_host == pytest.approx(16 * P)
+    assert host == pytest.approx(1.5 * max(4 * P * N, states_on_host), abs=1)
+    assert zero2.cpu_buffers_bytes * N == pytest.approx(2 * P + 2 * E * N)
+    # ZeRO-3, optimizer offloaded, parameters on the GPU: DeepSpeed's GPU 4 x largest layer + 2 P / N.
+    for zero_init in (True, False):
+        host, gpu, largest_layer_memory = zero3_estimator(P, E, num_gpus_per_node=N, cpu_offload=True,
+                                                          cpu_offload_params=False, zero_init=zero_init)
+        zero3 = estimate(shape, "zero-3-offload", N)
+        persistent = 2 * zero3_persistent_parameters(shape) if N > 1 else 0
+        assert gpu == pytest.approx(zero3.model_states_bytes - persistent + largest_layer_memory, abs=1)
+        # Host: 1.5 x 16 P with zero.Init (this model's states, summed), or 1.5 x the larger of that and 4 P per GPU
+        # when each process loads the whole model first (zero-ft builds a preset so; a start-up peak, not modelled).
+        assert zero3.cpu_bytes * N == pytest.approx(16 * P)
+        loading = 0 if zero_init else 4 * P * N
+        assert host == pytest.approx(1.5 * max(loading, zero3.cpu_bytes * N), rel=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A live DeepSpeed engine holds what the model says (one process, CPU): DeepSpeed's allocations for zero-ft's config
+CENSUS_BUCKET = 2**22  # a reduce bucket smaller than DeepSpeed's 5e8 elements, larger than qwen3-tiny's embedding
+
+
+def _held_bytes(engine) -> dict[str, int]:
+    """Bytes of the tensors an engine holds, by dtype: its module's parameters, gradients, buffers and ZeRO
+    partitions, and everything its optimizer objects (DeepSpeed's and the AdamW inside) keep. Storages count once."""
+    storages, visited, pending = {}, set(), [engine.module, engine.optimizer]
+    while pending:
+        obj = pending.pop()
+        if id(obj) in visited:
+            continue
+        visited.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if not obj.is_meta:  # DeepSpeed keeps meta-device shapes of the parameters: no memory
+                storages[obj.untyped_storage().data_ptr()] = (obj.untyped_storage().nbytes(), str(obj.dtype))
+            pending += [t for t in (obj.grad, getattr(obj, "ds_tensor", None)) if t is not None]
+        elif isinstance(obj, torch.nn.Module):
+            pending += [*obj.parameters(), *obj.buffers()]
+        elif isinstance(obj, dict):
+            pending += [*obj.keys(), *obj.values()]
+        elif isinstance(obj, (list, tuple, set)):
+            pending += list(obj)
+        elif type(obj).__module__.startswith(("deepspeed.runtime", "torch.optim")):
+            pending += list(vars(obj).values())
+    totals = {}
+    for nbytes, dtype in storages.values():
+        totals[dtype] = totals.get(dtype, 0) + nbytes
+    return totals
+
+
+def _census(runs: list[tuple[int, str, int]]) -> dict:
+    """Build zero-ft's DeepSpeed engine on qwen3-tiny for each (stage, dtype, LoRA rank), run one optimizer step of
+    two micro-batches and the first micro-batch of the next (the state section 1 prices: gradients of an earlier
+    micro-batch held), and count what the engine holds then."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    sys.path.insert(0, str(REPO_ROOT / "tests"))
+    from common.dist import act_as_launcher_if_alone
+
+    act_as_launcher_if_alone()
+    import logging
+
+    import deepspeed
+    from conftest import load_experiment
+
+    deepspeed.utils.logger.setLevel(logging.ERROR)
+    zero_ft = load_experiment("zero-ft")
+    deepspeed.init_distributed(dist_backend="gloo")
+    counted = {}
+    for stage, dtype, lora_rank in runs:
+        config = zero_ft.Config(model="qwen3-tiny", zero_stage=stage, dtype=dtype, grad_accum=2, lora_rank=lora_rank)
+        ds_config = zero_ft.deepspeed_config(config, 1)
+        ds_config["zero_optimization"]["reduce_bucket_size"] = CENSUS_BUCKET
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(Qwen3Config(**PRESETS["qwen3-tiny"], **PRESET_COMMON),
+                                                 attn_implementation="sdpa")
+        if lora_rank:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=lora_rank, lora_dropout=0.0, target_modules=[
+                "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        if stage == 3:  # as zero-ft builds a preset for stage 3: parameters cast first, then partitioned
+            for param in model.parameters():
+                param.data = param.data.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+            deepspeed.zero.Init(module=model, config_dict_or_path=ds_config)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in trainable if len(getattr(p, "ds_shape", p.shape)) >= 2], "weight_decay": 0.01},
+                  {"params": [p for p in trainable if len(getattr(p, "ds_shape", p.shape)) < 2], "weight_decay": 0.0}]
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups), config=ds_config)
+        ids = torch.randint(0, 8000, (1, 32))
+        for _ in range(3):
+            engine.backward(engine(input_ids=ids, labels=ids, use_cache=False).loss)
+            engine.step()
+        counted[f"{stage}-{dtype}-{lora_rank}"] = _held_bytes(engine)
+        engine.destroy()
+    return counted
+
+
+def test_a_live_deepspeed_engine_holds_the_modelled_states():
+    runs = [(1, "bf16", 0), (2, "bf16", 8), (3, "bf16", 0), (2, "fp32", 0)]
+    result = subprocess.run([sys.executable, __file__, "census", json.dumps(runs)], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-5000:]
+    counted = json.loads(result.stdout.strip().splitlines()[-1])
+    shape = model_shape(Qwen3Config(**PRESETS["qwen3-tiny"], **PRESET_COMMON))
+    for stage, dtype, lora_rank in runs:
+        e = estimate(shape, f"zero-{stage}", 1, precision=dtype, lora_rank=lora_rank)
+        trainable = shape.lora_parameters(lora_rank) if lora_rank else shape.total_parameters
+        bf16_gradients = trainable * 2 if (stage, dtype) == (1, "bf16") else 0  # BF16_Optimizer's module gradients
+        fp32_states = e.grads_bytes - bf16_gradients + e.master_bytes + e.optimizer_bytes
+        bucket = CENSUS_BUCKET * 4 if stage == 3 else 0  # stage 3 keeps its fp32 bucket; stages 1-2 free theirs
+        expected = {"torch.bfloat16": e.weights_bytes + bf16_gradients, "torch.float32": fp32_states + bucket} \
+            if dtype == "bf16" else {"torch.float32": e.weights_bytes + fp32_states + bucket}
+        held = counted[f"{stage}-{dtype}-{lora_rank}"]
+        for key, value in expected.items():  # besides: AdamW's step counters, DeepSpeed's alignment padding
+            assert 0 <= held.get(key, 0) - value <= 1024, (stage, dtype, lora_rank, key, held)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decisions, checked by hand (90% of a GPU usable; zero-ft priced as DeepSpeed's bf16: 18 bytes per parameter)
+def test_qwen3_4b_on_one_and_two_80gb_gpus():
+    # 4.02B x 16 = 64.4 GB = 59.9 GiB of model states: far over one 24 GB GPU (21.6 GiB usable).
     assert estimate("qwen3-4b", "single").model_states_bytes / GIB > 24
-    one_24gb = recommend("qwen3-4b", 1, 24)
-    assert "single" not in one_24gb.fitting
-    # ... so one 24 GB GPU needs CPU offload for full SFT, and LoRA is named as the faster way out
-    assert one_24gb.strategy == "fsdp-offload" and "LoRA" in one_24gb.reason
-    # Over 2 x 80 GB, FSDP/ZeRO-3 holds 32 GB of states per GPU and fits; DDP's replica (plus its gradient
-    # buckets: 64 + 16 GB) does not, and ZeRO-2 (16 GB weights + 8 grads + 16 AdamW) is the first rung that fits.
+    # Over 2 x 80 GB: DDP's replica needs 59.9 + 7.5 (bf16 copies) + 7.2 (activations) + 2.0 (logits) = 76.7 GiB
+    # > 72; ZeRO-2 holds 2 P + 16 P / 2 = 37.5 GiB of states (DeepSpeed's estimator: 41.2 with 16-bit gradients)
+    # + 3.5 of buffers + 6.4 + 2.0 = 49.4 GiB and fits without checkpointing, which DDP would need (70.0 GiB):
+    # same traffic as DDP and no recomputation, so ZeRO-2 it is.
     two_80gb = recommend("qwen3-4b", 2, 80)
     assert {"zero-3", "fsdp", "zero-2"} <= set(two_80gb.fitting) and "ddp" not in two_80gb.fitting
     assert two_80gb.strategy == "zero-2" and not two_80gb.activation_checkpointing
+    assert estimate("qwen3-4b", "ddp", 2, activation_checkpointing=True).fits(80)
 
 
 def test_qwen3_4b_fits_one_80gb_gpu_only_with_checkpointing():
@@ -211,21 +606,50 @@ def test_qwen3_4b_fits_one_80gb_gpu_only_with_checkpointing():
     assert 69 < advice.choice.total_gib < 72 < estimate("qwen3-4b", "single").total_gib
 
 
+def test_qwen3_4b_on_one_and_two_24gb_gpus_offloads_the_optimizer():
+    # Nothing keeps full SFT of 4B on 24 GB GPUs (FSDP + checkpointing on two: 35.6 GiB). ZeRO-Offload leaves
+    # 2 P = 7.5 GiB of bf16 weights on each GPU (DeepSpeed's estimator: the same 7.49 GiB) + 4.2 GiB of buckets,
+    # largest gradient and staging + 6.4 of activations + 2.0 of logits = 20.1 GiB: it fits, before FSDP's offload
+    # (which would move the weights over PCIe too), and says how much host memory it needs; LoRA is named as the
+    # faster way out.
+    for gpus, host_gib in ((1, 68.2), (2, 68.9)):
+        advice = recommend("qwen3-4b", gpus, 24)
+        assert (advice.strategy, advice.activation_checkpointing, advice.lora_rank) == ("zero-2-offload", False, 0)
+        assert advice.choice.total_gib == pytest.approx(20.12, abs=0.01)
+        assert f"{host_gib} GiB of host memory" in advice.reason and "LoRA" in advice.reason
+        assert advice.command().endswith("experiments/zero-ft/train.py --zero-stage 2 --cpu-offload")
+        assert not {"single", "ddp", "zero-2", "zero-3", "fsdp", "tp", "tp-sp", "pp"} & set(advice.fitting)
+
+
+def test_qwen3_4b_on_eight_24gb_gpus_is_zero2_with_checkpointing():
+    # 8 x 24 GB: ZeRO-2 holds 2 P + 16 P / 8 = 15.0 GiB of states (DeepSpeed's estimator: 15.9) + 3.5 of buffers
+    # + 2.0 of logits: with the 6.4 GiB of activations 26.9 > 21.6, checkpointed (0.4 GiB) 20.9 fits. Priced as
+    # project-bf16 with autocast (fp32 weights 4 P = 15.0 GiB + bf16 copies 7.5) it never could, and FSDP came
+    # first; ZeRO-2 moves DDP's traffic, FSDP 1.5 times it.
+    advice = recommend("qwen3-4b", 8, 24)
+    assert (advice.strategy, advice.activation_checkpointing) == ("zero-2", True)
+    assert advice.choice.total_gib == pytest.approx(20.90, abs=0.01)
+    assert advice.command().endswith("experiments/zero-ft/train.py --zero-stage 2 --activation-checkpointing")
+    as_before = estimate("qwen3-4b", "zero-2", 8, precision=PROJECT_BF16, activation_checkpointing=True)
+    assert not as_before.fits(24)
+
+
 @pytest.mark.parametrize("gpus,gpu_mem_gb,expected", [(1, 24, "single"), (1, 80, "single"), (2, 24, "ddp"),
                                                       (2, 32, "ddp"), (2, 80, "ddp")])
 def test_qwen3_0_6b_fits_a_replica(gpus, gpu_mem_gb, expected):
-    # 0.6B: 9.5 GB of states + 1.2 copies + 2.5 activations + 2.2 logits = about 14.4 GiB; DDP adds 2.2 of buckets
+    # 0.6B: 9.5 GB of states + 1.2 copies + 2.5 activations + 2.2 logits = about 14.4 GiB
     advice = recommend("qwen3-0.6b", gpus, gpu_mem_gb)
     assert (advice.strategy, advice.activation_checkpointing, advice.lora_rank) == (expected, False, 0)
 
 
 def test_qwen3_0_6b_on_two_16gb_gpus_shards_gradients_and_optimizer():
-    # Micro-batch 2 x 1024 on 2 x 16 GB (14.4 GiB usable): logits alone are 2 x 2.03 GiB. DDP needs 21.0 GiB, 16.7
-    # with checkpointing (8.9 of states + 2.2 of buckets + 1.1 of bf16 copies + 4.1 of logits); ZeRO-2 halves
-    # gradients and AdamW state (-3.3) and its bucket is 1.9: 17.3 GiB, 13.0 with checkpointing.
+    # Micro-batch 2 x 1024 on 2 x 16 GB (14.4 GiB usable): logits alone are 2 x 2.03 GiB. DDP needs 18.8 GiB, 14.5
+    # with checkpointing (8.9 of states + 1.1 of bf16 copies + 4.1 of logits); ZeRO-2 (DeepSpeed bf16: 2 P + 16 P / 2
+    # = 5.6 GiB of states, 3.1 of buffers, no autocast copies) needs 16.9, 13.0 with checkpointing.
     advice = recommend("qwen3-0.6b", 2, 16, micro_batch_size=2)
     assert (advice.strategy, advice.activation_checkpointing) == ("zero-2", True)
     assert "ddp" not in advice.fitting and "zero-2" not in advice.fitting  # not as given, without checkpointing
+    assert advice.choice.total_gib == pytest.approx(12.97, abs=0.01)
 
 
 def test_nothing_fits_says_so():
@@ -234,20 +658,27 @@ def test_nothing_fits_says_so():
 
 
 def test_lora_when_full_sft_fits_nowhere():
-    # Qwen3-4B on one 4 GB GPU (3.6 GiB usable), full SFT at its leanest (CPU offload + checkpointing): logits
-    # 1024 x 151,936 x 14 B = 2.03 GiB, activations 0.37, gathered bf16 root + 2 layers (389.0M + 2 x 100.9M) x 2 B
-    # = 1.10, unsharded fp32 gradients of root + 1 layer (389.0M + 100.9M) x 4 B = 1.83: 5.33 GiB. LoRA drops those
-    # gradients (the embedding is frozen): 3.48 GiB.
+    # Qwen3-4B on one 4 GB GPU (3.6 GiB usable), full SFT at its leanest (FSDP's CPU offload + checkpointing):
+    # logits 1024 x 151,936 x 14 B = 2.03 GiB, activations 0.37, gathered bf16 root + 2 layers (389.0M + 2 x
+    # 100.9M) x 2 B = 1.10, the root's unsharded gradient in bf16 and fp32 (389.0M x 6 B) = 2.17: 5.67 GiB.
+    # ZeRO-Offload keeps the 7.5 GiB of bf16 weights on the GPU. LoRA drops the root's gradient (the embedding is
+    # frozen): 3.48 GiB.
     advice = recommend("qwen3-4b", 1, 4)
     assert (advice.strategy, advice.lora_rank, advice.activation_checkpointing) == ("fsdp-offload", 16, True)
     assert advice.reason.startswith("full SFT fits nowhere")
     assert advice.choice.total_gib == pytest.approx(3.48, abs=0.01)
+    assert estimate("qwen3-4b", "fsdp-offload", 1, activation_checkpointing=True).total_gib == pytest.approx(
+        5.67, abs=0.01)
 
 
 def test_a_given_lora_rank_walks_the_ladder():
-    # On 2 x 24 GB, LoRA's 16 GB of frozen fp32 weights fit a replica once activations are checkpointed.
+    # On 2 x 24 GB with LoRA r16, DDP's replica keeps the frozen base in fp32 (15.1 GiB) beside autocast's bf16
+    # copies: 31.5 GiB, 19.0 with checkpointing. zero-ft's DeepSpeed bf16 keeps the frozen base in bf16 (7.6 GiB),
+    # so ZeRO-2 fits without checkpointing (16.5 GiB): the same traffic as DDP and no recomputation, first.
     advice = recommend("qwen3-4b", 2, 24, lora_rank=16)
-    assert (advice.strategy, advice.lora_rank) == ("ddp", 16) and advice.activation_checkpointing
+    assert (advice.strategy, advice.lora_rank, advice.activation_checkpointing) == ("zero-2", 16, False)
+    assert advice.choice.total_gib == pytest.approx(16.54, abs=0.01)
+    assert estimate("qwen3-4b", "ddp", 2, lora_rank=16, activation_checkpointing=True).fits(24)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -259,6 +690,9 @@ def test_predict_peak_gib_matches_estimate():
     fp32 = predict_peak_gib(config, "fsdp", 2, seq_len=512, micro_batch_size=2, dtype="fp32")
     assert fp32 == pytest.approx(estimate(config, "fsdp", 2, seq_len=512, micro_batch_size=2,
                                           precision=PROJECT_FP32).total_gib)
+    # zero-ft --dtype fp32 passes no precision: DeepSpeed's fp32 layout, with its separate master partition
+    zero_fp32 = predict_peak_gib(config, "zero-2", 2, seq_len=512, dtype="fp32")
+    assert zero_fp32 == pytest.approx(estimate(config, "zero-2", 2, seq_len=512, precision=DEEPSPEED_FP32).total_gib)
 
 
 def test_raw_counts_give_the_preset():
@@ -271,6 +705,20 @@ def test_cli_prints_the_table_and_the_recommendation(capsys):
     out = capsys.readouterr().out
     assert "recommendation: ddp" in out and "experiments/ddp-ft/train.py" in out
     assert "88,232 bytes/token" in out
+    assert "deepspeed-bf16" in out and "project-bf16" in out  # which rows use which bytes per parameter
+    main(["--model", "qwen3-4b", "--gpus", "2", "--gpu-mem-gb", "24"])
+    out = capsys.readouterr().out
+    assert "zero-2-offload" in out and "GiB in CPU memory per rank" in out
+    assert "run: uv run torchrun --nproc_per_node=2 experiments/zero-ft/train.py --zero-stage 2 --cpu-offload" in out
+    main(["--model", "qwen3-4b", "--gpus", "8", "--dtype", "fp32", "--grad-accum", "4"])
+    out = capsys.readouterr().out
+    assert "deepspeed-fp32" in out and "--grad-accum 4 --dtype fp32" in out
+    main(["--model", "qwen3-4b", "--gpus", "8", "--precision", "zero-paper"])
+    assert "precision zero-paper for every strategy" in capsys.readouterr().out
     main(["--zero-paper"])
     out = capsys.readouterr().out
     assert "31.406" in out and "1.875" in out
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["census"]:
+    print(json.dumps(_census([tuple(run) for run in json.loads(sys.argv[2])])))

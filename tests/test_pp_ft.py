@@ -1,5 +1,7 @@
 """pp-ft and pp-ds-ft against single-ft: per-step losses and gradient norms of every schedule, per-parameter
-gradients (the tied embedding / LM head included), the bubble, resume, --save-hf, and the one-process launch.
+gradients (the tied embedding / LM head included), LoRA (steps, resume, adapter and merged exports), the bubble, the
+schedule trace, model-state bytes against common/memory.py, collective calls and bytes against common/comm.py,
+resume, --save-hf, and the one-process launch.
 
 Two torchrun launches (2 ranks, gloo, CPU), one per experiment, each running all its configurations; single-ft runs
 in-process on the same B: 4 rows per step, as micro-batch 1 x grad-accum 4.
@@ -12,21 +14,32 @@ from contextlib import nullcontext
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from common.comm import pipeline_collectives
 from common.data import build_data, evaluate
+from common.models import load_model, load_tokenizer, model_config
 from conftest import load_experiment, read_losses, torchrun
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
 GRADIENT_SCHEDULES = ("1f1b", "zbv")  # the tied gradient summed across ranks, and on one rank (V placement)
+LORA_SCHEDULES = ("1f1b", "zbv")
 STEPS = 5
+LORA_STEPS = 3  # the LoRA runs checkpoint at step 2 and resume from there
+PROFILED_STEP = 3  # --comm-profile-steps 1 profiles the first step after the 2 timing warm-up steps
+LORA = ["--lora-rank", 4]
 
 
-def common_args(data, out, profile=False):
-    # torch.profiler (comm_ms) slows CPU steps a lot and changes no number: on only where comm_ms is checked.
+def common_args(data, out, profile_steps=0):
+    # torch.profiler (comm_ms, collective bytes) slows CPU steps a lot and changes no number: on only where checked.
     return ["--data", data, "--seq-len", 128, "--dtype", "fp32", "--micro-batch-size", 1, "--grad-accum", 4,
-            "--warmup-steps", 2, "--out-dir", out, *([] if profile else ["--comm-profile-steps", 0])]
+            "--warmup-steps", 2, "--out-dir", out, "--comm-profile-steps", profile_steps]
+
+
+def summary_of(out):
+    return json.loads((out / "summary.json").read_text())
 
 
 def records(out):
@@ -45,47 +58,65 @@ def read_tensors(checkpoint, prefix: str) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, small_data):
-    """single-ft on the same B: 5 steps with clipping on (the parity runs), and 1 step without clipping whose
-    checkpoint holds AdamW's first moment after one step, exp_avg = (1 - beta1) x gradient."""
+    """single-ft on the same B: 5 steps with clipping on (the parity runs), 1 step without clipping whose
+    checkpoint holds AdamW's first moment after one step, exp_avg = (1 - beta1) x gradient, and 3 LoRA steps
+    that export their adapter."""
     single_ft = load_experiment("single-ft")
     root = tmp_path_factory.mktemp("single")
     summary = single_ft.main([*map(str, common_args(small_data, root / "steps")), "--steps", str(STEPS)])
     single_ft.main([*map(str, common_args(small_data, root / "grads")), "--steps", "1", "--max-grad-norm", "0",
                     "--checkpoint-every", "1"])
+    lora = single_ft.main([*map(str, [*common_args(small_data, root / "lora"), "--steps", LORA_STEPS, *LORA,
+                                      "--save-hf", root / "lora-adapter"])])
     return dict(records=records(root / "steps"), eval_loss=summary["eval_loss"],
-                grads=root / "grads" / "checkpoints" / "step-1")
+                grads=root / "grads" / "checkpoints" / "step-1", lora_records=records(root / "lora"),
+                lora_summary=lora, lora_adapter=root / "lora-adapter")
 
 
 @pytest.fixture(scope="module")
 def pp(tmp_path_factory, small_data):
-    """One launch, every configuration: each schedule for 5 steps (1f1b also profiles comm_ms, checkpoints at step 3
-    and exports; interleaved recomputes activations; gpipe uses an uneven split), a resume from step 3, a bf16 run,
-    and 1-step runs without clipping that checkpoint, for the per-parameter gradients."""
+    """One launch, every configuration: each schedule for 5 steps with step 3 profiled (collective calls and bytes;
+    1f1b also checkpoints at step 3 and exports; interleaved recomputes activations; gpipe uses an uneven split), a
+    resume from step 3, a bf16 run, 1-step runs without clipping that checkpoint, for the per-parameter gradients,
+    and LoRA: 1f1b (checkpoint at step 2, adapter export), its resume, and zbv (merged export)."""
     root = tmp_path_factory.mktemp("pp")
     extra = {"1f1b": ["--checkpoint-every", 3, "--save-hf", root / "hf"],
              "interleaved-1f1b": ["--activation-checkpointing"],
              "gpipe": ["--split", 1]}  # stage 0: embedding + layer 0; stage 1: layers 1-3 + head
-    runs = [[*common_args(small_data, root / schedule, profile=schedule == "1f1b"), "--schedule", schedule,
-             "--steps", STEPS, *extra.get(schedule, [])] for schedule in SCHEDULES]
+    runs = [[*common_args(small_data, root / schedule, profile_steps=1), "--schedule", schedule, "--steps", STEPS,
+             *extra.get(schedule, [])] for schedule in SCHEDULES]
     runs.append([*common_args(small_data, root / "resumed"), "--schedule", "1f1b", "--steps", STEPS,
                  "--resume", root / "1f1b" / "checkpoints" / "step-3"])
     runs.append([*common_args(small_data, root / "bf16"), "--steps", 3, "--dtype", "bf16"])  # the last --dtype wins
     runs += [[*common_args(small_data, root / f"grads-{schedule}"), "--schedule", schedule, "--steps", 1,
               "--max-grad-norm", 0, "--checkpoint-every", 1] for schedule in GRADIENT_SCHEDULES]
+    lora_extra = {"1f1b": ["--checkpoint-every", 2, "--save-hf", root / "lora-adapter"],
+                  "zbv": ["--save-hf", root / "lora-merged", "--merge-lora"]}
+    runs += [[*common_args(small_data, root / f"lora-{schedule}"), "--schedule", schedule, "--steps", LORA_STEPS,
+              *LORA, *lora_extra[schedule]] for schedule in LORA_SCHEDULES]
+    runs.append([*common_args(small_data, root / "lora-resumed"), "--schedule", "1f1b", "--steps", LORA_STEPS, *LORA,
+                 "--resume", root / "lora-1f1b" / "checkpoints" / "step-2"])
     torchrun("pp-ft", runs)
     return root
 
 
 @pytest.fixture(scope="module")
 def pp_ds(tmp_path_factory, small_data):
-    """One launch: fp32 without ZeRO (checkpoints at step 3), its resume, and ZeRO-1 with activation checkpointing."""
+    """One launch: fp32 without ZeRO (checkpoints at step 3), its resume, ZeRO-1 with activation checkpointing (both
+    profile step 3), and LoRA: 3 steps (checkpoint at step 2, adapter export), a resume from step 2 with activation
+    checkpointing and the merged export, and 2 bf16 steps."""
     root = tmp_path_factory.mktemp("pp_ds")
     torchrun("pp-ds-ft", [
-        [*common_args(small_data, root / "zero0"), "--steps", STEPS, "--checkpoint-every", 3],
+        [*common_args(small_data, root / "zero0", profile_steps=1), "--steps", STEPS, "--checkpoint-every", 3],
         [*common_args(small_data, root / "resumed"), "--steps", STEPS, "--resume",
          root / "zero0" / "checkpoints" / "step-3"],
-        [*common_args(small_data, root / "zero1"), "--steps", STEPS, "--zero-stage", 1,
+        [*common_args(small_data, root / "zero1", profile_steps=1), "--steps", STEPS, "--zero-stage", 1,
          "--activation-checkpointing"],
+        [*common_args(small_data, root / "lora"), "--steps", LORA_STEPS, *LORA, "--checkpoint-every", 2,
+         "--save-hf", root / "lora-adapter"],
+        [*common_args(small_data, root / "lora-resumed"), "--steps", LORA_STEPS, *LORA, "--activation-checkpointing",
+         "--resume", root / "lora" / "checkpoints" / "step-2", "--save-hf", root / "lora-merged", "--merge-lora"],
+        [*common_args(small_data, root / "lora-bf16"), "--steps", 2, *LORA, "--dtype", "bf16"],  # ZeRO-1's bf16 path
     ])
     return root
 
@@ -102,10 +133,11 @@ def test_every_schedule_computes_single_ft_steps(pp, single, schedule):
     assert [r["loss_tokens"] for r in got] == [r["loss_tokens"] for r in want]
     # tokens/s counts the step's real tokens once, not once per rank.
     assert [r["tokens"] for r in got] == [r["tokens"] for r in want]
-    summary = json.loads((pp / schedule / "summary.json").read_text())
+    summary = summary_of(pp / schedule)
     assert summary["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5)
-    if schedule == "1f1b":  # the profiled run: p2p and the small collectives show up as gloo time
-        assert all(r["comm_ms"] > 0 for r in got[2:])
+    # The profiled step: p2p and the small collectives show up as gloo time; the others are not profiled.
+    assert summary["profiled_steps"] == [PROFILED_STEP]
+    assert [r["comm_ms"] is not None and r["comm_ms"] > 0 for r in got] == [r["step"] == PROFILED_STEP for r in got]
 
 
 def test_bf16_tracks_fp32(pp, single):
@@ -227,3 +259,228 @@ def test_one_process_runs_the_pipeline_on_one_rank(tmp_path, small_data, single,
     assert read_losses(out) == pytest.approx([r["loss"] for r in single["records"][:2]], rel=1e-5)
     assert summary["bubble_fraction_textbook"] == 0.0
     assert not torch.distributed.is_initialized()  # the group is gone, so later in-process runs start clean
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# LoRA
+
+
+def base_model():
+    """The frozen base every run starts from: qwen3-tiny's random init under --seed 0 (as the experiments build it)."""
+    torch.manual_seed(0)
+    return load_model("qwen3-tiny", load_tokenizer("qwen3-tiny"), "sdpa", dtype=torch.float32, device="cpu")
+
+
+def eval_loss_of(model, export, small_data) -> float:
+    data = build_data(small_data, AutoTokenizer.from_pretrained(export), 128, seed=0)
+    return evaluate(model, data, 1, torch.device("cpu"), nullcontext)
+
+
+@pytest.mark.parametrize("schedule", LORA_SCHEDULES)
+def test_lora_computes_single_ft_lora_steps(pp, single, schedule):
+    got, want = records(pp / f"lora-{schedule}"), single["lora_records"]
+    assert len(got) == LORA_STEPS
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-5)
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-5)
+    summary = summary_of(pp / f"lora-{schedule}")
+    assert summary["eval_loss"] == pytest.approx(single["lora_summary"]["eval_loss"], rel=1e-5)
+    # Only the adapters train: single-ft's count, spread over the stages.
+    assert summary["model"]["trainable_parameters"] == single["lora_summary"]["model"]["trainable_parameters"]
+    assert sum(summary["model"]["trainable_parameters_per_rank"]) == summary["model"]["trainable_parameters"]
+    # The frozen tied weight needs no gradient sum: no V x d all-reduce (and nothing profiled here).
+    assert summary["collective_bytes_formula_per_rank"][0]["gloo:all_reduce"] == {"calls": 1, "bytes": 4}
+
+
+def test_lora_resume_equals_the_uninterrupted_run(pp):
+    resumed = read_losses(pp / "lora-resumed")
+    assert len(resumed) == LORA_STEPS - 2
+    assert resumed == pytest.approx(read_losses(pp / "lora-1f1b")[2:], rel=1e-5)
+    assert summary_of(pp / "lora-resumed")["eval_loss"] == pytest.approx(
+        summary_of(pp / "lora-1f1b")["eval_loss"], rel=1e-5)
+
+
+def test_lora_adapter_export_is_single_ft_s_and_loads_with_peft(pp, single, small_data):
+    from peft import PeftModel
+
+    export = pp / "lora-adapter"
+    got, want = load_file(export / "adapter_model.safetensors"), load_file(single["lora_adapter"] /
+                                                                          "adapter_model.safetensors")
+    assert set(got) == set(want)  # peft's names, gathered from both stages
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-5, msg=name)
+    model = PeftModel.from_pretrained(base_model(), export)
+    assert eval_loss_of(model, export, small_data) == pytest.approx(single["lora_summary"]["eval_loss"], rel=1e-5)
+
+
+def test_lora_merged_export_loads_in_plain_transformers(pp, single, small_data):
+    export = pp / "lora-merged"
+    index = json.loads((export / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 2  # one shard per rank, merged where the layers live
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    assert not any("lora" in name or "base_layer" in name for name, _ in model.named_parameters())
+    assert eval_loss_of(model, export, small_data) == pytest.approx(single["lora_summary"]["eval_loss"], rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The schedule trace
+
+
+def one_f_one_b_order(rank: int, n_ranks: int, n_microbatches: int) -> list[tuple[str, int]]:
+    """1F1B as Narayanan et al. 2021 (section 2.2.1) define it: rank r first runs the forwards that fill the
+    pipeline below it (p - 1 - r of them), then alternates one forward, one backward, then drains the backwards."""
+    warmup = min(n_microbatches, n_ranks - 1 - rank)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(n_microbatches - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    return order + [("B", i) for i in range(n_microbatches - warmup, n_microbatches)]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_schedule_trace_is_the_schedule_and_causal(pp, schedule):
+    summary = summary_of(pp / schedule)
+    trace, layout = summary["schedule_trace"], summary["pipeline"]
+    p, m, stage_rank = layout["ranks"], layout["microbatches"], layout["stage_rank"]
+    last_stage = len(stage_rank) - 1
+    assert trace["step"] == STEPS and trace["step"] not in summary["profiled_steps"]
+    assert trace["clock"] == "perf_counter"
+    assert min(a["start_ms"] for a in trace["actions"]) == 0.0
+    by_rank = {r: [a for a in trace["actions"] if a["rank"] == r] for r in range(p)}
+    at = {(a["kind"], a["stage"], a["microbatch"]): a for a in trace["actions"]}
+    assert len(at) == len(trace["actions"])  # each action once
+    for r, actions in by_rank.items():
+        assert {a["stage"] for a in actions} == {s for s, owner in enumerate(stage_rank) if owner == r}
+        compute = [(a["kind"], a["microbatch"]) for a in actions if a["kind"] != "loss"]
+        if schedule == "1f1b":
+            assert compute == one_f_one_b_order(r, p, m)
+        else:  # F, B (input half) and W (weight half) of every micro-batch on both stages of the V
+            for s in {a["stage"] for a in actions}:
+                for kind in "FBW":
+                    assert sorted(a["microbatch"] for a in actions if a["stage"] == s and a["kind"] == kind) \
+                        == list(range(m))
+        # One rank computes one thing at a time.
+        for before, after in zip(actions, actions[1:]):
+            assert before["end_ms"] <= after["start_ms"], (before, after)
+        # The step's busy time is these actions' total, inside the schedule's wall time.
+        busy = sum(a["end_ms"] - a["start_ms"] for a in actions)
+        assert busy == pytest.approx(trace["busy_ms_per_rank"][r], rel=1e-9)
+        assert actions[-1]["end_ms"] - actions[0]["start_ms"] <= trace["schedule_ms_per_rank"][r]
+    for i in range(m):
+        for s in range(last_stage + 1):
+            forward, backward = at[("F", s, i)], at[("B", s, i)]
+            assert forward["end_ms"] <= backward["start_ms"]
+            if s < last_stage:  # activations flow down the stages, gradients back up, across ranks too
+                assert forward["end_ms"] <= at[("F", s + 1, i)]["start_ms"]
+                assert at[("B", s + 1, i)]["end_ms"] <= backward["start_ms"]
+            if ("W", s, i) in at:
+                assert backward["end_ms"] <= at[("W", s, i)]["start_ms"]
+        loss = at[("loss", last_stage, i)]  # between the last stage's forward and backward of that micro-batch
+        assert at[("F", last_stage, i)]["end_ms"] <= loss["start_ms"] <= loss["end_ms"] \
+            <= at[("B", last_stage, i)]["start_ms"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model-state bytes and collective bytes against their predictions
+
+
+def trainable_tensors_per_layer(lora: bool) -> int:
+    model = AutoModelForCausalLM.from_config(model_config("qwen3-tiny"))
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])).get_base_model()
+    return sum(p.requires_grad for p in model.model.layers[0].parameters())
+
+
+@pytest.mark.parametrize("run,lora", [("1f1b", False), ("lora-1f1b", True)])
+def test_state_bytes_match_the_memory_model(pp, run, lora):
+    """fp32, 1F1B on 2 ranks: weights, gradients and master as predicted, the LM head copy included (the last rank
+    holds 1 x V x d more); AdamW's state as predicted plus its 4-byte step counter per trainable tensor."""
+    summary = summary_of(pp / run)
+    measured, predicted = summary["state_bytes_per_rank"], summary["predicted_state_bytes_per_rank"]
+    assert summary["state_bytes_step"] == 2
+    per_layer = trainable_tensors_per_layer(lora)
+    layers = summary["pipeline"]["stage_layers"]
+    for rank, (got, want) in enumerate(zip(measured, predicted)):
+        assert {key: got[key] for key in ("weights", "grads", "master")} == \
+               {key: want[key] for key in ("weights", "grads", "master")}
+        roots = 0 if lora else (1 if rank == 0 else 2)  # embedding; final norm + LM head copy
+        tensors = per_layer * (layers[rank][1] - layers[rank][0]) + roots
+        assert got["optimizer"] == want["optimizer"] + 4 * tensors
+    if not lora:  # each end holds one V x d matrix (embedding, LM head copy); the last also the final norm
+        hidden = 256
+        assert measured[1]["weights"] - measured[0]["weights"] == 4 * hidden
+        assert measured[0]["grads"] == measured[0]["weights"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_collective_bytes_match_the_formula(pp, schedule):
+    summary = summary_of(pp / schedule)
+    measured, formula = summary["collective_bytes_per_step_per_rank"], summary["collective_bytes_formula_per_rank"]
+    assert measured == formula  # per rank, calls and bytes of every backend collective
+    # The formula's closed forms (common/comm.py): m = 4 micro-batches of 128 x 256 fp32 hidden states each way
+    # per boundary a rank sits on; the tied gradient (8192 x 256 fp32) only when its two copies are on two ranks.
+    transfers = {"gpipe": 4, "1f1b": 4, "interleaved-1f1b": 12, "zbv": 8}[schedule]
+    tied = schedule != "zbv"
+    for rank in range(2):
+        assert formula[rank]["gloo:send"] == {"calls": transfers, "bytes": transfers * 128 * 256 * 4}
+        assert formula[rank]["gloo:all_reduce"]["bytes"] == 4 + tied * 8192 * 256 * 4
+
+
+def test_pipeline_formula_closed_forms():
+    """pipeline_collectives against its docstring's closed forms, for 4 ranks: loop placement with v = 2 (out_r =
+    v - [r = p-1], in_r = v - [r = 0]) and the V (out_r = in_r = [r > 0] + [r < p-1])."""
+    p, v, m = 4, 2, 8
+    shape = dict(microbatches=m, micro_batch_size=1, seq_len=16, hidden=8, vocab=32, tied_gradients=True)
+    loop = [s % p for s in range(p * v)]
+    vee = [s if s < p else 2 * p - 1 - s for s in range(2 * p)]
+    for r in range(p):
+        sends = pipeline_collectives(loop, r, **shape)["send"]["calls"]
+        assert sends == m * ((v - (r == p - 1)) + (v - (r == 0)))
+        assert pipeline_collectives(vee, r, **shape)["send"]["calls"] == m * 2 * ((r > 0) + (r < p - 1))
+        assert pipeline_collectives(vee, r, **shape)["all_reduce"]["calls"] == 1  # rank 0 holds both ends
+        assert pipeline_collectives(loop, r, **shape)["all_reduce"]["calls"] == (2 if r in (0, p - 1) else 1)
+    assert "send" not in pipeline_collectives([0, 0], 0, **shape)  # one process: nothing crosses
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pp-ds-ft: LoRA and collectives
+
+
+def test_deepspeed_lora_computes_single_ft_lora_steps_and_resumes(pp_ds, single):
+    got, want = records(pp_ds / "lora"), single["lora_records"]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-5)
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-5)
+    summary = summary_of(pp_ds / "lora")
+    assert summary["eval_loss"] == pytest.approx(single["lora_summary"]["eval_loss"], rel=1e-5)
+    assert summary["model"]["trainable_parameters"] == single["lora_summary"]["model"]["trainable_parameters"]
+    # The resume recomputes step 3 with activation checkpointing: the same loss, and (eval) the same update, so the
+    # first stage's adapters, whose input comes from the frozen embedding, got their gradients under recomputation.
+    assert read_losses(pp_ds / "lora-resumed") == pytest.approx([r["loss"] for r in want][2:], rel=1e-5)
+    assert summary_of(pp_ds / "lora-resumed")["eval_loss"] == pytest.approx(summary["eval_loss"], rel=1e-5)
+
+
+def test_deepspeed_lora_bf16_tracks_fp32(pp_ds, single):
+    """bf16 runs DeepSpeed's BF16_Optimizer, whose tied-gradient step reads a frozen tied weight's `_hp_grad`."""
+    bf16 = read_losses(pp_ds / "lora-bf16")
+    fp32 = [r["loss"] for r in single["lora_records"][:2]]
+    assert bf16 == pytest.approx(fp32, rel=2e-2)
+    assert bf16 != pytest.approx(fp32, rel=1e-6)
+
+
+def test_deepspeed_lora_exports_load(pp_ds, single, small_data):
+    from peft import PeftModel
+
+    want = single["lora_summary"]["eval_loss"]
+    adapter = PeftModel.from_pretrained(base_model(), pp_ds / "lora-adapter")
+    assert eval_loss_of(adapter, pp_ds / "lora-adapter", small_data) == pytest.approx(want, rel=1e-5)
+    merged = AutoModelForCausalLM.from_pretrained(pp_ds / "lora-merged", dtype=torch.float32)
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    assert eval_loss_of(merged, pp_ds / "lora-merged", small_data) == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("run", ["zero0", "zero1"])
+def test_deepspeed_collective_bytes_match_the_formula(pp_ds, run):
+    summary = summary_of(pp_ds / run)
+    assert summary["profiled_steps"] == [PROFILED_STEP]
+    assert summary["collective_bytes_per_step_per_rank"] == summary["collective_bytes_formula_per_rank"]

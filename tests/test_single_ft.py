@@ -136,3 +136,12 @@ def test_resume_equals_the_uninterrupted_run(tmp_path, small_data):
     assert first_half == pytest.approx(uninterrupted, rel=1e-5)
     assert len(resumed) == 3
     assert resumed == pytest.approx(uninterrupted[3:], rel=1e-5)
+
+
+def test_lora_resume_equals_the_uninterrupted_run(tmp_path, small_data):
+    # Under LoRA only 2-D adapter matrices train, so the no-weight-decay group would be empty: a checkpoint of an
+    # optimizer with an empty group could not be loaded back (IndexError in torch's flattened optimizer state).
+    args = ("--steps", 4, "--warmup-steps", 2, "--lora-rank", 4)
+    _, uninterrupted = run(tmp_path, "whole", small_data, *args, "--checkpoint-every", 2)
+    _, resumed = run(tmp_path, "resumed", small_data, *args, "--resume", tmp_path / "whole" / "checkpoints" / "step-2")
+    assert resumed == pytest.approx(uninterrupted[2:], rel=1e-5)

@@ -1,10 +1,12 @@
 """tp-ft and tp-sp-ft (2 ranks, gloo, CPU) against single-ft: per-step losses with packing, full and LoRA; replicated
-q_norm/k_norm kept identical by the gradient all-reduce (and drifting without it); export; resume; SP's activations.
+q_norm/k_norm kept identical by the gradient all-reduce (and drifting without it); export; resume; SP's activations;
+the model-state bytes each rank holds against common/memory.py, the collectives against common/comm.py.
 
 One torchrun launch per experiment runs all of its configurations (tests/run_many.py); single-ft runs in-process.
 """
 
 import json
+import math
 from contextlib import nullcontext
 
 import pytest
@@ -14,10 +16,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from common.data import build_data, evaluate
 from common.models import load_model, model_config
 from conftest import load_experiment, read_losses, torchrun
+from test_comm import assert_formula_matches, tiny_parameters
 
 STEPS = 5  # optimizer steps compared; resume continues from step 3
 RESUME_AT = 3
 LORA_RANK = 4
+PROFILE_ONE = ("--comm-profile-steps", 1)  # the third step's collectives, for common/comm.py's formula
 
 
 def common_args(data, out_dir, *extra) -> list:
@@ -46,7 +50,7 @@ def tp(tmp_path_factory, small_data):
     out = tmp_path_factory.mktemp("tp-ft")
     torchrun("tp-ft", [
         common_args(small_data, out / "full", "--steps", STEPS, "--checkpoint-every", RESUME_AT, "--save-hf",
-                    out / "full" / "hf"),
+                    out / "full" / "hf", *PROFILE_ONE),
         common_args(small_data, out / "resumed", "--steps", STEPS, "--resume",
                     out / "full" / "checkpoints" / f"step-{RESUME_AT}"),
         common_args(small_data, out / "lora", "--steps", STEPS, "--lora-rank", LORA_RANK, "--save-hf",
@@ -61,7 +65,7 @@ def tp(tmp_path_factory, small_data):
 def tp_sp(tmp_path_factory, small_data):
     out = tmp_path_factory.mktemp("tp-sp-ft")
     torchrun("tp-sp-ft", [
-        common_args(small_data, out / "full", "--steps", STEPS),
+        common_args(small_data, out / "full", "--steps", STEPS, *PROFILE_ONE),
         # LoRA, with the logits gathered instead of loss-parallel, exported as an adapter.
         common_args(small_data, out / "lora", "--steps", STEPS, "--lora-rank", LORA_RANK, "--no-loss-parallel",
                     "--save-hf", out / "lora" / "hf"),
@@ -157,3 +161,29 @@ def test_head_counts_that_do_not_divide_stop_with_the_reason():
         check_divisible(tiny, 3)
     with pytest.raises(SystemExit, match=r"num_key_value_heads \(4\) divisible by 8"):
         check_divisible(tiny, 8)
+
+
+def test_collective_bytes_equal_the_formula(tp, tp_sp):
+    # Per micro-batch 4 L + 2 all-reduces of the hidden states (tp-ft), or as many reduce-scatters and all-gathers
+    # (tp-sp-ft; gloo runs a reduce-scatter as an all-reduce), the loss-parallel cross-entropy's three, and once per
+    # step the partial gradients and the gradient norm.
+    for run in (tp / "full", tp_sp / "full"):
+        assert_formula_matches(summary(run))
+
+
+@pytest.mark.parametrize("experiment", ["tp", "tp_sp"])
+def test_model_state_bytes_are_the_predicted_ones(experiment, request):
+    parameters = tiny_parameters()
+    psi = sum(math.prod(shape) for _, shape in parameters)
+    embedding = math.prod(dict(parameters)["model.embed_tokens.weight"])
+    replicated = sum(math.prod(shape) for name, shape in parameters if "norm" in name)  # every norm weight
+    split = psi - embedding - replicated  # the layers' seven projections
+    counters = 4 * len(parameters)  # AdamW's step: one fp32 scalar per parameter tensor
+    result = summary(request.getfixturevalue(experiment) / "full")
+    predicted = result["predicted_state_bytes"]
+    for measured in result["state_bytes_per_rank"]:
+        # Each rank: 1/2 of every projection and of the vocabulary-split embedding (the tied LM head), the norms
+        # whole; common/memory.py models the same split. AdamW's step counters are the only difference.
+        local = split // 2 + embedding // 2 + replicated
+        assert measured == {"weights": 4 * local, "grads": 4 * local, "optimizer": 8 * local + counters, "master": 0}
+        assert measured == {**predicted, "optimizer": predicted["optimizer"] + counters}

@@ -1,4 +1,6 @@
-"""zero-ft against single-ft: DeepSpeed ZeRO stages 1, 2 and 3 on 2 CPU ranks (gloo) compute single-ft's steps.
+"""zero-ft against single-ft: DeepSpeed ZeRO stages 1, 2 and 3 (and ZeRO-Offload) on 2 CPU ranks (gloo) compute
+single-ft's steps; the model-state bytes each rank holds against common/memory.py, the collectives against
+common/comm.py.
 
 Every 2-rank configuration runs in one torchrun launch (module fixture `launch`): the imports and DeepSpeed's
 start-up cost more than the runs themselves. B = 4 rows per step: 2 ranks x 1 row x 2 micro-batches for zero-ft,
@@ -6,6 +8,7 @@ start-up cost more than the runs themselves. B = 4 rows per step: 2 ranks x 1 ro
 """
 
 import json
+import math
 from contextlib import nullcontext
 
 import pytest
@@ -13,7 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.data import build_data, evaluate
+from common.memory import DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD, DEEPSPEED_REDUCE_BUCKET_ELEMENTS, estimate
 from conftest import load_experiment, read_losses, torchrun
+from test_comm import assert_formula_matches, tiny_parameters
 
 single_ft = load_experiment("single-ft")
 
@@ -53,6 +58,7 @@ def launch(tmp_path_factory, small_data):
     torn.mkdir(parents=True)
     (torn / "mp_rank_00_model_states.pt").write_bytes(b"\x80\x02torn")
     quiet = ["--comm-profile-steps", 0]  # no profiler where comm_ms is not looked at
+    profile_one = ["--comm-profile-steps", 1]  # the third step's collectives, for common/comm.py's formula
     torchrun("zero-ft", [
         [*data, *ZERO, "--zero-stage", 1, "--out-dir", root / "stage1"],
         [*data, *ZERO, "--zero-stage", 2, "--out-dir", root / "stage2", "--checkpoint-every", 3],
@@ -61,14 +67,15 @@ def launch(tmp_path_factory, small_data):
          "--lr", 1e-3, *quiet],  # the preset's default peak LR: a loaded folder would default to 2e-5
         [*data, *ZERO, "--zero-stage", 2, "--out-dir", root / "resumed", "--checkpoint-every", 3, *quiet,
          "--resume", root / "stage2" / "checkpoints" / "step-3"],
-        [*data, *ZERO, "--zero-stage", 3, "--out-dir", root / "bf16", "--dtype", "bf16", "--steps", 3, *quiet],
+        [*data, *ZERO, "--zero-stage", 3, "--out-dir", root / "bf16", "--dtype", "bf16", "--steps", 3, *profile_one],
+        [*data, *ZERO, "--zero-stage", 2, "--cpu-offload", "--out-dir", root / "stage2-offload", *profile_one],
         [*data, *ZERO, "--zero-stage", 3, "--out-dir", root / "lora", "--lora-rank", 4, "--save-hf",
          root / "lora-merged", "--merge-lora", *quiet],
     ])
     return root, reference, lora
 
 
-@pytest.mark.parametrize("run", ["stage1", "stage2", "stage3", "stage3-loaded"])
+@pytest.mark.parametrize("run", ["stage1", "stage2", "stage3", "stage3-loaded", "stage2-offload"])
 def test_every_stage_computes_the_single_process_steps(launch, run):
     root, *_ = launch
     expected, got = records(root / "single"), records(root / run)
@@ -142,3 +149,65 @@ def test_lora_trains_only_the_adapters_and_the_merged_export_reloads(launch, sma
     data = build_data(small_data, AutoTokenizer.from_pretrained(root / "lora-merged"), 128, seed=0)
     reloaded = evaluate(model, data, 1, torch.device("cpu"), nullcontext)
     assert reloaded == pytest.approx(lora["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("run", ["stage1", "stage2", "stage3", "bf16", "stage2-offload"])
+def test_collective_bytes_equal_the_formula(launch, run):
+    root, *_ = launch
+    assert_formula_matches(summary(root / run))
+
+
+def gradients_kept_whole(world_size: int, rank: int) -> int:
+    """Elements of the gradients ZeRO stages 1-2 keep on `rank` (DeepSpeed's grads_in_partition): every parameter
+    that overlaps the rank's partition of a parameter group, whole. zero-ft's groups: matrices, then vectors."""
+    shapes = [shape for _, shape in tiny_parameters()]
+    total = 0
+    for numels in ([math.prod(s) for s in shapes if len(s) >= 2], [math.prod(s) for s in shapes if len(s) < 2]):
+        padded = -(-sum(numels) // (2 * world_size)) * 2 * world_size  # the flat group, aligned to 2 W elements
+        low, high = rank * padded // world_size, (rank + 1) * padded // world_size
+        starts = [sum(numels[:i]) for i in range(len(numels))]
+        total += sum(n for start, n in zip(starts, numels) if start < high and start + n > low)
+    return total
+
+
+def test_model_state_bytes_are_the_predicted_ones(launch):
+    root, *_ = launch
+    numels = [math.prod(shape) for _, shape in tiny_parameters()]
+    psi, world = sum(numels), 2
+    persistent = sum(n for n in numels if n <= DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD)  # kept whole on every rank
+    counters = 4 * 2  # AdamW's step counters: one per parameter group (one flat tensor each), not in common/memory.py
+    runs = {stage: summary(root / f"stage{stage}") for stage in (1, 2, 3)}
+    for stage, result in runs.items():
+        predicted = result["predicted_state_bytes"]
+        assert result["state_bytes_step"] == 2 and len(result["state_bytes_per_rank"]) == world
+        for rank, measured in enumerate(result["state_bytes_per_rank"]):
+            # Every stage: AdamW's moments of this rank's fp32 partition, and that partition itself, a master copy
+            # DeepSpeed clones even in fp32.
+            assert measured["optimizer"] == predicted["optimizer"] + counters == 8 * psi // world + counters
+            assert measured["master"] == predicted["master"] == 4 * psi // world
+            if stage < 3:
+                # Whole weights; the reduce bucket exists only during backward.
+                assert measured["weights"] == predicted["weights"] == 4 * psi
+                assert measured["buffers"] == 0
+                # After the last backward both stages hold only the reduced gradients of their partition, whole
+                # for the parameters that straddle its edges: more than 4 Psi / W by those parameters' other
+                # parts. Stage 1 held full gradients (common/memory.py's 4 Psi) until this backward reduced them.
+                assert measured["grads"] == 4 * gradients_kept_whole(world, rank) > 4 * psi // world
+                assert predicted["grads"] == (4 * psi if stage == 1 else 4 * psi // world)
+            else:
+                # Every parameter's partition, plus whole copies of the persistent ones (which keep their
+                # partition too).
+                assert measured["weights"] == predicted["weights"] == 4 * psi // world + 4 * persistent
+                assert measured["grads"] == predicted["grads"] == 4 * psi // world
+                # The fp32 reduce bucket, held for the whole run.
+                assert measured["buffers"] == 4 * DEEPSPEED_REDUCE_BUCKET_ELEMENTS
+    # ZeRO-Offload: the device keeps the weights; the fp32 gradient partition, master partition and AdamW state are
+    # in host memory, where common/memory.py predicts them (with its staging buffers besides).
+    offload = summary(root / "stage2-offload")
+    host = estimate("qwen3-tiny", "zero-2-offload", world, seq_len=128, precision="fp32")
+    assert offload["predicted_cpu_bytes"] == int(host.cpu_bytes)
+    for measured in offload["state_bytes_per_rank"]:
+        assert measured["weights"] == offload["predicted_state_bytes"]["weights"] == 4 * psi
+        assert measured["grads"] == 4 * psi // world
+        host_states = measured["grads"] + measured["optimizer"] + measured["master"]
+        assert host_states == host.cpu_bytes - host.cpu_buffers_bytes + counters == 16 * psi // world + counters

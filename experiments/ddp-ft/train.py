@@ -11,7 +11,7 @@ the last micro-batch DDP all-reduces the gradients, bucket by bucket while backw
 ends the step with the same gradient and takes the same optimizer step: the replicas never exchange weights.
 The loss is the token-weighted loss of all B rows, as in single-ft, which this script matches step for step.
 
-Strategy flags: --bucket-cap-mb (size of the gradient buckets DDP all-reduces).
+Strategy flags: --bucket-cap-mb (size of the gradient buckets DDP all-reduces), --reduce-every-micro-batch.
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ from transformers import HfArgumentParser
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import DataError, build_data, describe, evaluate, token_loss_sum
-from common.dist import init_distributed, print0, teardown
-from common.memory import attention_kind, predict_peak_gib
+from common.comm import as_backend, ddp_collectives
+from common.dist import all_ranks, init_distributed, print0, teardown
+from common.memory import attention_kind, estimate
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
-    summary_table
+    state_bytes, summary_table
 from common.models import count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
     resolve_model_name
 
@@ -72,6 +73,7 @@ class Config:
     resume: str | None = None  # a checkpoints/step-<k> folder to continue from (same data, B, --steps and world size)
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
     bucket_cap_mb: float = 25.0  # MiB of gradients per all-reduce bucket; each bucket is sent as soon as all its gradients exist, overlapping the rest of backward (DDP's default: 25)
+    reduce_every_micro_batch: bool = False  # all-reduce the gradients after every micro-batch's backward instead of only the last (no no_sync()): the same step for grad_accum times the traffic, the classic misconfiguration, kept to measure it
 
 
 def resolve(config: Config) -> Config:
@@ -179,9 +181,11 @@ def main(argv: list[str] | None = None) -> dict:
     # of the AdamW state and applies the same update to the same gradient.
     decay = [p for p in trainable if p.ndim >= 2]
     no_decay = [p for p in trainable if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=config.lr, fused=device.type == "cuda")
+    # A group left empty (under LoRA nothing 1-D is trained) is not created: a checkpoint's flattened optimizer
+    # state cannot be loaded back into a group without parameters.
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW([group for group in groups if group["params"]], lr=config.lr,
+                                  fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, config.warmup_steps, config.steps))
 
@@ -199,6 +203,10 @@ def main(argv: list[str] | None = None) -> dict:
     start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
     if config.resume:
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
+    # Model-state bytes are counted once, on the second step, after its backward and before its update: the
+    # gradients exist, and so does AdamW's state, created by the first update.
+    state_step = min(start_step + 1, config.steps - 1)
+    measured_state = None
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum, rank, world_size)
         # The denominator of the whole step, over all ranks. Every rank holds every row of the step (the row
@@ -215,9 +223,10 @@ def main(argv: list[str] | None = None) -> dict:
             # no_sync() on all but the last micro-batch: DDP's hooks only accumulate into .grad, and the last
             # backward all-reduces the sum once. An all-reduce per micro-batch would send the whole gradient
             # grad_accum times per step (a ring all-reduce moves 2 (W-1)/W x its size through every rank: 2.4 GB
-            # of fp32 gradients per rank for Qwen3-0.6B on 2 ranks, each time) for exactly the same result.
+            # of fp32 gradients per rank for Qwen3-0.6B on 2 ranks, each time) for exactly the same result, which
+            # is what --reduce-every-micro-batch does.
             last = index == len(micro_batches) - 1
-            with nullcontext() if last else model.no_sync():
+            with nullcontext() if last or config.reduce_every_micro_batch else model.no_sync():
                 with autocast():
                     # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
                     # isolated (transformers builds a block-diagonal causal mask from the position_ids).
@@ -230,6 +239,9 @@ def main(argv: list[str] | None = None) -> dict:
                 loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
                 (loss * world_size).backward()
             step_loss += loss.detach()
+        if step == state_step:
+            # Every weight, its gradient (views into DDP's buckets: gradient_as_bucket_view), AdamW's state.
+            measured_state = state_bytes(model.parameters(), optimizer)
         # After the all-reduce every rank holds the same gradient, so the local norm is the global norm and every
         # rank clips (and then steps) identically: no collective needed here.
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
@@ -258,6 +270,20 @@ def main(argv: list[str] | None = None) -> dict:
     eval_loss = evaluate(model.module, data, config.micro_batch_size, device, autocast)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
+    # common/memory.py's prediction for one device: its peak next to the measured one (comparable on a GPU, where
+    # both mean max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included),
+    # its model states next to the bytes counted above.
+    prediction = estimate(
+        model.module.config, "ddp", world_size, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
+        activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank,
+        precision=config.dtype, attention=attention_kind(attention.impl, config.packing))
+    # common/comm.py's formula for what the profiled steps measured, from the gradients in the order backward
+    # produces them (the reverse of the parameters' order). Not for a world of one, whose collectives are not
+    # modelled.
+    grad_bytes_backward_order = [p.numel() * p.element_size() for p in reversed(trainable)]
+    formula = None if world_size == 1 else as_backend(ddp_collectives(
+        grad_bytes_backward_order, bucket_cap_bytes=int(config.bucket_cap_mb * 2**20), grad_accum=config.grad_accum,
+        reduce_every_micro_batch=config.reduce_every_micro_batch), dist.get_backend())
     summary = metrics.write_summary(
         comm_timer=comm_timer,  # comm_ms, collective counts and bytes: torch.profiler over the profiled steps
         experiment=EXPERIMENT, command=launch_command(), commit=git_commit(REPO_ROOT), config=asdict(config),
@@ -265,12 +291,12 @@ def main(argv: list[str] | None = None) -> dict:
         model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
                    flops_per_token=model_flops_per_token),
         t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
-        # common/memory.py's prediction, next to the measured peak (comparable on a GPU, where both mean
-        # max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included).
-        predicted_peak_mem_gib=predict_peak_gib(
-            model.module.config, "ddp", world_size, seq_len=config.seq_len,
-            micro_batch_size=config.micro_batch_size, activation_checkpointing=config.activation_checkpointing,
-            lora_rank=config.lora_rank, dtype=config.dtype, attention=attention_kind(attention.impl, config.packing)),
+        predicted_peak_mem_gib=prediction.total_gib,
+        state_bytes_per_rank=None if measured_state is None else all_ranks(measured_state),
+        state_bytes_step=None if measured_state is None else state_step + 1,  # 1-based, as in metrics.jsonl
+        predicted_state_bytes={kind: int(getattr(prediction, f"{kind}_bytes"))
+                               for kind in ("weights", "grads", "optimizer", "master")},
+        collective_bytes_formula=formula,
         packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
         n_truncated=data.stats["n_truncated"], data=data.stats)
     print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "

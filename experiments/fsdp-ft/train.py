@@ -40,10 +40,11 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import DataError, build_data, describe, evaluate, token_loss_sum
-from common.dist import init_distributed, print0, teardown
-from common.memory import attention_kind, predict_peak_gib
+from common.comm import as_backend, fsdp_collectives
+from common.dist import all_ranks, init_distributed, print0, teardown
+from common.memory import attention_kind, estimate
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
-    summary_table
+    state_bytes, summary_table
 from common.models import count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, model_config, \
     resolve_model_name
 
@@ -138,8 +139,8 @@ def build_model(config: Config, tokenizer, attn_implementation: str, on_meta: bo
 
 
 def apply_fsdp(model, mesh: DeviceMesh, param_dtype: torch.dtype | None, reshard_after_forward: bool,
-               cpu_offload: bool) -> int:
-    """One FSDP unit per decoder layer, then the root (embedding, final norm, LM head). Returns the unit count.
+               cpu_offload: bool) -> list[torch.nn.Module]:
+    """One FSDP unit per decoder layer, then the root (embedding, final norm, LM head). Returns the layer units.
 
     fully_shard(module) takes the parameters of `module` that no earlier call claimed, so the order is bottom-up:
     the layers first, the root last. Each unit is one all-gather in forward (issued as its forward starts; on a GPU
@@ -160,7 +161,7 @@ def apply_fsdp(model, mesh: DeviceMesh, param_dtype: torch.dtype | None, reshard
     # The root keeps its weights gathered after forward (reshard_after_forward defaults to False for the root):
     # backward starts with the LM head, which would otherwise be gathered again right away.
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
-    return len(layers) + 1
+    return layers
 
 
 def init_rope_buffers(model, device: torch.device) -> None:
@@ -226,8 +227,9 @@ def main(argv: list[str] | None = None) -> dict:
         # has already gathered for that layer's backward, instead of triggering a second round of hooks.
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    n_units = apply_fsdp(model, mesh, torch.bfloat16 if config.dtype == "bf16" else None,
-                         config.reshard_after_forward, config.cpu_offload)
+    layer_units = apply_fsdp(model, mesh, torch.bfloat16 if config.dtype == "bf16" else None,
+                             config.reshard_after_forward, config.cpu_offload)
+    n_units = len(layer_units) + 1
     # Only now memory: each rank allocates its 1/W shard of every parameter (on the CPU with --cpu-offload) ...
     model.to_empty(device="cpu" if config.cpu_offload else device)
     init_rope_buffers(model, device)
@@ -256,9 +258,11 @@ def main(argv: list[str] | None = None) -> dict:
     # parameters, so each rank keeps and updates the AdamW state of its own shard only.
     decay = [p for p in trainable if p.ndim >= 2]
     no_decay = [p for p in trainable if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=config.lr, fused=device.type == "cuda" and not config.cpu_offload)
+    # A group left empty (under LoRA nothing 1-D is trained) is not created: a checkpoint's flattened optimizer
+    # state cannot be loaded back into a group without parameters.
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW([group for group in groups if group["params"]], lr=config.lr,
+                                  fused=device.type == "cuda" and not config.cpu_offload)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, config.warmup_steps, config.steps))
 
@@ -276,6 +280,10 @@ def main(argv: list[str] | None = None) -> dict:
     start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
     if config.resume:
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
+    # Model-state bytes are counted once, on the second step, after its backward and before its update: the
+    # gradients exist, and so does AdamW's state, created by the first update.
+    state_step = min(start_step + 1, config.steps - 1)
+    measured_state = None
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum, rank, world_size)
         # The denominator of the whole step, over all ranks. Every rank holds every row of the step (the row
@@ -306,6 +314,9 @@ def main(argv: list[str] | None = None) -> dict:
             loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
             (loss * world_size).backward()
             step_loss += loss.detach()
+        if step == state_step:
+            # This rank's shards (DTensor local tensors) of every weight, of its gradient, of AdamW's state.
+            measured_state = state_bytes(model.parameters(), optimizer)
         # The gradients are sharded DTensors: clip_grad_norm_ sums the squares of each rank's shard and all-reduces
         # them, so every rank gets the global norm and scales its own shard by the same factor.
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
@@ -337,6 +348,26 @@ def main(argv: list[str] | None = None) -> dict:
     eval_loss = evaluate(model, data, config.micro_batch_size, device, nullcontext)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
+    # common/memory.py's prediction for one device: its peak next to the measured one (comparable on a GPU, where
+    # both mean max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included),
+    # its model states next to the bytes counted above.
+    prediction = estimate(
+        model.config, "fsdp-offload" if config.cpu_offload else "fsdp", world_size, seq_len=config.seq_len,
+        micro_batch_size=config.micro_batch_size, activation_checkpointing=config.activation_checkpointing,
+        lora_rank=config.lora_rank, precision=config.dtype, attention=attention_kind(attention.impl, config.packing),
+        grad_accum=1 if config.reduce_every_micro_batch else config.grad_accum)  # micro-batches of unreduced gradients
+    # common/comm.py's formula for what the profiled steps measured: each unit's parameters (global shapes), the
+    # root unit (what no layer holds) first. It is the steady state: a step right after an --eval-every evaluation
+    # finds units still gathered and gathers less. Not covered: a world of one, whose collectives are not modelled,
+    # and --cpu-offload on GPUs, where the gradient norm of the CPU shards is all-reduced by gloo beside NCCL.
+    in_layers = {id(p) for layer in layer_units for p in layer.parameters()}
+    units = [[(tuple(p.shape), p.requires_grad) for p in model.parameters() if id(p) not in in_layers]]
+    units += [[(tuple(p.shape), p.requires_grad) for p in layer.parameters()] for layer in layer_units]
+    covered = world_size > 1 and not (config.cpu_offload and device.type == "cuda")
+    formula = None if not covered else as_backend(fsdp_collectives(
+        units, world_size=world_size, grad_accum=config.grad_accum, reshard_after_forward=config.reshard_after_forward,
+        reduce_every_micro_batch=config.reduce_every_micro_batch, gather_bytes=2 if config.dtype == "bf16" else 4),
+        dist.get_backend())
     summary = metrics.write_summary(
         comm_timer=comm_timer,  # comm_ms, collective counts and bytes: torch.profiler over the profiled steps
         experiment=EXPERIMENT, command=launch_command(), commit=git_commit(REPO_ROOT), config=asdict(config),
@@ -344,12 +375,16 @@ def main(argv: list[str] | None = None) -> dict:
         model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
                    flops_per_token=model_flops_per_token),
         t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
-        # common/memory.py's prediction, next to the measured peak (comparable on a GPU, where both mean
-        # max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included).
-        predicted_peak_mem_gib=predict_peak_gib(
-            model.config, "fsdp-offload" if config.cpu_offload else "fsdp", world_size, seq_len=config.seq_len,
-            micro_batch_size=config.micro_batch_size, activation_checkpointing=config.activation_checkpointing,
-            lora_rank=config.lora_rank, dtype=config.dtype, attention=attention_kind(attention.impl, config.packing)),
+        predicted_peak_mem_gib=prediction.total_gib,
+        state_bytes_per_rank=None if measured_state is None else all_ranks(measured_state),
+        state_bytes_step=None if measured_state is None else state_step + 1,  # 1-based, as in metrics.jsonl
+        predicted_state_bytes={kind: int(getattr(prediction, f"{kind}_bytes"))
+                               for kind in ("weights", "grads", "optimizer", "master")},
+        # With --cpu-offload common/memory.py predicts the sharded states in host memory, none on the device.
+        predicted_cpu_bytes=int(prediction.cpu_bytes),
+        predicted_note="fsdp-offload: common.memory predicts the model states in host memory (predicted_cpu_bytes); "
+                       "predicted_state_bytes is what stays on the device" if config.cpu_offload else None,
+        collective_bytes_formula=formula,
         packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
         n_truncated=data.stats["n_truncated"], data=data.stats)
     print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "

@@ -3,6 +3,7 @@
     uv run torchrun --nproc_per_node=2 experiments/pp-ds-ft/train.py --grad-accum 8                 # 2 stages, 2 GPUs or 2 CPU processes
     uv run torchrun --nproc_per_node=2 experiments/pp-ds-ft/train.py --model Qwen/Qwen3-0.6B-Base --grad-accum 16 --activation-checkpointing
     uv run torchrun --nproc_per_node=4 experiments/pp-ds-ft/train.py --grad-accum 8 --zero-stage 1   # 2 stages x 2 data-parallel replicas
+    uv run torchrun --nproc_per_node=2 experiments/pp-ds-ft/train.py --grad-accum 8 --lora-rank 16 --save-hf runs/lora  # LoRA adapter
     uv run python experiments/pp-ds-ft/train.py --grad-accum 4                 # one process: a one-stage pipeline
     uv run torchrun --nproc_per_node=2 experiments/pp-ds-ft/train.py --grad-accum 4 --steps 5 --seq-len 128  # CPU smoke run
 
@@ -15,7 +16,9 @@ micro-batches. With more ranks than stages, the rest is data parallelism (`--zer
 
 One optimizer step consumes B = micro_batch_size x grad_accum x data-parallel replicas rows (common/data.py),
 the same rows as single-ft's on that B, and computes the same step: the token-weighted loss, with DeepSpeed's own
-averaging undone (see `loss_fn`). tests/test_pp_ft.py holds it to single-ft per step.
+averaging undone (see `loss_fn`). With --lora-rank, peft injects single-ft's adapters into the whole model before
+the layer specs take its pieces, so each stage builds its layers with their adapters. tests/test_pp_ft.py holds it
+to single-ft per step, with and without LoRA, and its collectives to common/comm.py's formula.
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: E40
 
 from common.attention import setup_attention  # noqa: E402
 from common.checkpoint import load_deepspeed_checkpoint, save_deepspeed_checkpoint  # noqa: E402
+from common.comm import as_backend, deepspeed_pipeline_collectives  # noqa: E402
 from common.data import IGNORE_INDEX, DataError, build_data, describe, token_loss_sum  # noqa: E402
-from common.dist import act_as_launcher_if_alone, init_distributed, print0, teardown  # noqa: E402
+from common.dist import act_as_launcher_if_alone, all_ranks, init_distributed, print0, teardown  # noqa: E402
 from common.memory import DEEPSPEED_BF16, attention_kind, predict_peak_gib  # noqa: E402
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     memory_label, peak_memory_gib, summary_table  # noqa: E402
@@ -113,10 +117,6 @@ def resolve(config: Config, world_size: int) -> Config:
         config.out_dir = str(REPO_ROOT / "runs" / f"{EXPERIMENT}-{stamp}")
     if config.micro_batch_size < 1 or config.grad_accum < 1 or config.steps < 0:
         raise SystemExit("--micro-batch-size and --grad-accum must be >= 1 and --steps >= 0")
-    if config.lora_rank:
-        # The pipe layers below wrap the plain decoder layers and export them under their HF names; LoRA would need
-        # peft inside each layer spec. Use single-ft or zero-ft for LoRA.
-        raise SystemExit("pp-ds-ft trains all parameters; --lora-rank is not supported here (use single-ft or zero-ft)")
     if config.stages is None:
         config.stages = world_size
     if config.stages < 1 or world_size % config.stages:
@@ -173,6 +173,12 @@ def deepspeed_config(config: Config, data_parallel_size: int) -> dict:
         "gradient_predivide_factor": 1.0,
         # torch.optim.AdamW is single-ft's optimizer; DeepSpeed only "tests" its own with ZeRO.
         "zero_allow_untested_optimizer": True,
+        # Activation checkpointing with DeepSpeed's non-reentrant checkpoint (saved-tensor hooks, as PyTorch's
+        # use_reentrant=False that the other experiments use). Its default, the reentrant CheckpointFunction, returns
+        # an output without autograd graph when no input requires a gradient: under LoRA the first stage's input is
+        # the frozen embedding's output, so none of its checkpointed layers would record a graph, and its backward
+        # stops with "element 0 of tensors does not require grad".
+        "pipeline": {"use_reentrant": False},
         "steps_per_print": 2**31 - 1,  # we print our own step line
         "wall_clock_breakdown": False,
     }
@@ -366,6 +372,19 @@ def main(argv: list[str] | None = None) -> dict:
     # it (partition "type:DecoderLayerPipe": the same number of decoder layers per stage; the embedding joins the first
     # stage, the norm and LM head the last) and moves them to the device; the rest is freed with `model`.
     model = load_model(config.model, tokenizer, attention.impl, dtype=torch.float32, device="cpu")
+    lora_config = None
+    if config.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        # single-ft's adapters, injected into the whole model before the layer specs take its pieces: the same
+        # modules in the same order under the same seed, so every adapter starts equal to single-ft's. peft freezes
+        # the rest: the tied embedding / LM head too, whose gradient all-reduce DeepSpeed then skips (it reduces a
+        # tied weight only where it has a gradient, PipelineEngine._exec_reduce_tied_grads).
+        lora_config = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
+                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj"])
+        model = get_peft_model(model, lora_config).get_base_model()
+    base_model_class = type(model)
     model_config = model.config
     # Built under no_grad: the constructor broadcasts the first stage's tied weight into the last stage's copy, in
     # place, and autograd would otherwise record that broadcast on the parameter (and warn in every backward).
@@ -373,20 +392,23 @@ def main(argv: list[str] | None = None) -> dict:
         pipe = PipelineModule(
             layers=pipe_layers(model), num_stages=config.stages, loss_fn=loss_fn,
             partition_method="type:DecoderLayerPipe",
-            # Recompute every decoder layer in backward (DeepSpeed's reentrant checkpoint); embedding, norm and head
+            # Recompute every decoder layer in backward (see "use_reentrant" above); embedding, norm and head
             # are not in checkpointable_layers, so they keep their activations.
             activation_checkpoint_interval=1 if config.activation_checkpointing else 0,
             checkpointable_layers=["DecoderLayerPipe"])
     del model
     pipe.train()
     n_params = count_parameters(model_config)["total"]
-    params = [p for p in pipe.parameters() if p.requires_grad]
-    held = [0] * world_size
-    dist.all_gather_object(held, sum(p.numel() for p in params))
+    params = [p for p in pipe.parameters() if p.requires_grad]  # all of them, or the LoRA adapters
+    held = all_ranks(sum(p.numel() for p in pipe.parameters()))
     model_flops_per_token = flops_per_token(model_config, config.seq_len)
     held_by_stages = sum(held) // data_parallel_size  # the replicas hold the same
+    # The LM head copy (DeepSpeed marks it ds_pipe_replicated) is the embedding's twin: not counted as trainable.
+    n_trainable = sum(all_ranks(sum(p.numel() for p in params if not getattr(p, "ds_pipe_replicated", False)))
+                      ) // data_parallel_size
     print0(f"model: {config.model} | {n_params:,} parameters ({held_by_stages:,} held by the stages, the LM head copy "
-           f"included) | {model_flops_per_token / 1e9:.3f} GFLOP/token (training) | dtype {config.dtype}")
+           f"included), {n_trainable:,} trainable | {model_flops_per_token / 1e9:.3f} GFLOP/token (training) | "
+           f"dtype {config.dtype}")
     parts = pipe.parts  # where each stage starts in the layer list: 0 embedding, 1..L layers, L+1 norm, L+2 head
     names = ["embedding", *[f"layer {i}" for i in range(model_config.num_hidden_layers)], "norm", "LM head"]
     for stage in range(config.stages):
@@ -412,6 +434,12 @@ def main(argv: list[str] | None = None) -> dict:
         lr_scheduler=lambda wrapped: torch.optim.lr_scheduler.LambdaLR(
             wrapped, lambda step: lr_factor(step, config.warmup_steps, config.steps)))
     replica = engine.grid.data_parallel_id
+    for weight, _ in engine.module.get_tied_weights_and_groups():
+        if not weight.requires_grad:
+            # Under LoRA the tied embedding / LM head is frozen. DeepSpeed's bf16 path reads `weight._hp_grad` of every
+            # tied weight before reducing it (PipelineEngine._exec_reduce_tied_grads), an attribute its BF16_Optimizer
+            # sets only on the parameters it trains; None is what that code skips as "no gradient".
+            weight._hp_grad = None
     stage_norm = {}  # the fp32 ZeRO-0 path's gradient norm, from the hook below
     if config.zero_stage == 0:
         # DeepSpeed hands our AdamW the gradients after the tied-weight and data-parallel reductions and calls its
@@ -471,11 +499,21 @@ def main(argv: list[str] | None = None) -> dict:
     eval_loss = evaluate_pipeline(engine, data, config.micro_batch_size, tokenizer.pad_token_id)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
+    # The collectives each rank ran per profiled step, next to common/comm.py's formula for DeepSpeed's pipeline
+    # (modelled for the pure fp32 pipeline: one data-parallel replica, fp32 ZeRO-0 or ZeRO-1).
+    stage_and_trainable = all_ranks((engine.grid.get_stage_id(), sum(p.numel() for p in params)))
+    collective_formula_per_rank = [
+        as_backend(deepspeed_pipeline_collectives(
+            config.stages, stage, microbatches=config.grad_accum, micro_batch_size=config.micro_batch_size,
+            seq_len=config.seq_len, hidden=model_config.hidden_size, vocab=model_config.vocab_size,
+            stage_trainable=trainable, tied_gradients=not config.lora_rank, zero_stage=config.zero_stage,
+            optimizer_groups=len(optimizer.param_groups)), dist.get_backend())
+        for stage, trainable in stage_and_trainable] if data_parallel_size == 1 and config.dtype == "fp32" else None
     summary = metrics.write_summary(
         comm_timer=comm_timer,  # comm_ms, collective counts and bytes: torch.profiler over the profiled steps
         experiment=EXPERIMENT, command=launch_command(), commit=git_commit(REPO_ROOT), config=asdict(config),
         hardware=hardware_info(device, world_size=world_size), attention=asdict(attention),
-        model=dict(name=config.model, parameters=n_params, trainable_parameters=n_params,
+        model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
                    flops_per_token=model_flops_per_token, parameters_held_per_rank=held),
         t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
         # common/memory.py's prediction for the fullest stage (1F1B, even split), next to the measured peaks
@@ -490,11 +528,18 @@ def main(argv: list[str] | None = None) -> dict:
         n_truncated=data.stats["n_truncated"], data=data.stats, peak_mem_gib_per_rank=peak_mem_gib_per_rank,
         pipeline=dict(schedule="deepspeed-1f1b", stages=config.stages, data_parallel=data_parallel_size,
                       microbatches=config.grad_accum, stage_starts=[int(start) for start in parts]),
-        deepspeed=dict(version=deepspeed.__version__, config=ds_config))
+        deepspeed=dict(version=deepspeed.__version__, config=ds_config),
+        collective_bytes_per_step_per_rank=all_ranks(comm_timer.collective_bytes_per_step()),
+        collective_bytes_formula_per_rank=collective_formula_per_rank)
     print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
            f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
 
-    if config.save_hf:
+    if config.save_hf and config.lora_rank and not config.merge_lora:
+        save_lora_adapter(Path(config.save_hf), engine, lora_config, base_model_class, tokenizer)
+        print0(f"saved adapter to {config.save_hf} (gathered from the {config.stages} stage(s) on rank 0)")
+    elif config.save_hf:
+        if config.lora_rank:
+            merge_lora_adapters(engine.module)
         save_hf_sharded(Path(config.save_hf), engine, model_config, tokenizer)
         print0(f"saved model to {config.save_hf} ({config.stages} shard(s), one per stage)")
     engine.destroy()
@@ -526,6 +571,43 @@ def save_hf_sharded(save_dir: Path, engine, model_config, tokenizer) -> None:
         (save_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         model_config.architectures = ["Qwen3ForCausalLM"]
         model_config.save_pretrained(save_dir)
+        tokenizer.save_pretrained(save_dir)
+    dist.barrier()
+
+
+def merge_lora_adapters(pipe: PipelineModule) -> None:
+    """peft's merge_and_unload on this stage's layers only: W += (alpha / r) B A in every adapted projection, then the
+    projection is the plain nn.Linear again, so hf_state_dict finds Qwen3ForCausalLM's names. Nothing is gathered."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, child in list(pipe.named_modules()):
+        if isinstance(child, LoraLayer):
+            child.merge()
+            parent, _, attribute = name.rpartition(".")
+            setattr(pipe.get_submodule(parent), attribute, child.get_base_layer())
+
+
+def save_lora_adapter(save_dir: Path, engine, lora_config, base_model_class: type, tokenizer) -> None:
+    """Write what PeftModel.save_pretrained writes: adapter_model.safetensors (peft's names,
+    base_model.model.<name in Qwen3ForCausalLM> without the adapter name) and adapter_config.json, so that
+    PeftModel.from_pretrained(base_model, save_dir) loads it. The stages hold the adapters, which are small: rank 0
+    gathers them from every stage (the first replica's copy) and writes one file."""
+    pipe = engine.module
+    adapters = {}
+    if engine.grid.data_parallel_id == 0:
+        for layer_index, function in zip(range(pipe._local_start, pipe._local_stop), pipe.forward_funcs):
+            if isinstance(function, DecoderLayerPipe):
+                adapters.update({f"base_model.model.model.layers.{layer_index - 1}.{name.replace('.default.', '.')}":
+                                 tensor.detach().cpu().contiguous()
+                                 for name, tensor in function.layer.state_dict().items() if ".lora_" in name})
+    gathered = all_ranks(adapters)
+    if dist.get_rank() == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        tensors = {name: tensor for part in gathered for name, tensor in part.items()}
+        save_file(dict(sorted(tensors.items())), save_dir / "adapter_model.safetensors", metadata={"format": "pt"})
+        lora_config.inference_mode = True  # as peft saves it
+        lora_config.save_pretrained(save_dir, auto_mapping_dict={"base_model_class": base_model_class.__name__,
+                                                                 "parent_library": base_model_class.__module__})
         tokenizer.save_pretrained(save_dir)
     dist.barrier()
 

@@ -4,6 +4,7 @@
     uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8 --schedule interleaved-1f1b  # 4 stages
     uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8 --schedule zbv        # zero-bubble V
     uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --model Qwen/Qwen3-0.6B-Base --grad-accum 16 --split 18
+    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8 --lora-rank 16 --save-hf runs/lora  # LoRA adapter
     uv run python experiments/pp-ft/train.py --grad-accum 4                    # one process: a one-stage pipeline
     uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --schedule 1f1b --grad-accum 4 --steps 5 --seq-len 128  # CPU smoke run
 
@@ -18,8 +19,13 @@ idle: the bubble, measured here per rank and compared with the textbook fraction
 One optimizer step consumes B = micro_batch_size x grad_accum rows (common/data.py), the same rows as single-ft's
 micro x accum on that B, and computes the same step: the loss is token-weighted (see `loss_fn`), the tied
 embedding / LM head gets the sum of its two gradients (see `sum_tied_gradients`), and the gradient norm is the norm
-of the whole model's gradient (see `clip_grad_norm_across_stages`). tests/test_pp_ft.py holds every schedule to
-single-ft, per step and per parameter.
+of the whole model's gradient (see `clip_grad_norm_across_stages`). With --lora-rank the adapters are single-ft's
+(peft is applied to the whole model before it is cut into stages), and the frozen embedding / LM head need no
+gradient sum. tests/test_pp_ft.py holds every schedule to single-ft, per step and per parameter.
+
+Besides single-ft's results, summary.json holds what a pipeline post draws and compares: the bubble per rank, one
+step's schedule as a timeline per rank (`schedule_trace`, see `BusyTimer`), the model-state bytes each rank holds
+next to common/memory.py's prediction, and the collectives' calls and bytes per rank next to common/comm.py's formula.
 """
 
 from __future__ import annotations
@@ -44,11 +50,12 @@ from transformers.masking_utils import create_causal_mask
 
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
+from common.comm import as_backend, pipeline_collectives
 from common.data import IGNORE_INDEX, DataError, build_data, describe, token_loss_sum
-from common.dist import init_distributed, print0, teardown
-from common.memory import attention_kind, predict_peak_gib
+from common.dist import all_ranks, init_distributed, print0, teardown
+from common.memory import PROJECT_BF16, PROJECT_FP32, attention_kind, estimate_stages, predict_peak_gib
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
-    memory_label, peak_memory_gib, summary_table, synchronize
+    memory_label, peak_memory_gib, state_bytes, summary_table, synchronize
 from common.models import count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
     resolve_model_name
 
@@ -111,10 +118,6 @@ def resolve(config: Config) -> Config:
         config.out_dir = str(REPO_ROOT / "runs" / f"{EXPERIMENT}-{stamp}")
     if config.micro_batch_size < 1 or config.grad_accum < 1 or config.steps < 0:
         raise SystemExit("--micro-batch-size and --grad-accum must be >= 1 and --steps >= 0")
-    if config.lora_rank:
-        # peft wraps the projections inside the decoder layers and renames their weights; the stages, the tied-weight
-        # bookkeeping and the sharded --save-hf below all work on the plain model's names. Use single-ft or fsdp-ft.
-        raise SystemExit("pp-ft trains all parameters; --lora-rank is not supported here (use single-ft or fsdp-ft)")
     if config.stages_per_rank is None:
         config.stages_per_rank = 2 if config.schedule in ("interleaved-1f1b", "zbv") else 1
     if config.schedule in ("gpipe", "1f1b") and config.stages_per_rank != 1:
@@ -193,9 +196,11 @@ class Qwen3Stage(nn.Module):
         if is_last:
             self.model.norm = model.model.norm
             # Qwen3 (0.6B-4B) ties the LM head to the embedding. The first and the last stage live on different ranks,
-            # so the last one gets its own copy, kept identical by summing both copies' gradients before every step.
+            # so the last one gets its own copy, kept identical by summing both copies' gradients before every step
+            # (under LoRA both copies stay frozen, as the tied weight is in single-ft).
             self.lm_head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
-            self.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+            self.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone(),
+                                               requires_grad=model.lm_head.weight.requires_grad)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         # The schedule calls this forward; autocast lives here so that it also covers the recomputation in backward.
@@ -269,22 +274,33 @@ def clip_grad_norm_across_stages(params_for_norm: list[nn.Parameter], params: li
 
 
 class BusyTimer:
-    """Sums the time this rank spends in its stages' forward, backward (input and weight parts) and loss calls.
+    """Times every compute action of this rank's stages inside the schedule, and remembers which one it was.
 
-    The schedule's wall time minus this busy time is the rank's idle time: waiting for a neighbour's activation or
-    gradient (the bubble), plus any transfer that does not overlap with compute. On a GPU the intervals are CUDA
-    events on the compute stream, so a wait on a receive (queued before the event) is not counted as busy.
+    An action is a forward ("F"), a backward ("B": the full backward, or its input-gradient half under ZBV), a
+    weight-gradient backward ("W", ZBV's other half) or a loss call ("loss"), each of one stage and one micro-batch.
+    The schedule's wall time minus the actions' total is the rank's idle time: waiting for a neighbour's activation
+    or gradient (the bubble), plus any transfer that does not overlap with compute. The same actions, with their
+    start and end times, are the step's timeline (`schedule_trace` in summary.json).
+
+    Clocks: on CPU time.perf_counter, which is CLOCK_MONOTONIC on Linux, one clock for all the processes of a
+    machine, so the ranks' times are directly comparable. On a GPU, CUDA events on the compute stream (a wait on a
+    receive, queued before the event, is then not counted as busy), measured from an event each rank records when
+    the step starts; `start_step(aligned=True)` puts a barrier before it so that the ranks' origins coincide (to
+    the barrier's exit skew, microseconds on one machine) and the traced step's timelines can be drawn together.
     """
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.intervals: list[tuple] = []
+        self.origin = None  # CUDA: the event this step's times are measured from
+        self.actions: list[tuple] = []  # (kind, stage, microbatch, start mark, end mark) of the current step
 
-    def wrap(self, function):
+    def wrap(self, function, kind: str, stage: int, microbatch_of=lambda args: args[0]):
+        """`function` timed; `microbatch_of(args)` says which micro-batch a call is (the schedules pass the stage
+        methods the micro-batch index as their first argument)."""
         def timed(*args, **kwargs):
             start = self._mark()
             result = function(*args, **kwargs)
-            self.intervals.append((start, self._mark()))
+            self.actions.append((kind, stage, microbatch_of(args), start, self._mark()))
             return result
         return timed
 
@@ -295,14 +311,45 @@ class BusyTimer:
             return event
         return time.perf_counter()
 
-    def busy_ms(self) -> float:
-        """Busy time since the last call; the device must be synchronised first."""
+    def start_step(self, aligned: bool = False) -> None:
+        """Forget anything timed outside the schedule; on a GPU, record this step's origin (after a barrier if
+        `aligned`, for a step whose timelines are compared across ranks)."""
+        if aligned and self.device.type == "cuda":
+            dist.barrier()
+            torch.cuda.synchronize(self.device)
+        self.actions = []
+        self.origin = self._mark() if self.device.type == "cuda" else None
+
+    def take_actions(self) -> list[dict]:
+        """This step's actions, start and end in milliseconds (CPU: on the machine's monotonic clock; GPU: since
+        the step's origin). The device must be synchronised first."""
         if self.device.type == "cuda":
-            total = sum(start.elapsed_time(stop) for start, stop in self.intervals)
+            to_ms = self.origin.elapsed_time
         else:
-            total = sum(stop - start for start, stop in self.intervals) * 1000.0
-        self.intervals = []
-        return total
+            def to_ms(mark: float) -> float:
+                return mark * 1000.0
+        actions = [dict(stage=stage, microbatch=microbatch, kind=kind, start_ms=to_ms(start), end_ms=to_ms(end))
+                   for kind, stage, microbatch, start, end in self.actions]
+        self.actions = []
+        return actions
+
+
+def busy_ms(actions: list[dict]) -> float:
+    return sum(action["end_ms"] - action["start_ms"] for action in actions)
+
+
+def schedule_trace(step: int, actions_per_rank: list[list[dict]], schedule_ms_per_rank: list[float],
+                   device: torch.device) -> dict:
+    """Every rank's actions of one step as one timeline, times relative to the earliest start over all ranks, with
+    that step's busy time and schedule wall time per rank (the bubble of this one step)."""
+    origin = min((a["start_ms"] for actions in actions_per_rank for a in actions), default=0.0)
+    actions = [dict(rank=rank, **{**action, "start_ms": action["start_ms"] - origin,
+                                   "end_ms": action["end_ms"] - origin})
+               for rank, rank_actions in enumerate(actions_per_rank)
+               for action in sorted(rank_actions, key=lambda a: a["start_ms"])]
+    return dict(step=step, clock="cuda events" if device.type == "cuda" else "perf_counter", actions=actions,
+                busy_ms_per_rank=[busy_ms(rank_actions) for rank_actions in actions_per_rank],
+                schedule_ms_per_rank=schedule_ms_per_rank)
 
 
 def bubble_textbook(schedule: str, n_ranks: int, n_microbatches: int, stages_per_rank: int) -> tuple[float, str]:
@@ -399,6 +446,65 @@ def save_hf_sharded(save_dir: Path, module: nn.Module, model_config, tokenizer) 
     dist.barrier()
 
 
+def merge_lora_adapters(module: nn.Module) -> None:
+    """peft's merge_and_unload on this rank's stages only: W += (alpha / r) B A in every adapted projection, then the
+    projection is the plain nn.Linear again, so the stages' names are Qwen3ForCausalLM's and save_hf_sharded writes
+    them as for full fine-tuning. Each rank merges its own layers; nothing is gathered."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, child in list(module.named_modules()):
+        if isinstance(child, LoraLayer):
+            child.merge()
+            parent, _, attribute = name.rpartition(".")
+            setattr(module.get_submodule(parent), attribute, child.get_base_layer())
+
+
+def save_lora_adapter(save_dir: Path, module: nn.Module, lora_config, base_model_class: type, tokenizer) -> None:
+    """Write what PeftModel.save_pretrained writes: adapter_model.safetensors (peft's names,
+    base_model.model.<name in Qwen3ForCausalLM> without the adapter name) and adapter_config.json, so that
+    PeftModel.from_pretrained(base_model, save_dir) loads it. The stages hold the adapters; they are small
+    (rank x (inputs + outputs) per projection), so rank 0 gathers them all and writes one file."""
+    adapters = {f"base_model.model.{name.replace('.default.', '.')}": tensor.detach().cpu().contiguous()
+                for name, tensor in module.state_dict().items() if ".lora_" in name}
+    gathered = all_ranks(adapters)
+    if dist.get_rank() == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        tensors = {name: tensor for part in gathered for name, tensor in part.items()}
+        save_file(dict(sorted(tensors.items())), save_dir / "adapter_model.safetensors", metadata={"format": "pt"})
+        lora_config.inference_mode = True  # as peft saves it
+        lora_config.save_pretrained(save_dir, auto_mapping_dict={"base_model_class": base_model_class.__name__,
+                                                                 "parent_library": base_model_class.__module__})
+        tokenizer.save_pretrained(save_dir)
+    dist.barrier()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Predictions to set beside the measurements
+
+
+def predicted_state_bytes_per_rank(model_config, stage_rank: list[int], config: Config) -> list[dict] | None:
+    """common/memory.py's model-state bytes of every rank: the sum of its stages' estimates (weights, gradients,
+    AdamW's moments, master copy), in rank order, in state_bytes' keys.
+
+    estimate_stages splits the layers over the stages as pipeline_layout's even split does (the remainder to the
+    first stages) and gives the last stage its own copy of the tied LM head, as Qwen3Stage does, so the sum holds
+    for every placement (loop or V). Two known differences from the measured bytes: AdamW also keeps a 4-byte fp32
+    step counter per trainable parameter tensor (optimizer), and a one-stage pipeline (one process, gpipe or 1f1b)
+    holds an LM head copy that the model, seeing the first and the last stage on one device, does not count. A
+    --split layout is not modelled: None.
+    """
+    if config.split:
+        return None
+    estimates = estimate_stages(model_config, "pp", len(stage_rank), seq_len=config.seq_len,
+                                micro_batch_size=config.micro_batch_size, lora_rank=config.lora_rank,
+                                precision=PROJECT_BF16 if config.dtype == "bf16" else PROJECT_FP32)
+    per_rank = [dict(weights=0, grads=0, optimizer=0, master=0) for _ in range(max(stage_rank) + 1)]
+    for estimate, rank in zip(estimates, stage_rank):
+        for key in per_rank[rank]:
+            per_rank[rank][key] += int(getattr(estimate, f"{key}_bytes"))
+    return per_rank
+
+
 def main(argv: list[str] | None = None) -> dict:
     (config,) = HfArgumentParser(Config).parse_args_into_dataclasses(args=argv)
 
@@ -440,6 +546,18 @@ def main(argv: list[str] | None = None) -> dict:
     if config.activation_checkpointing:
         # Sets a flag on every decoder layer, which then recomputes itself in backward wherever it is called from.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    lora_config = None
+    if config.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        # single-ft's adapters, injected into the whole model before it is cut: the same modules in the same order
+        # under the same seed, so every adapter starts equal to single-ft's. peft freezes everything else (the
+        # embedding, its LM head copy below, the norms). The stages are cut from the plain model peft wraps.
+        lora_config = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
+                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj"])
+        model = get_peft_model(model, lora_config).get_base_model()
+    base_model_class = type(model)
     model_config = model.config
     n_layers = model_config.num_hidden_layers
     layers, stage_rank = pipeline_layout(n_layers, world_size, config.stages_per_rank, config.schedule, config.split)
@@ -451,20 +569,23 @@ def main(argv: list[str] | None = None) -> dict:
     module = rank_container(list(stages.values()))
     module.train()
     first_rank, last_rank = stage_rank[0], stage_rank[-1]
-    # The two ranks holding the tied weight's copies; every rank takes part in creating a group (a collective).
-    tie_group = dist.new_group([first_rank, last_rank]) if first_rank != last_rank else None
-    embedding = stages[0].model.embed_tokens.weight if 0 in stages else None
-    lm_head = stages[n_stages - 1].lm_head.weight if n_stages - 1 in stages else None
+    # The tied weight's two copies get their gradients summed (sum_tied_gradients), unless they are frozen (LoRA).
+    # The two ranks holding them form a group; every rank takes part in creating it (a collective).
+    tied_trainable = not config.lora_rank
+    tie_group = dist.new_group([first_rank, last_rank]) if tied_trainable and first_rank != last_rank else None
+    embedding = stages[0].model.embed_tokens.weight if tied_trainable and 0 in stages else None
+    lm_head = stages[n_stages - 1].lm_head.weight if tied_trainable and n_stages - 1 in stages else None
 
     n_params = count_parameters(model_config)["total"]
-    params = list(module.parameters())
+    params = [p for p in module.parameters() if p.requires_grad]  # all of them, or the LoRA adapters
     params_for_norm = [p for p in params if p is not lm_head]
-    local_params = sum(p.numel() for p in params)
-    held = [0] * world_size
-    dist.all_gather_object(held, local_params)
+    held, trainable_held = map(list, zip(*all_ranks((sum(p.numel() for p in module.parameters()),
+                                                     sum(p.numel() for p in params_for_norm)))))
+    n_trainable = sum(trainable_held)  # the LM head copy left out: it is the embedding's twin
     model_flops_per_token = flops_per_token(model_config, config.seq_len)
     print0(f"model: {config.model} | {n_params:,} parameters ({sum(held):,} held by the stages, the LM head copy "
-           f"included) | {model_flops_per_token / 1e9:.3f} GFLOP/token (training) | dtype {config.dtype}")
+           f"included), {n_trainable:,} trainable | {model_flops_per_token / 1e9:.3f} GFLOP/token (training) | "
+           f"dtype {config.dtype}")
     for s in range(n_stages):
         block = f"layer {layers[s].start}" if len(layers[s]) == 1 else f"layers {layers[s].start}-{layers[s].stop - 1}"
         parts = (["embedding"] if s == 0 else []) + [block] + (["norm + LM head"] if s == n_stages - 1 else [])
@@ -493,26 +614,34 @@ def main(argv: list[str] | None = None) -> dict:
     pipeline_stages = []
     for s, stage_module in stages.items():
         stage = PipelineStage(stage_module, stage_index=s, num_stages=n_stages, device=device)
-        # Instance attributes shadow the methods the schedule calls, so every compute action is timed.
-        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-            setattr(stage, name, busy.wrap(getattr(stage, name)))
+        # Instance attributes shadow the methods the schedule calls, so every compute action is timed, with its
+        # stage and micro-batch. backward_one_chunk is the full backward, or under ZBV its input-gradient half.
+        for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")):
+            setattr(stage, name, busy.wrap(getattr(stage, name), kind, s))
         pipeline_stages.append(stage)
+    # loss_fn gets micro-batch i's labels, the very tensor passed in target_mbs: its identity says which i it is.
+    # (The first step's shape inference also calls it once, on stand-in labels: no micro-batch, None.)
+    microbatch_of_labels: dict[int, int] = {}  # id(labels tensor) -> micro-batch index, refilled every step
+    timed_loss_fn = busy.wrap(loss_fn, "loss", n_stages - 1,
+                              microbatch_of=lambda args: microbatch_of_labels.get(id(args[1])))
     schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
                       "zbv": ScheduleZBVZeroBubble}[config.schedule]
     try:
         schedule = schedule_class(pipeline_stages if config.stages_per_rank > 1 else pipeline_stages[0],
-                                  n_microbatches=config.grad_accum, loss_fn=busy.wrap(loss_fn), scale_grads=False)
+                                  n_microbatches=config.grad_accum, loss_fn=timed_loss_fn, scale_grads=False)
     except ValueError as error:
         raise SystemExit(f"--schedule {config.schedule} with {n_stages} stages and --grad-accum {config.grad_accum}: "
                          f"{error} (more micro-batches also shrink the bubble)") from None
 
     # ---------------------------------------------------------------------------------------------------------
     # Optimizer: AdamW over this rank's parameters only; no weight decay on norms (1-D weights). Fused kernels on GPU.
+    # A group left empty (under LoRA nothing 1-D is trained) is not created: the checkpoints' flattened optimizer
+    # state cannot be loaded back into a group without parameters (torch 2.15, _unflatten_optim_state_dict).
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=config.lr, fused=device.type == "cuda")
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW([group for group in groups if group["params"]], lr=config.lr,
+                                  fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, config.warmup_steps, config.steps))
 
@@ -529,26 +658,44 @@ def main(argv: list[str] | None = None) -> dict:
     start_step = load_checkpoint(config.resume, module, optimizer, scheduler) if config.resume else 0
     if config.resume:
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
+    # The step drawn as a timeline (schedule_trace): the last measured step that torch.profiler did not slow down.
+    unprofiled = [s for s in range(start_step, config.steps) if s not in comm_timer.window]
+    trace_step = max([s for s in unprofiled if s - start_step >= metrics.warmup_steps] or unprofiled
+                     or [config.steps - 1])
+    traced_actions = traced_schedule_ms = None
+    # Model-state bytes are counted on the second step, after its backward and before its update: the gradients
+    # exist, and so does AdamW's state, created by the first update.
+    state_step = min(start_step + 1, config.steps - 1)
+    measured_state = None
     for step in range(start_step, config.steps):
         micro_batches = [{key: value.to(device, non_blocking=True) for key, value in batch.items()}
                          for batch in data.micro_batches(step, config.micro_batch_size, config.grad_accum)]
         loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step
+        labels = [batch["labels"] for batch in micro_batches] if n_stages - 1 in stages else None
+        microbatch_of_labels.clear()
+        microbatch_of_labels.update({id(tensor): i for i, tensor in enumerate(labels or [])})
         lr = scheduler.get_last_lr()[0]
 
+        busy.start_step(aligned=step == trace_step)
         stopwatch.reset()
         comm_timer.start(step)
-        busy.busy_ms()  # drop anything timed outside the schedule
         micro_losses = []
         pipeline_start = time.perf_counter()
         schedule.step(arg_mbs=[(batch["input_ids"],) for batch in micro_batches] if 0 in stages else None,
                       kwarg_mbs=[{"position_ids": batch["position_ids"]} for batch in micro_batches],
-                      target_mbs=[batch["labels"] for batch in micro_batches] if n_stages - 1 in stages else None,
-                      losses=micro_losses, loss_kwargs={"step_loss_tokens": loss_tokens}, return_outputs=False)
+                      target_mbs=labels, losses=micro_losses, loss_kwargs={"step_loss_tokens": loss_tokens},
+                      return_outputs=False)
         synchronize(device)
-        bubble_records.append((busy.busy_ms(), (time.perf_counter() - pipeline_start) * 1000.0))
+        actions = busy.take_actions()
+        bubble_records.append((busy_ms(actions), (time.perf_counter() - pipeline_start) * 1000.0))
+        if step == trace_step:
+            traced_actions, traced_schedule_ms = actions, bubble_records[-1][1]
         # The tied weight's gradient first, then the norm: the norm must see the summed gradient.
         sum_tied_gradients(embedding, lm_head, tie_group)
         grad_norm = clip_grad_norm_across_stages(params_for_norm, params, config.max_grad_norm)
+        if step == state_step:
+            # Every parameter this rank holds (frozen ones and the LM head copy included), its gradients, AdamW's state.
+            measured_state = state_bytes(module.parameters(), optimizer)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -568,12 +715,14 @@ def main(argv: list[str] | None = None) -> dict:
             print0(f"checkpoint: {save_checkpoint(config.out_dir, step + 1, module, optimizer, scheduler)}")
 
     # ---------------------------------------------------------------------------------------------------------
-    # The bubble: per rank, busy = compute inside the schedule, idle = the rest of the schedule's wall time.
-    measured = bubble_records[metrics.warmup_steps:] or bubble_records
-    busy_ms = sum(b for b, _ in measured) / len(measured) if measured else 0.0
-    pipeline_ms = sum(t for _, t in measured) / len(measured) if measured else 0.0
-    per_rank = [None] * world_size
-    dist.all_gather_object(per_rank, (busy_ms, pipeline_ms))
+    # The bubble: per rank, busy = compute inside the schedule, idle = the rest of the schedule's wall time. Steps
+    # that ran under torch.profiler are left out, as from the speed averages (unless no other step was measured).
+    numbered = list(zip(bubble_records, range(start_step + 1, config.steps + 1)))  # 1-based, as comm_timer's
+    measured = numbered[metrics.warmup_steps:] or numbered
+    measured = [r for r, k in measured if k not in comm_timer.profiled] or [r for r, _ in measured]
+    mean_busy_ms = sum(b for b, _ in measured) / len(measured) if measured else 0.0
+    mean_pipeline_ms = sum(t for _, t in measured) / len(measured) if measured else 0.0
+    per_rank = all_ranks((mean_busy_ms, mean_pipeline_ms))
     bubble_per_rank = [(t - b) / t if t > 0 else None for b, t in per_rank]
     measured_fractions = [f for f in bubble_per_rank if f is not None]
     bubble_fraction = sum(measured_fractions) / len(measured_fractions) if measured_fractions else None
@@ -583,6 +732,22 @@ def main(argv: list[str] | None = None) -> dict:
                    f"-> {fraction:.1%}")
     if bubble_fraction is not None:
         print0(f"bubble: measured {bubble_fraction:.1%} (mean over ranks) | textbook {formula} = {textbook:.1%}")
+    # One step's compute actions of every rank, on one time axis (see BusyTimer for the clocks).
+    traced = all_ranks((traced_actions, traced_schedule_ms))
+    trace = (schedule_trace(trace_step + 1, [actions for actions, _ in traced], [ms for _, ms in traced], device)
+             if traced_actions is not None else None)
+
+    # ---------------------------------------------------------------------------------------------------------
+    # What each rank holds and sends, measured, next to what common/memory.py and common/comm.py predict.
+    state_bytes_per_rank = all_ranks(measured_state)
+    predicted_state = predicted_state_bytes_per_rank(model_config, stage_rank, config)
+    collective_bytes_per_rank = all_ranks(comm_timer.collective_bytes_per_step())
+    collective_formula_per_rank = [
+        as_backend(pipeline_collectives(stage_rank, r, microbatches=config.grad_accum,
+                                        micro_batch_size=config.micro_batch_size, seq_len=config.seq_len,
+                                        hidden=model_config.hidden_size, vocab=model_config.vocab_size,
+                                        tied_gradients=tied_trainable), dist.get_backend())
+        for r in range(world_size)]
 
     # ---------------------------------------------------------------------------------------------------------
     # Evaluation, results, export
@@ -599,15 +764,16 @@ def main(argv: list[str] | None = None) -> dict:
         comm_timer=comm_timer,  # comm_ms, collective counts and bytes: torch.profiler over the profiled steps
         experiment=EXPERIMENT, command=launch_command(), commit=git_commit(REPO_ROOT), config=asdict(config),
         hardware=hardware_info(device, world_size=world_size), attention=asdict(attention),
-        model=dict(name=config.model, parameters=n_params, trainable_parameters=n_params,
-                   flops_per_token=model_flops_per_token, parameters_held_per_rank=held),
+        model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
+                   flops_per_token=model_flops_per_token, parameters_held_per_rank=held,
+                   trainable_parameters_per_rank=trainable_held),
         t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
         # common/memory.py's prediction for the fullest stage, next to the measured peaks (comparable on a GPU). It
         # models 1F1B with one stage per rank and an even split (p - s micro-batches in flight on stage s); GPipe
         # keeps all m in flight, and --split or interleaving move memory between ranks.
         predicted_peak_mem_gib=predict_peak_gib(
             model_config, "pp", world_size, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
-            activation_checkpointing=config.activation_checkpointing, dtype=config.dtype,
+            activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank, dtype=config.dtype,
             attention=attention_kind(attention.impl, config.packing)),
         packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
         n_truncated=data.stats["n_truncated"], data=data.stats, peak_mem_gib_per_rank=peak_mem_gib_per_rank,
@@ -616,11 +782,21 @@ def main(argv: list[str] | None = None) -> dict:
                       stage_rank=stage_rank),
         bubble_fraction=bubble_fraction, bubble_fraction_per_rank=bubble_per_rank,
         busy_ms_per_rank=[b for b, _ in per_rank], schedule_ms_per_rank=[t for _, t in per_rank],
-        bubble_fraction_textbook=textbook, bubble_formula=formula)
+        bubble_fraction_textbook=textbook, bubble_formula=formula, schedule_trace=trace,
+        state_bytes_per_rank=state_bytes_per_rank,
+        state_bytes_step=state_step + 1 if measured_state is not None else None,  # 1-based, as in metrics.jsonl
+        predicted_state_bytes_per_rank=predicted_state,
+        collective_bytes_per_step_per_rank=collective_bytes_per_rank,
+        collective_bytes_formula_per_rank=collective_formula_per_rank)
     print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
            f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
 
-    if config.save_hf:
+    if config.save_hf and config.lora_rank and not config.merge_lora:
+        save_lora_adapter(Path(config.save_hf), module, lora_config, base_model_class, tokenizer)
+        print0(f"saved adapter to {config.save_hf} (gathered from the {world_size} rank(s) on rank 0)")
+    elif config.save_hf:
+        if config.lora_rank:
+            merge_lora_adapters(module)
         save_hf_sharded(Path(config.save_hf), module, model_config, tokenizer)
         print0(f"saved model to {config.save_hf} ({world_size} shard(s), one per rank)")
     if own_group:

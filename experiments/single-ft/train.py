@@ -27,11 +27,11 @@ from transformers import HfArgumentParser
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import DataError, build_data, describe, evaluate, token_loss_sum
-from common.dist import init_distributed, print0, teardown
+from common.dist import all_ranks, init_distributed, print0, teardown
 from common.loss import chunked_token_loss_sum
-from common.memory import attention_kind, predict_peak_gib
+from common.memory import attention_kind, estimate
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
-    summary_table
+    state_bytes, summary_table
 from common.models import count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
     resolve_model_name
 
@@ -163,9 +163,11 @@ def main(argv: list[str] | None = None) -> dict:
     # Optimizer: AdamW; no weight decay on norms (1-D weights). Fused kernels on GPU.
     decay = [p for p in trainable if p.ndim >= 2]
     no_decay = [p for p in trainable if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=config.lr, fused=device.type == "cuda")
+    # A group left empty (under LoRA nothing 1-D is trained) is not created: a checkpoint's flattened optimizer
+    # state cannot be loaded back into a group without parameters.
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW([group for group in groups if group["params"]], lr=config.lr,
+                                  fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, config.warmup_steps, config.steps))
 
@@ -181,6 +183,10 @@ def main(argv: list[str] | None = None) -> dict:
     start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
     if config.resume:
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
+    # Model-state bytes are counted once, on the second step, after its backward and before its update: the
+    # gradients exist, and so does AdamW's state, created by the first update.
+    state_step = min(start_step + 1, config.steps - 1)
+    measured_state = None
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum)
         loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step
@@ -210,6 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
             loss = loss_sum / loss_tokens
             loss.backward()
             step_loss += loss.detach()
+        if step == state_step:
+            measured_state = state_bytes(model.parameters(), optimizer)  # every weight, its gradient, AdamW's state
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)
         optimizer.step()
@@ -232,6 +240,13 @@ def main(argv: list[str] | None = None) -> dict:
     eval_loss = evaluate(model, data, config.micro_batch_size, device, autocast)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
+    # common/memory.py's prediction for this device: its peak next to the measured one (comparable on a GPU, where
+    # both mean max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included),
+    # its model states next to the bytes counted above.
+    prediction = estimate(
+        model.config, "single", 1, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
+        activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank,
+        precision=config.dtype, attention=attention_kind(attention.impl, config.packing))
     summary = metrics.write_summary(
         comm_timer=comm_timer,  # comm_ms, collective counts and bytes: torch.profiler over the profiled steps
         experiment=EXPERIMENT, command=launch_command(), commit=git_commit(REPO_ROOT), config=asdict(config),
@@ -239,12 +254,12 @@ def main(argv: list[str] | None = None) -> dict:
         model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
                    flops_per_token=model_flops_per_token),
         t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
-        # common/memory.py's prediction, next to the measured peak (comparable on a GPU, where both mean
-        # max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included).
-        predicted_peak_mem_gib=predict_peak_gib(
-            model.config, "single", 1, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
-            activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank,
-            dtype=config.dtype, attention=attention_kind(attention.impl, config.packing)),
+        predicted_peak_mem_gib=prediction.total_gib,
+        state_bytes_per_rank=None if measured_state is None else all_ranks(measured_state),
+        state_bytes_step=None if measured_state is None else state_step + 1,  # 1-based, as in metrics.jsonl
+        predicted_state_bytes={kind: int(getattr(prediction, f"{kind}_bytes"))
+                               for kind in ("weights", "grads", "optimizer", "master")},
+        collective_bytes_formula={},  # one process: no collective (common/comm.py)
         packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
         n_truncated=data.stats["n_truncated"], data=data.stats)
     print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "

@@ -47,10 +47,11 @@ from transformers import AutoModelForCausalLM, HfArgumentParser
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import DataError, build_data, describe, evaluate, token_loss_sum
-from common.dist import init_distributed, print0, teardown
-from common.memory import attention_kind, predict_peak_gib
+from common.comm import as_backend, tp_collectives
+from common.dist import all_ranks, init_distributed, print0, teardown
+from common.memory import attention_kind, estimate
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
-    summary_table
+    state_bytes, summary_table
 from common.models import count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
     resolve_model_name
 
@@ -484,6 +485,10 @@ def main(argv: list[str] | None = None) -> dict:
     start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
     if config.resume:
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
+    # Model-state bytes are counted once, on the second step, after its backward and before its update: the
+    # gradients exist, and so does AdamW's state, created by the first update.
+    state_step = min(start_step + 1, config.steps - 1)
+    measured_state = None
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum)
         loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step
@@ -507,6 +512,10 @@ def main(argv: list[str] | None = None) -> dict:
                 loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
                 loss.backward()
             step_loss += local(loss.detach())
+        if step == state_step:
+            # This rank's shards of the split weights (DTensor local tensors), whole replicated ones, their
+            # gradients, AdamW's state.
+            measured_state = state_bytes(model.parameters(), optimizer)
         all_reduce_partial_grads(partial_grad_params, trainable, tp_mesh)
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
         grad_norm = clip_grad_norm(trainable, max_norm)
@@ -535,18 +544,35 @@ def main(argv: list[str] | None = None) -> dict:
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
     drift = replica_drift(list(model.parameters()), tp_mesh)
     print0(f"replicated parameters: largest difference between ranks {drift:.3g}")
+    # common/memory.py's prediction for one device: its peak next to the measured one (comparable on a GPU, where
+    # both mean max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included),
+    # its model states next to the bytes counted above.
+    prediction = estimate(
+        model.config, "tp-sp", tp, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
+        activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank,
+        precision=config.dtype, attention=attention_kind(attention.impl, config.packing))
+    # common/comm.py's formula for what the profiled steps measured. Covered: full-parameter fp32 on two or more
+    # ranks. Not covered: LoRA (its adapters add collectives of their own), bf16 (autocast gives the forward's and
+    # the backward's activations different dtypes) and a world of one; neither is checked against a measurement.
+    formula = None
+    if tp > 1 and not config.lora_rank and config.dtype == "fp32":
+        formula = as_backend(tp_collectives(
+            layers=model.config.num_hidden_layers, hidden=model.config.hidden_size, head_dim=model.config.head_dim,
+            vocab=model.config.vocab_size, tokens=config.micro_batch_size * config.seq_len,
+            grad_accum=config.grad_accum, world_size=tp, sequence_parallel=True, loss_parallel=config.loss_parallel,
+            sync_qk_norm_grads=config.sync_qk_norm_grads), dist.get_backend())
     summary = metrics.write_summary(
         comm_timer=comm_timer,  # comm_ms, collective counts and bytes: torch.profiler over the profiled steps
         experiment=EXPERIMENT, command=launch_command(), commit=git_commit(REPO_ROOT), config=asdict(config), hardware=hardware_info(device, world_size=tp), attention=asdict(attention),
         model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
                    flops_per_token=model_flops_per_token),
         t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
-        # common/memory.py's prediction, next to the measured peak (comparable on a GPU, where both mean
-        # max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included).
-        predicted_peak_mem_gib=predict_peak_gib(
-            model.config, "tp-sp", tp, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
-            activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank,
-            dtype=config.dtype, attention=attention_kind(attention.impl, config.packing)),
+        predicted_peak_mem_gib=prediction.total_gib,
+        state_bytes_per_rank=None if measured_state is None else all_ranks(measured_state),
+        state_bytes_step=None if measured_state is None else state_step + 1,  # 1-based, as in metrics.jsonl
+        predicted_state_bytes={kind: int(getattr(prediction, f"{kind}_bytes"))
+                               for kind in ("weights", "grads", "optimizer", "master")},
+        collective_bytes_formula=formula,
         packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
         n_truncated=data.stats["n_truncated"], data=data.stats, tensor_parallel=tp,
         activation_mib=activations.mib if activations.sizes else None, replica_drift=drift)

@@ -14,6 +14,8 @@ layer is all-gathered just before its forward and backward, then freed). The pri
 One optimizer step consumes B = micro_batch_size x grad_accum x world_size packed rows (common/data.py) and is the
 same computation as single-ft on that B: the loss is token-weighted over all ranks and micro-batches, and DeepSpeed's
 own loss/gradient scaling is undone (see the training loop). tests/test_zero_ft.py holds every stage to single-ft.
+
+Strategy flags: --zero-stage, --cpu-offload.
 """
 
 from __future__ import annotations
@@ -38,15 +40,17 @@ from transformers.integrations import HfDeepSpeedConfig
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed  # noqa: E402
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
 
 from common.attention import setup_attention  # noqa: E402
 from common.checkpoint import load_deepspeed_checkpoint, save_deepspeed_checkpoint  # noqa: E402
 from common.data import DataError, build_data, describe, evaluate, token_loss_sum  # noqa: E402
-from common.dist import act_as_launcher_if_alone, init_distributed, print0, teardown  # noqa: E402
-from common.memory import DEEPSPEED_BF16, attention_kind, predict_peak_gib  # noqa: E402
+from common.comm import as_backend, zero_collectives  # noqa: E402
+from common.dist import act_as_launcher_if_alone, all_ranks, init_distributed, print0, teardown  # noqa: E402
+from common.memory import STRATEGIES, attention_kind, estimate  # noqa: E402
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
-    memory_label, peak_memory_gib, summary_table  # noqa: E402
+    memory_label, peak_memory_gib, state_bytes, storage_bytes, summary_table  # noqa: E402
 from common.models import count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
     resolve_model_name  # noqa: E402
 
@@ -84,6 +88,7 @@ class Config:
     resume: str | None = None  # a checkpoints/step-<k> folder to continue from (same data, B, --steps, stage and world size)
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
     zero_stage: int = 2  # ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters
+    cpu_offload: bool = False  # ZeRO-Offload: keep the fp32 master partition and AdamW state in host memory and run the update on the CPU (offload_optimizer: cpu); slower, for models whose optimizer state does not fit the GPUs
 
 
 def resolve(config: Config) -> Config:
@@ -127,7 +132,15 @@ def deepspeed_config(config: Config, world_size: int) -> dict:
         "train_micro_batch_size_per_gpu": config.micro_batch_size,
         "gradient_accumulation_steps": config.grad_accum,
         "train_batch_size": config.micro_batch_size * config.grad_accum * world_size,
-        "zero_optimization": {"stage": config.zero_stage},
+        # ZeRO-Offload (--cpu-offload): the fp32 master partition, its gradient and AdamW's state in host memory, the
+        # update on the CPU. Pinned host memory speeds up the copies to and from a GPU; there is none to pin for on
+        # a CPU-only machine.
+        "zero_optimization": {"stage": config.zero_stage, **({"offload_optimizer": {
+            "device": "cpu", "pin_memory": torch.cuda.is_available()}} if config.cpu_offload else {})},
+        # With offload DeepSpeed insists on its own DeepSpeedCPUAdam unless told otherwise. Its C++ kernel (a build
+        # step, and another order of operations) computes AdamW too, but not single-ft's arithmetic; torch's AdamW
+        # on the host partition keeps the parity with single-ft, at the price of a slower update.
+        "zero_force_ds_cpu_optimizer": False,
         # Clipping happens inside engine.step(), on the sharded gradients. DeepSpeed clips at 1.0 unless told
         # otherwise, whatever --max-grad-norm says; 0 turns it off (the norm is computed and logged either way).
         "gradient_clipping": config.max_grad_norm,
@@ -157,6 +170,49 @@ def deepspeed_config(config: Config, world_size: int) -> dict:
 def full_shape(param: torch.nn.Parameter) -> torch.Size:
     """A parameter's real shape, also once ZeRO-3 has partitioned it (the module then holds an empty placeholder)."""
     return getattr(param, "ds_shape", param.shape)
+
+
+def deepspeed_state_bytes(engine) -> dict[str, int]:
+    """The model-state bytes this rank holds inside DeepSpeed after a step's last backward, before its update, in
+    common.metrics.state_bytes' kinds (each storage counted once) plus `buffers`. Where each kind lives then:
+    - weights: what the module holds. Stages 1 and 2: every parameter whole, as views of one flat buffer per
+      parameter group (plus frozen parameters as they are). Stage 3: each parameter's partition (`ds_tensor`, views
+      of one flat buffer), and whole copies of the "persistent" parameters (at most
+      stage3_param_persistence_threshold elements), which stay gathered on every rank; the others are empty
+      placeholders between uses.
+    - grads: the reduced gradients DeepSpeed keeps for this rank. Stages 1 and 2: `averaged_gradients`, views of one
+      buffer holding the whole gradient of every parameter that overlaps the rank's partition (stage 1 too: it
+      accumulated full gradients in param.grad until this last backward, then reduced and released them); with
+      --cpu-offload the fp32 partition's .grad in host memory. Stage 3: one flat buffer of every gradient's
+      partition. Any param.grad still held is counted too. Stage 1 with bf16 weights is another optimizer
+      (DeepSpeed picks its BF16_Optimizer for fp32 gradient accumulation): it keeps the whole fp32 gradient, one flat
+      buffer per parameter group.
+    - master: DeepSpeed's fp32 partition of the weights, which AdamW updates and the module's weights are copied
+      from: a separate copy even in an fp32 run (host memory with --cpu-offload).
+    - optimizer: the torch optimizer's state on that partition (AdamW's moments and step counters).
+    - buffers: the gradient-reduction bucket (reduce_bucket_size elements) where one is allocated at this point:
+      stage 3 keeps one for the whole run; stages 1 and 2 allocate theirs at each backward and have released it.
+    """
+    zero = engine.optimizer
+    params = list(engine.module.parameters())
+    if engine.zero_optimization_stage() == 3:
+        weights = params + [p.ds_tensor for p in params]
+        master = list(zero.fp32_partitioned_groups_flat)
+        grads = [zero.grad_partitions_flat_buffer]
+    elif isinstance(zero, BF16_Optimizer):
+        weights = params
+        master = list(zero.fp32_groups_flat_partition)
+        grads = list(zero.fp32_groups_gradients_flat)
+    else:
+        weights = params
+        master = list(zero.single_partition_of_fp32_groups)
+        grads = [g for group in zero.averaged_gradients.values() if group is not None for g in group]
+    grads += [p.grad for p in params] + [p.grad for p in master]
+    buffers = [buffer for bucket in getattr(zero, "ipg_buckets", {}).values()
+               for buffer in (bucket.buffer if isinstance(bucket.buffer, list) else [bucket.buffer])]
+    return dict(weights=storage_bytes(weights), grads=storage_bytes(grads),
+                optimizer=state_bytes((), zero.optimizer)["optimizer"], master=storage_bytes(master),
+                buffers=storage_bytes(buffers))
 
 
 
@@ -240,9 +296,10 @@ def main(argv: list[str] | None = None) -> dict:
     # the two scripts differ only by what ZeRO does.
     decay = [p for p in trainable if len(full_shape(p)) >= 2]
     no_decay = [p for p in trainable if len(full_shape(p)) < 2]
+    # With --cpu-offload it updates host tensors: the fused kernel is for the GPU ones.
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=config.lr, fused=device.type == "cuda")
+                                  lr=config.lr, fused=device.type == "cuda" and not config.cpu_offload)
     # Passed as a function: DeepSpeed builds the schedule on the optimizer it wrapped, and steps it in engine.step()
     # at each accumulation boundary, once per optimizer step as in single-ft.
     engine, _, _, scheduler = deepspeed.initialize(
@@ -263,6 +320,10 @@ def main(argv: list[str] | None = None) -> dict:
     start_step = load_deepspeed_checkpoint(config.resume, engine) if config.resume else 0
     if config.resume:
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
+    # Model-state bytes are counted once, on the second step, after its last backward and before its update: the
+    # gradients exist, and so does AdamW's state, created by the first update.
+    state_step = min(start_step + 1, config.steps - 1)
+    measured_state = None
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum, rank, world_size)
         loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the whole step's, all ranks: counted locally
@@ -271,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
         stopwatch.reset()
         comm_timer.start(step)
         step_loss = torch.zeros((), device=device)
-        for batch in micro_batches:
+        for index, batch in enumerate(micro_batches):
             batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
             with autocast():
                 # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
@@ -287,6 +348,8 @@ def main(argv: list[str] | None = None) -> dict:
             # already a share of the global step loss, so the gradients must simply be summed: scale_wrt_gas=False
             # skips the first division and the factor world_size cancels the second (exact for a power-of-2 world).
             engine.backward(loss * world_size, scale_wrt_gas=False)
+            if step == state_step and index == len(micro_batches) - 1:
+                measured_state = deepspeed_state_bytes(engine)  # the update runs in the engine.step() below
             # At the last micro-batch (the accumulation boundary): reduce, clip, AdamW on the shards, LR schedule;
             # before it, only counts micro-batches.
             engine.step()
@@ -319,11 +382,39 @@ def main(argv: list[str] | None = None) -> dict:
     # on CPU the measure is the whole process, interpreter and libraries included).
     peak_mem_gib_per_rank = [None] * world_size
     dist.all_gather_object(peak_mem_gib_per_rank, peak_memory_gib(device))
-    predicted_peak_mem_gib = predict_peak_gib(
-        model.config, f"zero-{config.zero_stage}", world_size, seq_len=config.seq_len,
-        micro_batch_size=config.micro_batch_size, activation_checkpointing=config.activation_checkpointing,
-        lora_rank=config.lora_rank, dtype=config.dtype, precision=DEEPSPEED_BF16 if config.dtype == "bf16" else None,
-        attention=attention_kind(attention.impl, config.packing))
+    # common/memory.py names ZeRO-Offload runs "zero-<stage>-offload" and predicts the offloaded states in host
+    # memory (cpu_bytes), the device's share in predicted_state_bytes; where it has no such strategy, the prediction
+    # is that of the same stage without offload. summary.json says which.
+    strategy = f"zero-{config.zero_stage}" + ("-offload" if config.cpu_offload else "")
+    predicted_note = None
+    if strategy not in STRATEGIES:
+        predicted_note = (f"common.memory has no {strategy}: predicted as zero-{config.zero_stage}, with the master "
+                          f"partition and AdamW state on the device instead of in host memory")
+        strategy = f"zero-{config.zero_stage}"
+    elif config.cpu_offload:
+        predicted_note = (f"{strategy}: common.memory predicts the offloaded states in host memory "
+                          f"(predicted_cpu_bytes); predicted_state_bytes is what stays on the device")
+    prediction = estimate(
+        model.config, strategy, world_size, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
+        activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank,
+        precision=config.dtype, attention=attention_kind(attention.impl, config.packing))
+    predicted_peak_mem_gib = prediction.total_gib
+    # common/comm.py's formula for what the profiled steps measured. Gradients are reduced in the optimizer's group
+    # order at the boundary (stage 1) or as backward produces them (stages 2 and 3: the reverse of the parameters'
+    # order). ZeRO-Offload runs the same collectives (checked for stage 2). Not covered: a world of one, whose
+    # collectives are not modelled; LoRA, and offload with stages 1 and 3, whose paths through DeepSpeed are not
+    # checked against a measurement; and what zero_collectives leaves out (ZeRO-3 models larger than one prefetch
+    # bucket, ZeRO-1 under bf16).
+    groups = [group for group in (decay, no_decay) if group]
+    reduction_order = [p for group in groups for p in group] if config.zero_stage == 1 else list(reversed(trainable))
+    formula = None
+    if world_size > 1 and not config.lora_rank and (not config.cpu_offload or config.zero_stage == 2):
+        formula = zero_collectives(
+            config.zero_stage, group_numels=[sum(full_shape(p).numel() for p in group) for group in groups],
+            reduction_numels=[full_shape(p).numel() for p in reduction_order],
+            parameter_numels=[full_shape(p).numel() for p in model.parameters()], world_size=world_size,
+            grad_accum=config.grad_accum, bf16=config.dtype == "bf16")
+        formula = formula and as_backend(formula, dist.get_backend())
     print0(f"peak memory per rank ({memory_label(device)}), ZeRO stage {config.zero_stage}: "
            + ", ".join(f"rank {r} {gib:.2f} GiB" for r, gib in enumerate(peak_mem_gib_per_rank))
            + f" | predicted by common/memory.py: {predicted_peak_mem_gib:.2f} GiB per device")
@@ -337,6 +428,12 @@ def main(argv: list[str] | None = None) -> dict:
         packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
         n_truncated=data.stats["n_truncated"], data=data.stats, zero_stage=config.zero_stage,
         peak_mem_gib_per_rank=peak_mem_gib_per_rank, predicted_peak_mem_gib=predicted_peak_mem_gib,
+        state_bytes_per_rank=None if measured_state is None else all_ranks(measured_state),
+        state_bytes_step=None if measured_state is None else state_step + 1,  # 1-based, as in metrics.jsonl
+        predicted_state_bytes={kind: int(getattr(prediction, f"{kind}_bytes"))
+                               for kind in ("weights", "grads", "optimizer", "master")},
+        predicted_cpu_bytes=int(prediction.cpu_bytes), predicted_note=predicted_note,
+        collective_bytes_formula=formula,
         deepspeed=dict(version=deepspeed.__version__, config=ds_config))
     print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
            f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")

@@ -1,0 +1,226 @@
+"""Run the series of runs that the devlog and the posts quote, and keep their results in devlog/data/.
+
+    uv run python assets/run_series.py --list                  # every series, its runs and their commands
+    uv run python assets/run_series.py workload pp             # run these series (runs already kept are skipped)
+    uv run python assets/run_series.py workload --dry-run      # print the commands only
+    uv run python assets/run_series.py all --date 2026-11-23   # every series, into devlog/data/2026-11-23-<series>/
+
+Each run is launched exactly as a user would launch it (`uv run python ...`, `uv run torchrun ...`) and writes into
+runs/series/<date>-<series>/<run>/ (ignored by git: checkpoints, exports and logs stay there). Its summary.json and
+metrics.jsonl, and nothing else, are then copied to devlog/data/<date>-<series>/<run>/: small files, committed, the
+only source of every number in blogs/ and devlog/ (assets/make_posts.py). A series that runs a sweep or the peer
+baseline also keeps their tables (sweep.csv, sweep.md, peer_baseline.json, peer_baseline.md).
+
+Run the series on an idle machine from a clean checkout: each summary.json records the commit (with "-dirty" when
+tracked files had uncommitted changes), and the timings of runs that shared the machine with other work say nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import date
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+KEPT_FILES = ("summary.json", "metrics.jsonl")
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str  # the run's folder in the series
+    experiment: str  # experiments/<experiment>/train.py
+    nproc: int  # 1: `uv run python`, else `uv run torchrun --nproc_per_node=N`
+    args: tuple[str, ...] = ()
+
+    def command(self, out_dir: Path) -> list[str]:
+        script = f"experiments/{self.experiment}/train.py"
+        launcher = ["python"] if self.nproc == 1 else ["torchrun", f"--nproc_per_node={self.nproc}"]
+        return ["uv", "run", *launcher, script, *self.args, "--out-dir", str(out_dir)]
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A series produced by a tool that runs several trainings itself (common.sweep, the peer baseline)."""
+    command: tuple[str, ...]  # {out} is replaced by the tool's output folder
+    kept: tuple[str, ...] = ()  # files of the output folder to keep beside the runs
+
+
+def runs(*specs: Run) -> list[Run]:
+    return list(specs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The series. "The workload": qwen3-tiny, seq 256, fp32, B = 4 packed rows per optimizer step, 40 steps, seed 0,
+# the bundled data: every strategy does the same optimizer steps, split its own way.
+TINY = ("--model", "qwen3-tiny", "--seq-len", "256", "--dtype", "fp32")
+WORKLOAD = (*TINY, "--steps", "40")
+
+
+def workload_runs(base: tuple[str, ...] = WORKLOAD, extra: tuple[str, ...] = (), pp_ds: bool = True,
+                  zero_stages=(1, 2, 3)) -> list[Run]:
+    """Every strategy on the workload's B = 4 rows: data-parallel ranks take 1 x GA 2 each, the model-parallel
+    ones (tp, tp-sp, pp) see all 4 rows as 1 x GA 4 (pp: m = 4 micro-batches)."""
+    specs = [Run("single-ft", "single-ft", 1, (*base, "--grad-accum", "4", *extra)),
+             Run("ddp-ft", "ddp-ft", 2, (*base, "--grad-accum", "2", *extra)),
+             Run("fsdp-ft", "fsdp-ft", 2, (*base, "--grad-accum", "2", *extra))]
+    specs += [Run(f"zero-ft-{stage}", "zero-ft", 2, (*base, "--grad-accum", "2", "--zero-stage", str(stage),
+                                                     *extra)) for stage in zero_stages]
+    specs += [Run("tp-ft", "tp-ft", 2, (*base, "--grad-accum", "4", *extra)),
+              Run("tp-sp-ft", "tp-sp-ft", 2, (*base, "--grad-accum", "4", *extra)),
+              Run("pp-ft", "pp-ft", 2, (*base, "--grad-accum", "4", "--schedule", "1f1b", *extra))]
+    if pp_ds:
+        specs.append(Run("pp-ds-ft", "pp-ds-ft", 2, (*base, "--grad-accum", "4", *extra)))
+    return specs
+
+
+def lora_runs() -> list[Run]:
+    return workload_runs(base=(*TINY, "--steps", "20"), extra=("--lora-rank", "8"), pp_ds=False, zero_stages=(3,))
+
+
+# Qwen3-0.6B's published geometry (596M parameters, random init), so that model state dominates each process and
+# sharding shows in measured memory. 3 steps: the first is warm-up, the second is profiled (collectives) and
+# measured (state bytes), the third is timed. No held-out evaluation: a forward over it takes minutes here.
+MEMORY = ("--model", "qwen3-0.6b", "--seq-len", "256", "--dtype", "fp32", "--steps", "3", "--eval-fraction", "0",
+          "--timing-warmup-steps", "1", "--comm-profile-steps", "1")
+
+
+def memory_runs() -> list[Run]:
+    # ddp-ft is left out: two full fp32 replicas (weights, gradients, AdamW state: 16 bytes x 596M each) plus DDP's
+    # bucket copy of the gradients do not fit in this machine's 24 GiB.
+    specs = [Run("single-ft", "single-ft", 1, (*MEMORY, "--grad-accum", "2")),
+             Run("fsdp-ft", "fsdp-ft", 2, MEMORY)]
+    specs += [Run(f"zero-ft-{stage}", "zero-ft", 2, (*MEMORY, "--zero-stage", str(stage))) for stage in (1, 2, 3)]
+    specs += [Run("tp-ft", "tp-ft", 2, (*MEMORY, "--grad-accum", "2")),
+              Run("tp-sp-ft", "tp-sp-ft", 2, (*MEMORY, "--grad-accum", "2")),
+              Run("pp-ft", "pp-ft", 2, (*MEMORY, "--grad-accum", "2", "--schedule", "1f1b")),
+              Run("single-ft-ac", "single-ft", 1, (*MEMORY, "--grad-accum", "2", "--activation-checkpointing")),
+              Run("single-ft-chunked", "single-ft", 1, (*MEMORY, "--grad-accum", "2", "--loss-chunk-tokens", "256")),
+              Run("single-ft-ac-chunked", "single-ft", 1, (*MEMORY, "--grad-accum", "2", "--activation-checkpointing",
+                                                          "--loss-chunk-tokens", "256"))]
+    return specs
+
+
+SHORT = (*TINY, "--steps", "12")
+SERIES: dict[str, list[Run] | Tool] = {
+    "workload": workload_runs(),
+    "lora": lora_runs(),
+    "memory-0.6b": memory_runs(),
+    "ddp": [Run(f"ddp-ft-bucket{mb}", "ddp-ft", 2, (*TINY, "--steps", "20", "--grad-accum", "2", "--bucket-cap-mb",
+                                                     str(mb))) for mb in (1, 5, 25)]
+           + [Run(f"ddp-ft-ga{ga}{suffix}", "ddp-ft", 2, (*TINY, "--steps", "20", "--grad-accum", str(ga), *flag))
+              for ga in (2, 4) for suffix, flag in (("", ()), ("-every-micro-batch", ("--reduce-every-micro-batch",)))],
+    "fsdp": [Run(f"fsdp-ft-ga{ga}{suffix}", "fsdp-ft", 2, (*SHORT, "--grad-accum", str(ga), *flag))
+             for ga in (1, 2, 4, 8)
+             for suffix, flag in (("", ()), ("-no-reshard", ("--no-reshard-after-forward",)))]
+            + [Run("fsdp-ft-ga4-every-micro-batch", "fsdp-ft", 2, (*SHORT, "--grad-accum", "4",
+                                                                   "--reduce-every-micro-batch"))],
+    "tp": [Run(f"{experiment}-seq{seq}", experiment, 2, (*TINY, "--steps", "12", "--seq-len", str(seq)))
+           for experiment in ("tp-ft", "tp-sp-ft") for seq in (256, 512)]
+          # The workload's tp-ft without the q_norm/k_norm gradient all-reduce: compare with workload/tp-ft.
+          + [Run("tp-ft-no-sync-qk-norm-grads", "tp-ft", 2, (*WORKLOAD, "--grad-accum", "4",
+                                                              "--no-sync-qk-norm-grads"))],
+    "pp": [Run(f"pp-ft-{schedule}-m{m}", "pp-ft", 2, (*SHORT, "--grad-accum", str(m), "--schedule", schedule))
+           for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zbv") for m in (2, 4, 8)]
+          + [Run(f"pp-ds-ft-m{m}", "pp-ds-ft", 2, (*SHORT, "--grad-accum", str(m))) for m in (2, 4, 8)]
+          + [Run("pp-ft-1f1b-m8-split3", "pp-ft", 2, (*SHORT, "--grad-accum", "8", "--schedule", "1f1b",
+                                                     "--split", "3"))],
+    "sweep": Tool(("uv", "run", "python", "-m", "common.sweep", "--strategies", "fsdp-ft", "pp-ds-ft",
+                   "--micro-batch-sizes", "1", "2", "--grad-accums", "2", "4", "--checkpointing", "off", "on",
+                   "--dtypes", "fp32", "--model", "qwen3-tiny", "--seq-len", "256", "--steps", "12", "--out", "{out}"),
+                  kept=("sweep.csv", "sweep.md")),
+    "single": [Run("single-ft-default", "single-ft", 1, ()),
+               Run("single-ft-eval-packed", "single-ft", 1, (*TINY, "--steps", "0")),
+               Run("single-ft-eval-unpacked", "single-ft", 1, (*TINY, "--steps", "0", "--no-packing"))],
+    "peer": Tool(("uv", "run", "--group", "peer", "python", "assets/peer_baseline.py", "--steps", "40", "--seq-len",
+                  "256", "--micro-batch-size", "1", "--grad-accum", "4", "--out-dir", "{out}"),
+                 kept=("peer_baseline.json", "peer_baseline.md")),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def keep(source: Path, target: Path, extra: tuple[str, ...] = ()) -> int:
+    """Copy the small result files of every run folder under `source` to the same place under `target`."""
+    copied = 0
+    for summary in sorted(source.rglob("summary.json")):
+        run_dir = target / summary.parent.relative_to(source)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for name in KEPT_FILES:
+            if (summary.parent / name).exists():
+                shutil.copy2(summary.parent / name, run_dir / name)
+        copied += 1
+    for name in extra:
+        if (source / name).exists():
+            target.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source / name, target / name)
+    return copied
+
+
+def run_series(name: str, day: str, dry_run: bool, force: bool) -> list[str]:
+    folder = f"{day}-{name}"
+    scratch, kept = REPO_ROOT / "runs" / "series" / folder, REPO_ROOT / "devlog" / "data" / folder
+    failures = []
+    spec = SERIES[name]
+    if isinstance(spec, Tool):
+        command = [part.replace("{out}", str(scratch.relative_to(REPO_ROOT))) for part in spec.command]
+        print(f"[{folder}] {shlex.join(command)}", flush=True)
+        if dry_run:
+            return failures
+        if kept.exists() and not force:
+            print(f"[{folder}] kept already: {kept.relative_to(REPO_ROOT)} (--force to rerun)")
+            return failures
+        if subprocess.run(command, cwd=REPO_ROOT).returncode != 0:
+            failures.append(folder)
+        print(f"[{folder}] kept {keep(scratch, kept, spec.kept)} runs in {kept.relative_to(REPO_ROOT)}")
+        return failures
+    for index, run in enumerate(spec, start=1):
+        out = scratch / run.name
+        command = run.command(out.relative_to(REPO_ROOT))
+        print(f"[{folder} {index}/{len(spec)}] {shlex.join(command)}", flush=True)
+        if dry_run:
+            continue
+        if (kept / run.name / "summary.json").exists() and not force:
+            print("    kept already (--force to rerun)")
+            continue
+        if out.exists():
+            shutil.rmtree(out)
+        started = time.perf_counter()
+        out.mkdir(parents=True)
+        with open(out / "train.log", "w") as log:
+            code = subprocess.run(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+        print(f"    {'ok' if code == 0 else f'FAILED ({code}), see {out}/train.log'} in "
+              f"{time.perf_counter() - started:.0f} s", flush=True)
+        if code != 0:
+            failures.append(f"{folder}/{run.name}")
+            continue
+        keep(out, kept / run.name)
+    return failures
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("series", nargs="*", help=f"series to run: {', '.join(SERIES)}, or all")
+    parser.add_argument("--date", default=date.today().isoformat(), help="the date in the series' folder names")
+    parser.add_argument("--list", action="store_true", help="list the series and their commands")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    parser.add_argument("--force", action="store_true", help="rerun runs that devlog/data already holds")
+    args = parser.parse_args(argv)
+    names = list(SERIES) if args.series == ["all"] or args.list else args.series
+    unknown = [name for name in names if name not in SERIES]
+    if unknown or not names:
+        parser.error(f"unknown series {', '.join(unknown)}; choose from {', '.join(SERIES)} or all" if unknown
+                     else "name a series (or all), or --list")
+    failures = []
+    for name in names:
+        failures += run_series(name, args.date, args.dry_run or args.list, args.force)
+    if failures:
+        sys.exit(f"failed: {', '.join(failures)}")
+
+
+if __name__ == "__main__":
+    main()

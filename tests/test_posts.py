@@ -1,0 +1,526 @@
+"""assets/make_posts.py: the generated regions of blogs/ and devlog/, and the check CI runs on them.
+
+The repository itself must pass `make_posts.py --check` (without matplotlib). Everything else runs on a small
+synthetic repository in a temporary folder: three fake runs (single-ft, ddp-ft, pp-ft) with known numbers, two
+tiny "experiments" to quote and diff, and a two-post blog. Each generator's text is compared with what those
+numbers must give; each way a page can disagree with the repository must fail the check, naming file, line and
+region. No model is built and matplotlib is never imported.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "assets"))
+import make_plots  # noqa: E402
+import make_posts  # noqa: E402
+
+SERIES = "devlog/data/2026-01-01-test"
+SINGLE, DDP, PP = f"{SERIES}/single-ft", f"{SERIES}/ddp-ft", f"{SERIES}/pp-ft"
+SINGLE_LOSSES = [5.0, 4.0, 3.0, 2.5, 2.0, 1.9, 1.8]
+# Relative differences from single-ft: 1e-7 at step 2, 2e-7 at step 3, 3e-5 at step 6 (past the first 5 steps).
+DDP_LOSSES = [5.0, 4.0000004, 3.0000006, 2.5, 2.0, 1.900057, 1.8]
+WEIGHTS = 20_971_520  # 20 MiB of fp32 weights
+
+
+def summary(experiment: str, world: int, **fields) -> dict:
+    """A summary.json as the experiments write it, reduced to the fields the generators read."""
+    config = dict(model="qwen3-tiny", data="assets/data/sft_en.jsonl", seq_len=64, seed=0, eval_fraction=0.05,
+                  packing=True, dtype="fp32", lr=1e-3, warmup_steps=10, weight_decay=0.01, max_grad_norm=1.0,
+                  lora_rank=0, micro_batch_size=1, grad_accum=4 // world, steps=len(SINGLE_LOSSES),
+                  activation_checkpointing=False)
+    config.update(fields.pop("config", {}))
+    launcher = "uv run python" if world == 1 else f"uv run torchrun --nproc_per_node={world}"
+    result = dict(
+        experiment=experiment, commit="abc123def456",
+        command=f"{launcher} experiments/{experiment}/train.py --steps 7 --seq-len 64 --out-dir runs/{experiment}",
+        config=config, t_eff=256, memory_measure="peak RSS of the process (CPU)", warmup_steps_excluded=2,
+        hardware=dict(device_kind="cpu", device_name="x86_64", device_count=1, world_size=world, torch="2.9.0",
+                      cuda=None, hip=None, cpu="Test CPU", cpu_cores=2, python="3.11.7",
+                      packages=dict(transformers="5.0.0", peft="0.18.0", deepspeed="0.18.0")),
+        model=dict(name="qwen3-tiny", parameters=5_245_440, trainable_parameters=5_245_440),
+        mfu=None)
+    result.update(fields)
+    return result
+
+
+def write_run(root: Path, name: str, data: dict, losses: list[float]) -> None:
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "summary.json").write_text(json.dumps(data, indent=2))
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(dict(step=k + 1, loss=loss)) + "\n"
+                                                  for k, loss in enumerate(losses)))
+
+
+def state(weights: int) -> dict:
+    return dict(weights=weights, grads=weights, optimizer=2 * weights + 8, master=0)
+
+
+EXPERIMENT_A = '''\
+"""Experiment a."""
+
+
+def helper(x):
+    return x + 1
+
+
+@decorated
+def train(steps):
+    total = 0
+    for step in range(steps):
+        total += helper(step)
+    return total
+'''
+EXPERIMENT_B = EXPERIMENT_A.replace("total += helper(step)", "total += helper(step)  # no_sync here").replace(
+    "    return x + 1", "    return x + 2")
+
+
+@pytest.fixture
+def site(tmp_path: Path) -> Path:
+    """A repository with three runs, two experiments and a blog index; pages are added by each test."""
+    ddp_collectives = {"gloo:all_reduce": {"calls": 2.0, "bytes": 2.0 * WEIGHTS}}
+    write_run(tmp_path, SINGLE, summary(
+        "single-ft", 1, step_ms=281.4, comm_ms=0.0, tokens_per_s=3563.2, tokens_per_s_per_device=3563.2,
+        peak_mem_gib=0.971, final_loss=1.8, eval_loss=4.166546, state_bytes_per_rank=[state(WEIGHTS)],
+        predicted_state_bytes=state(WEIGHTS)), SINGLE_LOSSES)
+    write_run(tmp_path, DDP, summary(
+        "ddp-ft", 2, config=dict(bucket_cap_mb=25.0), step_ms=283.0, comm_ms=65.2, profiled_step_ms=326.0,
+        tokens_per_s=3666.0, tokens_per_s_per_device=1833.0, peak_mem_gib=1.104, final_loss=1.8,
+        eval_loss=4.166543, collective_bytes_per_step=ddp_collectives, collective_bytes_formula=ddp_collectives,
+        state_bytes_per_rank=[state(WEIGHTS), state(WEIGHTS)], predicted_state_bytes=state(WEIGHTS)), DDP_LOSSES)
+    pp_ranks = [{"gloo:send": {"calls": 4.0, "bytes": 262144.0}, "gloo:recv": {"calls": 4.0, "bytes": 262144.0}}] * 2
+    write_run(tmp_path, PP, summary(
+        "pp-ft", 2, config=dict(schedule="1f1b", stages_per_rank=1, split=None), step_ms=383.0, comm_ms=219.0,
+        tokens_per_s=2621.0, tokens_per_s_per_device=1310.5, peak_mem_gib=0.97, final_loss=1.8, eval_loss=4.1,
+        pipeline=dict(schedule="1f1b", ranks=2, stages_per_rank=1, microbatches=4),
+        bubble_fraction=0.274, bubble_fraction_per_rank=[0.48, 0.06], bubble_fraction_textbook=0.2,
+        bubble_formula="(p-1)/(m+p-1)", collective_bytes_per_step=pp_ranks[0],
+        collective_bytes_per_step_per_rank=pp_ranks,
+        collective_bytes_formula_per_rank=[pp_ranks[0], {"gloo:send": {"calls": 4.0, "bytes": 131072.0},
+                                                         "gloo:recv": {"calls": 4.0, "bytes": 262144.0}}],
+        state_bytes_per_rank=[state(WEIGHTS // 2), state(WEIGHTS // 2)],
+        predicted_state_bytes_per_rank=[state(WEIGHTS // 2), state(WEIGHTS // 4)]), SINGLE_LOSSES)
+    for name, source in (("a", EXPERIMENT_A), ("b", EXPERIMENT_B)):
+        (tmp_path / "experiments" / name).mkdir(parents=True)
+        (tmp_path / "experiments" / name / "train.py").write_text(source)
+    (tmp_path / "blogs").mkdir()
+    (tmp_path / "blogs" / "README.md").write_text(
+        "# The series\n\n## Posts\n\n1. [First steps](01-first.md)\n2. [Second steps](02-second.md)\n")
+    (tmp_path / "blogs" / "02-second.md").write_text("# Second\n")
+    return tmp_path
+
+
+def build(root: Path, check: bool, only: str | None = None) -> tuple[int, list[str]]:
+    lines: list[str] = []
+    problems = make_posts.build(root, check=check, only=only, figures=False, print_fn=lines.append)
+    return problems, lines
+
+
+def region(kind_and_args: str) -> str:
+    return f"<!-- generated:{kind_and_args} -->\n<!-- /generated -->\n"
+
+
+def generated(root: Path, kind_and_args: str, page: str = "blogs/01-first.md") -> str:
+    """Write a page holding one block region, generate it, and return the region's content."""
+    (root / page).write_text(f"# Page\n\n{region(kind_and_args)}")
+    problems, lines = build(root, check=False, only=page)
+    assert problems == 0, lines
+    text = (root / page).read_text()
+    return text.split("-->\n", 1)[1].rsplit("<!-- /generated -->", 1)[0].strip("\n")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The repository
+
+
+def test_the_repository_passes_the_check_without_matplotlib():
+    script = ("import runpy, sys\nsys.argv = ['assets/make_posts.py', '--check']\ncode = 0\n"
+              "try:\n    runpy.run_path('assets/make_posts.py', run_name='__main__')\n"
+              "except SystemExit as stop:\n    code = stop.code\n"
+              "print('matplotlib imported:', 'matplotlib' in sys.modules)\nsys.exit(code)\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert "matplotlib imported: False" in result.stdout, result.stdout + result.stderr
+    assert result.returncode == 0, f"make_posts.py --check failed:\n{result.stdout}{result.stderr}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The check: every way a page can disagree with the repository
+
+
+def test_generated_pages_pass_and_an_edited_digit_fails_naming_file_line_and_region(site):
+    page = site / "blogs" / "01-first.md"
+    opener = f"<!-- generated:table runs={SERIES}/* cols=run,step_ms,tok_s -->"
+    page.write_text("# First\n\nddp-ft: <!-- generated:value run=" + DDP + " field=tokens_per_s fmt=\",.0f\" -->"
+                    "<!-- /generated --> tokens/s.\n\n" + region(f"table runs={SERIES}/* cols=run,step_ms,tok_s"))
+    assert build(site, check=True)[0] > 0  # not generated yet
+    assert build(site, check=False)[0] == 0
+    assert "-->3,666<!-- /generated --> tokens/s" in page.read_text()
+    problems, lines = build(site, check=True)
+    assert problems == 0, lines
+
+    page.write_text(page.read_text().replace("| ddp-ft | 283 |", "| ddp-ft | 284 |"))
+    problems, lines = build(site, check=True)
+    assert problems == 1
+    line = page.read_text().splitlines().index(opener) + 1
+    assert lines[0].startswith(f"blogs/01-first.md:{line}: region '<!-- generated:table runs={SERIES}/*")
+    assert "'| ddp-ft | 284 |" in lines[0] and "'| ddp-ft | 283 |" in lines[0]
+
+    page.write_text(page.read_text().replace("-->3,666<", "-->3,667<"))
+    problems, lines = build(site, check=True)
+    assert problems == 2 and any(line.startswith("blogs/01-first.md:3: region '<!-- generated:value")
+                                 for line in lines)
+
+
+def test_a_region_naming_a_missing_run_fails(site):
+    (site / "blogs" / "01-first.md").write_text("# First\n\n" + region(f"table runs={SERIES}/fsdp-ft"))
+    problems, lines = build(site, check=True)
+    assert problems == 1
+    assert lines[0].startswith("blogs/01-first.md:3: region '<!-- generated:table") and \
+        f"run {SERIES}/fsdp-ft has no summary.json" in lines[0]
+    (site / "blogs" / "01-first.md").write_text("# First\n\n" + region(f"table runs={SERIES}/fsdp-*"))
+    problems, lines = build(site, check=True)
+    assert problems == 1 and f"'{SERIES}/fsdp-*' matches no run folder" in lines[0]
+
+
+def test_a_run_git_does_not_track_fails(site):
+    (site / "blogs" / "01-first.md").write_text("# First\n\n" + region(f"commands runs={SINGLE},{DDP}"))
+    assert build(site, check=False)[0] == 0
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run(git + ["init", "-q"], cwd=site, check=True)
+    subprocess.run(git + ["add", "."], cwd=site, check=True)
+    subprocess.run(git + ["rm", "-q", "--cached", f"{DDP}/summary.json"], cwd=site, check=True)
+    problems, lines = build(site, check=True)
+    assert problems == 1 and lines[0].startswith("blogs/01-first.md:3: region '<!-- generated:commands")
+    assert f"{DDP}/summary.json is not committed" in lines[0]
+    subprocess.run(git + ["add", "."], cwd=site, check=True)
+    assert build(site, check=True)[0] == 0
+
+
+def test_a_broken_link_fails(site):
+    (site / "blogs" / "01-first.md").write_text(
+        "# First\n\nSee [the code](../experiments/a/train.py), [the index](README.md#posts),\n"
+        "[a site](https://example.org) and ![a plot](../assets/plots/none.png).\n")
+    problems, lines = build(site, check=True)
+    assert problems == 1
+    assert lines[0] == "blogs/01-first.md:4: the link '../assets/plots/none.png' points to a file that does not exist"
+
+
+def test_a_hand_typed_measurement_in_a_table_fails_unless_marked(site):
+    page = site / "blogs" / "01-first.md"
+    page.write_text(textwrap.dedent("""\
+        # First
+
+        | run | tokens/s |
+        |---|---|
+        | ddp-ft | 3,666 tok/s |
+
+        | run | step_ms | note |
+        |---|---|---|
+        | ddp-ft | 283 | speed-up 1.36x |
+        | ddp-ft | 283 | as typed |
+
+        | strategy | formula | bytes |
+        |---|---|---|
+        | ZeRO-1 | 2 Psi + 2 Psi + 12 Psi / N | 16 GB <!-- not-measured -->
+        | ddp | GA 4, 2 ranks | 2 x 4 |
+        """))
+    problems, lines = build(site, check=True)
+    assert problems == 3, lines
+    assert lines[0].startswith("blogs/01-first.md:5: measured-looking '3,666 tok/s' in a table row outside any region")
+    assert lines[1].startswith("blogs/01-first.md:9: measured-looking '1.36x'")
+    assert lines[2].startswith("blogs/01-first.md:10: hand-typed '283' under 'step_ms'")
+
+
+def test_unclosed_and_nested_regions_fail_but_quoted_markers_are_text(site):
+    page = site / "blogs" / "01-first.md"
+    page.write_text(f"# First\n\n<!-- generated:commands runs={SINGLE} -->\ntext\n")
+    assert "is not closed" in build(site, check=True)[1][0]
+    page.write_text(f"# First\n\n<!-- generated:commands runs={SINGLE} -->\n"
+                    f"<!-- generated:commands runs={DDP} -->\n<!-- /generated -->\n")
+    problems, lines = build(site, check=True)
+    assert problems >= 1 and lines[0].startswith("blogs/01-first.md:4:") and "regions do not nest" in lines[0]
+    page.write_text("# First\n\nA region is written `<!-- generated:KIND args -->` ... `<!-- /generated -->`.\n\n"
+                    "```markdown\n<!-- generated:table runs=devlog/data/x/* -->\n```\n")
+    assert build(site, check=True) == (0, ["make_posts --check: 3 page(s), 0 region(s): all match the committed files"])
+
+
+def test_a_figure_csv_that_differs_from_its_runs_fails(site):
+    """Figures are checked through their CSVs (no matplotlib): a linked figure must be computable, and its CSV
+    must be what its runs give."""
+    for experiment, mib in (("tp-ft", 30.5), ("tp-sp-ft", 19.25)):
+        write_run(site, f"devlog/data/2026-11-23-tp/{experiment}-seq256",
+                  summary(experiment, 2, activation_mib=mib, config=dict(seq_len=256)), SINGLE_LOSSES)
+    (site / "blogs" / "01-first.md").write_text("# First\n\n" + region("figure name=tp_activations"))
+    problems, lines = build(site, check=True)
+    assert any("tp_activations.csv" in line for line in lines) and problems >= 1  # not drawn yet
+    rows, why = make_plots.figure_rows(make_plots.FIGURES["tp_activations"], site)
+    assert [(r["run"], r["seq_len"], r["activation_mib"]) for r in rows] == [
+        ("tp-ft-seq256", 256, 30.5), ("tp-sp-ft-seq256", 256, 19.25)]
+    plots = site / "assets" / "plots"
+    plots.mkdir(parents=True)
+    (plots / "tp_activations.png").write_bytes(b"a png")  # drawing needs matplotlib; the check reads only the CSV
+    (plots / "tp_activations.csv").write_text(make_plots.csv_text(rows))
+    assert build(site, check=False)[0] == 0
+    assert build(site, check=True)[0] == 0
+    (plots / "tp_activations.csv").write_text(make_plots.csv_text(rows).replace("30.5", "31.5"))
+    problems, lines = build(site, check=True)
+    assert problems == 1 and lines[0].startswith("assets/plots/tp_activations.csv: differs from what its runs give")
+    (site / "blogs" / "01-first.md").write_text("# First\n\n" + region("figure name=pp_schedule"))
+    problems, lines = build(site, check=True)
+    assert "figure pp_schedule: no run folder matches devlog/data/2026-11-23-pp/pp-ft-gpipe-m4" in lines[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The generators, on the synthetic runs
+
+
+def caption_of(text: str) -> str:
+    return text[text.index("Runs: "):]
+
+
+def test_table_values_formats_and_caption(site):
+    text = generated(site, f"table runs={SERIES}/* cols=run,ranks,step_ms,comm_ms,tok_s,rel:tok_s,peak_mem,"
+                           f"collectives,field:config.bucket_cap_mb:g ref={SINGLE} sort=-tok_s")
+    table = text.split("\n\n")[0].splitlines()
+    assert table == [
+        "| run | ranks | step ms | comm ms | tok/s | tok/s vs single-ft | peak RSS GiB | collectives per step "
+        "| bucket_cap_mb |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|",
+        "| ddp-ft | 2 | 283 | 65 | 3,666 | 1.03x | 1.10 | all_reduce 2 | 25 |",
+        "| single-ft | 1 | 281 | 0 | 3,563 | 1.00x | 0.97 | none | - |",
+        "| pp-ft | 2 | 383 | 219 | 2,621 | 0.74x | 0.97 | recv 4, send 4 | - |",
+    ]
+    caption = caption_of(text)
+    assert caption.startswith(f"Runs: [`{SERIES}/`](../{SERIES}/) ddp-ft, single-ft, pp-ft; device: CPU only: "
+                              f"Test CPU, 2 cores, collectives over gloo; world size 1 and 2; torch 2.9.0, "
+                              f"transformers 5.0.0, peft 0.18.0, deepspeed 0.18.0, Python 3.11.7; commit abc123def456")
+    assert "<details><summary>Commands</summary>" in caption
+    assert ("```bash\nuv run torchrun --nproc_per_node=2 experiments/ddp-ft/train.py --steps 7 --seq-len 64 "
+            "--out-dir runs/ddp-ft\nuv run python experiments/single-ft/train.py") in caption
+
+
+def test_table_label_and_an_unknown_column(site):
+    text = generated(site, f"table runs={SINGLE},{DDP} cols=run,comm_share,state_mib "
+                           f"label=\"{{experiment}} x{{hardware.world_size}}\"")
+    assert text.splitlines()[2:4] == ["| single-ft x1 | 0% | 80.0 |", "| ddp-ft x2 | 20% | 80.0 / 80.0 |"]
+    (site / "blogs" / "01-first.md").write_text("# P\n\n" + region(f"table runs={SINGLE} cols=run,speed"))
+    problems, lines = build(site, check=True)
+    assert problems == 1 and "unknown column 'speed'" in lines[0]
+
+
+def test_value_field_and_expression(site):
+    page = site / "blogs" / "01-first.md"
+    page.write_text(
+        f"A <!-- generated:value run={PP} field=bubble_fraction_per_rank.-1 fmt=.2f --><!-- /generated -->, "
+        f"B <!-- generated:value run={DDP} field=state_bytes_per_rank.0.weights --><!-- /generated -->, "
+        f"C <!-- generated:value run={DDP} field=collective_bytes_per_step.gloo:all_reduce.calls fmt=.0f -->"
+        f"<!-- /generated -->, D <!-- generated:value expr=\"(b.tokens_per_s - a.tokens_per_s) / a.tokens_per_s\" "
+        f"a={SINGLE} b={DDP} fmt=.1% --><!-- /generated -->, E <!-- generated:value "
+        f"expr=\"max(b.steps.*.loss) - min(b.steps.0:3.loss) + abs(-1)\" b={DDP} fmt=.4f --><!-- /generated -->, "
+        f"F <!-- generated:value expr=\"mean(a.steps.-2:.loss)\" a={SINGLE} fmt=.2f --><!-- /generated -->.\n")
+    assert build(site, check=False) == (0, ["wrote blogs/01-first.md",
+                                            "make_posts: 3 page(s), 6 region(s): all match the committed files"])
+    values = [part.split("-->")[1] for part in page.read_text().split("<!-- /generated -->")[:-1]]
+    assert values == ["0.06", "20,971,520", "2", "2.9%", f"{5.0 - 3.0000006 + 1:.4f}", "1.85"]
+
+
+@pytest.mark.parametrize("expression, message", [
+    ("__import__('os').system('true')", "only numbers"),
+    ("a.tokens_per_s.real", "indexes a float"),
+    ("a", "only numbers"),
+    ("c.tokens_per_s", "'c' is not a run"),
+    ("a.tokens_per_s / 0", "division by zero"),
+    ("a.steps.*.loss + 1", "not a number"),
+    ("a.mfu * 2", "null"),
+])
+def test_the_expression_evaluator_refuses_anything_else(site, expression, message):
+    run = make_plots.load_run(site / SINGLE)
+    with pytest.raises(make_posts.RegionError, match=message):
+        make_posts.evaluate(expression, {"a": run})
+
+
+def test_parity(site):
+    text = generated(site, f"parity runs={SERIES}/* ref={SINGLE}")
+    assert text.splitlines()[2:4] == [
+        "| ddp-ft | 7 | 3.0e-05 | 2.0e-07 | 7.2e-07 | no / yes |",
+        "| pp-ft | 7 | 0 | 0 | 1.6e-02 | yes / yes |",
+    ]
+    assert "within 1e-5 (all / first 5)" in text.splitlines()[0]
+    other = json.loads((site / PP / "summary.json").read_text())
+    other["config"]["seq_len"] = 128
+    (site / PP / "summary.json").write_text(json.dumps(other))
+    (site / "blogs" / "01-first.md").write_text("# P\n\n" + region(f"parity runs={PP} ref={SINGLE}"))
+    problems, lines = build(site, check=True)
+    assert problems == 1 and "pp-ft does not do the steps of single-ft (seq_len 128 vs 64)" in lines[0]
+
+
+def test_collectives_state_and_bubble(site):
+    rows = generated(site, f"collectives runs={DDP},{PP}").splitlines()
+    assert rows[0] == ("| run | rank | collective | calls/step | calls (formula) | MiB/step | MiB (formula) "
+                       "| wire MiB/step per rank | match |")
+    assert rows[2] == "| ddp-ft | 0 | gloo:all_reduce | 2 | 2 | 40.00 | 40.00 | 40.00 | ✓ |"  # 2 (W-1)/W = 1
+    assert rows[5] == "| pp-ft | 1 | gloo:recv | 4 | 4 | 0.25 | 0.25 | 0.25 | ✓ |"
+    assert rows[6] == "| pp-ft | 1 | gloo:send | 4 | 4 | 0.25 | 0.12 | 0.25 | ✗ |"
+
+    rows = generated(site, f"state runs={DDP},{PP}").splitlines()
+    assert rows[2] == "| ddp-ft | 0 | 20.0 / 20.0 | 20.0 / 20.0 | 40.0 / 40.0 | 0.0 / 0.0 | 80.0 / 80.0 | 1.000 |"
+    assert rows[5] == "| pp-ft | 1 | 10.0 / 5.0 | 10.0 / 5.0 | 20.0 / 10.0 | 0.0 / 0.0 | 40.0 / 20.0 | 2.000 |"
+
+    rows = generated(site, f"bubble runs={PP}").splitlines()
+    assert rows[2] == "| pp-ft | 1f1b | 2 | 1 | 4 | 0.274 | 0.48 / 0.06 | 0.200 | (p-1)/(m+p-1) |"
+
+
+def test_sweep_table_is_common_sweeps(site):
+    from common import sweep
+
+    cells = {}
+    for micro in (1, 2):
+        cell = sweep.Cell("fsdp-ft", 2, micro, 2, False, "fp32", "qwen3-tiny", 64, 7)
+        data = summary("fsdp-ft", 2, step_ms=400.0 + micro, comm_ms=30.0, tokens_per_s=1000.0 * micro,
+                       peak_mem_gib=1.0, final_loss=2.0)
+        write_run(site, f"devlog/data/2026-01-01-sweep/{cell.name}", data, SINGLE_LOSSES)
+        cells[cell] = {"summary": data}
+    rows = sweep.table_rows(cells)
+    sweep.write_csv(rows, site / "devlog/data/2026-01-01-sweep/sweep.csv")
+    text = generated(site, "sweep run-dir=devlog/data/2026-01-01-sweep")
+    assert text.startswith(sweep.markdown_table(rows) + "\n\nRuns: [`devlog/data/2026-01-01-sweep/`]")
+
+
+def test_memory_cli_is_what_common_memory_prints(site, capsys):
+    from common import memory
+
+    text = generated(site, 'memory-cli args="--model qwen3-tiny --gpus 2 --gpu-mem-gb 24"')
+    memory.main(["--model", "qwen3-tiny", "--gpus", "2", "--gpu-mem-gb", "24"])
+    printed = capsys.readouterr().out.rstrip()
+    command = "$ uv run python -m common.memory --model qwen3-tiny --gpus 2 --gpu-mem-gb 24"
+    assert text == f"```text\n{command}\n{printed}\n```"
+    (site / "blogs" / "01-first.md").write_text("# P\n\n" + region('memory-cli args="--model qwen3-tiny --gpu 2x"'))
+    problems, lines = build(site, check=True)
+    assert problems == 1 and "python -m common.memory" in lines[0] and "--gpu" in lines[0]
+
+
+def test_code_diff_and_diffstat_quote_the_current_files(site):
+    assert generated(site, "code file=experiments/a/train.py symbol=train") == (
+        "```python\n@decorated\ndef train(steps):\n    total = 0\n    for step in range(steps):\n"
+        "        total += helper(step)\n    return total\n```")
+    assert generated(site, 'code file=experiments/a/train.py start="for step" end="return"') == (
+        "```python\nfor step in range(steps):\n    total += helper(step)\nreturn total\n```")
+    assert generated(site, 'diff a=experiments/a/train.py b=experiments/b/train.py match=no_sync context=0') == (
+        "```diff\n--- experiments/a/train.py\n+++ experiments/b/train.py\n@@ -12 +12 @@\n"
+        "-        total += helper(step)\n+        total += helper(step)  # no_sync here\n```")
+    assert "@@ -5 +5 @@" in generated(site, "diff a=experiments/a/train.py b=experiments/b/train.py context=0")
+    assert generated(site, "diffstat base=experiments/a/train.py files=experiments/*/train.py").splitlines()[2] == (
+        "| `experiments/b/train.py` | 13 | +2 | -2 |")
+    (site / "blogs" / "01-first.md").write_text("# P\n\n" + region('code file=experiments/a/train.py start="total"'
+                                                                   ' end="return"'))
+    problems, lines = build(site, check=True)
+    assert problems == 1 and "'total' is on 3 lines of experiments/a/train.py" in lines[0]
+
+
+def test_commands_hardware_and_the_cpu_box(site):
+    assert generated(site, f"commands runs={SINGLE}") == (
+        "```bash\nuv run python experiments/single-ft/train.py --steps 7 --seq-len 64 --out-dir runs/single-ft\n```")
+    assert generated(site, f"hardware runs={SINGLE}") == (
+        "CPU only: Test CPU, 2 cores; world size 1; torch 2.9.0, transformers 5.0.0, peft 0.18.0, deepspeed 0.18.0, "
+        "Python 3.11.7; commit abc123def456")
+    box = generated(site, f"cpu-box runs={SERIES}/*")
+    assert box.startswith("> **What these numbers can and cannot tell.** They were measured on a CPU, not a GPU: "
+                          "Test CPU, 2 cores; one process and 2 ranks over gloo.")
+    for point in ("which collectives each strategy runs", "model-state bytes each rank holds",
+                  "loss parity", "bubble fractions", "the 2 ranks share the 2 cores", "no native reduce-scatter",
+                  "a 5.25M-parameter single-ft run peaks at 0.97 GiB", "MFU: null"):
+        assert point in box, point
+    single_only = generated(site, f"cpu-box runs={SINGLE}")
+    for point in ("collectives", "loss parity", "bubble", "share the"):
+        assert point not in single_only, point
+    assert "speed: the times and tokens/s are those of 2 CPU cores" in single_only
+
+
+def test_gpu_slot_is_a_sentence_until_a_gpu_run_exists(site):
+    text = generated(site, "gpu-slot runs=devlog/data/*-gpu/* cols=run,tok_s")
+    assert text.startswith("Not measured on a GPU yet") and "`python3 assets/gpu_suite.py`" in text
+    gpu = summary("ddp-ft", 2, tokens_per_s=91234.0)
+    gpu["hardware"].update(device_kind="cuda", device_name="NVIDIA H100 80GB HBM3", device_count=2, cuda="12.8")
+    write_run(site, "devlog/data/2026-01-02-gpu/ddp-ft", gpu, SINGLE_LOSSES)
+    text = generated(site, "gpu-slot runs=devlog/data/*-gpu/* cols=run,tok_s")
+    assert text.splitlines()[2] == "| ddp-ft | 91,234 |"
+    assert "device: 2 x NVIDIA H100 80GB HBM3 (CUDA 12.8)" in text
+    (site / "blogs" / "01-first.md").write_text("# P\n\n" + region("table runs=devlog/data/*-tpu/*"))
+    assert "matches no run folder" in build(site, check=True)[1][0]  # only gpu-slot accepts an empty glob
+
+
+def test_nav_follows_the_index(site):
+    assert generated(site, "nav") == "[Index](README.md) · [Next: Second steps →](02-second.md)"
+    assert generated(site, "nav", page="blogs/02-second.md") == (
+        "[← Previous: First steps](01-first.md) · [Index](README.md)")
+    (site / "blogs" / "03-third.md").write_text("# Third\n\n" + region("nav"))
+    problems, lines = build(site, check=True)
+    assert problems == 1 and "blogs/README.md does not list 03-third.md" in lines[0]
+
+
+def test_unknown_generators_and_arguments_are_errors(site):
+    (site / "blogs" / "01-first.md").write_text(
+        "# P\n\n" + region("tabel runs=x") + "\n" + region(f"table runs={SINGLE} colums=run") + "\n"
+        + f"inline <!-- generated:table runs={SINGLE} --><!-- /generated -->\n")
+    problems, lines = build(site, check=True)
+    assert problems == 3
+    assert "unknown generator 'tabel'" in lines[0]
+    assert "unknown: colums" in lines[1]
+    assert "table writes a block" in lines[2]
+
+
+def test_a_block_region_inside_a_list_item_keeps_its_indentation(site):
+    page = site / "blogs" / "01-first.md"
+    page.write_text(f"- item\n\n  <!-- generated:commands runs={SINGLE} -->\n  <!-- /generated -->\n")
+    assert build(site, check=False)[0] == 0
+    assert page.read_text() == (f"- item\n\n  <!-- generated:commands runs={SINGLE} -->\n\n  ```bash\n"
+                                f"  uv run python experiments/single-ft/train.py --steps 7 --seq-len 64 --out-dir "
+                                f"runs/single-ft\n  ```\n\n  <!-- /generated -->\n")
+    assert build(site, check=True)[0] == 0
+
+
+def test_figure_data_functions_read_the_summaries(site):
+    runs = [make_plots.load_run(site / name) for name in (SINGLE, DDP, PP)]
+    rows = make_plots.loss_curves_data(runs)
+    ddp = [row for row in rows if row["run"] == "ddp-ft"]
+    assert [row["reference"] for row in ddp] == ["single-ft"] * 7
+    assert ddp[5]["relative_difference"] == pytest.approx(3e-5)
+    assert make_plots.state_bytes_data(runs)[-4:] == [
+        dict(run="pp-ft", rank=1, kind=kind, measured_bytes=value, predicted_bytes=predicted)
+        for kind, value, predicted in (("weights", WEIGHTS // 2, WEIGHTS // 4), ("grads", WEIGHTS // 2, WEIGHTS // 4),
+                                       ("optimizer", WEIGHTS + 8, WEIGHTS // 2 + 8), ("master", 0, 0))]
+    written = list(csv.DictReader(make_plots.csv_text(make_plots.pp_bubble_data(runs)).splitlines()))
+    assert written == [dict(run="pp-ft", schedule="1f1b", p="2", v="1", m="4", split="", bubble="0.274",
+                            bubble_per_rank="0.48;0.06", textbook="0.2", formula="(p-1)/(m+p-1)")]
+
+
+def test_an_opening_comment_may_go_on_over_several_lines(site):
+    page = site / "blogs" / "01-first.md"
+    page.write_text(f"# P\n\nDDP at <!-- generated:value expr=\"b.tokens_per_s / a.tokens_per_s\" fmt=.2f\n"
+                    f"a={SINGLE} b={DDP} --><!-- /generated -->x.\n\n"
+                    f"<!-- generated:table runs={DDP}\n     cols=run,tok_s -->\n<!-- /generated -->\n")
+    assert build(site, check=False)[0] == 0
+    text = page.read_text()
+    assert f"b={DDP} -->1.03<!-- /generated -->x." in text
+    assert "     cols=run,tok_s -->\n\n| run | tok/s |\n|---|---:|\n| ddp-ft | 3,666 |\n" in text
+    assert build(site, check=True)[0] == 0
+    page.write_text(f"# P\n\n<!-- generated:table runs={DDP}\ncols=run,tok_s\n")
+    assert "without its closing -->" in build(site, check=True)[1][0]
+
+
+def test_the_manual_names_every_generator_and_column():
+    """The module docstring is the writers' manual: it must not fall behind the code."""
+    manual = make_posts.__doc__
+    for name in list(make_posts.GENERATORS) + list(make_posts.COLUMNS):
+        assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", manual), f"the manual does not mention {name}"
