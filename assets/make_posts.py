@@ -34,7 +34,8 @@ field=collective_bytes_per_step.gloo:all_gather.bytes fmt=",.0f" -->1,234<!-- /g
 - Outside regions, a table row must hold no measured-looking number: digits followed by ms, s, tok/s, tokens/s,
   GiB, MiB, GB, MB or %, a ratio such as 1.36x, or a plain number under a column whose header names a measurement
   (ms, tok/s, loss, memory, GiB, bubble, MFU, comm, time, ...). A row that is not a measurement (a table of formulas,
-  of settings) ends with the marker `<!-- not-measured -->`.
+  of settings) ends with the marker `<!-- not-measured -->`; a row quoting someone else's published measurement
+  (labelled as such in the table) ends with `<!-- cited -->`. Neither is ever a number of ours.
 
 `--check` (CI) exits non-zero, naming file, line and region, when a region differs from what the committed runs
 give (with a one-line hint of the first difference), when a region names a run or file that git does not track,
@@ -146,6 +147,7 @@ PARITY_TOLERANCE = 1e-5  # the tests' bound on fp32 per-step losses against sing
 PARITY_TOLERANCE_TEXT = "1e-5"
 PARITY_FIRST_STEPS = 5
 NOT_MEASURED = "<!-- not-measured -->"
+CITED = "<!-- cited -->"  # a row quoting someone else's published measurement, labelled as such in its table
 GPU_KINDS = ("cuda", "rocm")
 GPU_SUITE = "python3 assets/gpu_suite.py"
 
@@ -1439,7 +1441,8 @@ MEASURED_WITH_UNIT = re.compile(
 MEASURED_HEADER = re.compile(r"(\bms\b|_ms\b|tok/s|tokens/s|tokens_per_s|throughput|loss|\bGiB\b|\bMiB\b|\bmem"
                              r"|memory|\bRSS\b|bubble|\bmfu\b|\bcomm|speed|\btime\b|peak)", re.I)
 PLAIN_NUMBER = re.compile(r"^[+-]?\d[\d,]*(?:\.\d+)?(?:e[+-]?\d+)?$", re.I)
-HAND_TYPED_FIX = f"generate the table, or end the row with {NOT_MEASURED} if it is not a measurement"
+HAND_TYPED_FIX = (f"generate the table, or end the row with {NOT_MEASURED} if it is not a measurement, or with "
+                  f"{CITED} if it quotes a published measurement of someone else's, labelled as such")
 SEPARATOR_ROW = re.compile(r"^\|?\s*:?-{3,}:?\s*(\|\s*:?-{3,}:?\s*)*\|?$")
 
 
@@ -1486,7 +1489,7 @@ def lint(site: Site, path: str, text: str, regions: list[Region], figures: dict[
             continue
         else:
             cells = table_cells(stripped)
-        if stripped.endswith(NOT_MEASURED):
+        if stripped.endswith((NOT_MEASURED, CITED)):
             continue
         found = MEASURED_WITH_UNIT.search(stripped)
         if found:

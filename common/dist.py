@@ -99,8 +99,15 @@ def all_ranks(value):
 
 
 def teardown() -> None:
-    """Destroy the process group if init_distributed created it."""
+    """Destroy the process group if init_distributed created it.
+
+    The barrier first: no rank tears its group down while a peer is still inside a collective, and every
+    asynchronous operation (FSDP's reduce-scatters, DDP's bucket all-reduces) has completed on every rank before
+    the backend's worker threads are stopped. Without it, fsdp-ft over gloo on a loaded machine sometimes aborted
+    after writing its summary ("terminate called without an active exception", SIGABRT).
+    """
     global _created_group
     if _created_group and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
     _created_group = False
