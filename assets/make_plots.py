@@ -45,9 +45,10 @@ PARITY_RELATIVE_TOLERANCE = 1e-5  # the tests' bound: fp32 per-step losses match
 SMALLEST_SHOWN_DIFFERENCE = 1e-12  # a log axis cannot show 0: exact matches are drawn at this floor
 MIB, GIB = 2**20, 2**30
 STATE_KINDS = ("weights", "grads", "optimizer", "master")
-# Config fields that, with the model and T_eff, fix every step's rows and update. A run whose config lacks one
-# (TRL's in the peer baseline, which packs its own way) is never taken for a twin of one that has it.
-STEP_SETTINGS = ("data", "seq_len", "seed", "eval_fraction", "packing", "dtype", "lr", "warmup_steps",
+# Config fields that, with the model and T_eff, fix every step's rows and update (`steps` too: the learning rate
+# decays to 0 at the last step, so a 20-step run is not the first half of a 40-step one). A run whose config lacks
+# one (TRL's in the peer baseline, which packs its own way) is never taken for a twin of one that has it.
+STEP_SETTINGS = ("data", "seq_len", "seed", "eval_fraction", "packing", "dtype", "lr", "warmup_steps", "steps",
                  "weight_decay", "max_grad_norm", "lora_rank")
 
 
@@ -394,7 +395,9 @@ def draw_memory_predicted(rows: list[dict], path: Path) -> None:
         axis.bar_label(bars, fmt="{:.1f}", fontsize="x-small", padding=2)
     axis.set_xticks(positions, [row["run"] for row in rows], rotation=30, ha="right")
     axis.set(ylabel="GiB per device (rank 0)", title="Peak memory: measured beside common/memory.py's prediction")
-    axis.legend()
+    tallest = max([row["measured_peak_gib"] or 0.0 for row in rows] + [row["predicted_peak_gib"] for row in rows])
+    axis.set_ylim(0, tallest * 1.3)  # room for the legend above the bars' labels
+    axis.legend(loc="upper left", ncols=2)
     save(figure, path)
 
 

@@ -442,6 +442,9 @@ def test_commands_hardware_and_the_cpu_box(site):
                   "loss parity", "bubble fractions", "the 2 ranks share the 2 cores", "no native reduce-scatter",
                   "a 5.25M-parameter single-ft run peaks at 0.97 GiB", "MFU: null"):
         assert point in box, point
+    # The parity point states what these runs measured (DDP_LOSSES: 2e-7 in the first 5 steps, 3e-5 at step 6).
+    assert ("the 3 runs here that do the same optimizer steps as another compute the same per-step losses, in fp32 "
+            "within 2.0e-07 (relative) over the first 5 steps and 3.0e-05 over all") in box
     single_only = generated(site, f"cpu-box runs={SINGLE}")
     for point in ("collectives", "loss parity", "bubble", "share the"):
         assert point not in single_only, point
@@ -450,7 +453,7 @@ def test_commands_hardware_and_the_cpu_box(site):
 
 def test_gpu_slot_is_a_sentence_until_a_gpu_run_exists(site):
     text = generated(site, "gpu-slot runs=devlog/data/*-gpu/* cols=run,tok_s")
-    assert text.startswith("Not measured on a GPU yet") and "`python3 assets/gpu_suite.py`" in text
+    assert text.startswith("Not measured on a GPU yet") and "GPU commands of this page's \"Run it\"" in text
     gpu = summary("ddp-ft", 2, tokens_per_s=91234.0)
     gpu["hardware"].update(device_kind="cuda", device_name="NVIDIA H100 80GB HBM3", device_count=2, cuda="12.8")
     write_run(site, "devlog/data/2026-01-02-gpu/ddp-ft", gpu, SINGLE_LOSSES)
