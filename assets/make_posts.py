@@ -1253,8 +1253,9 @@ def cpu_box(ctx: Context, runs: list[Run], rss_run: Run | None) -> str:
         first, everywhere, count = parity
         carries.append(f"loss parity: the {count} runs here that do the same optimizer steps as another compute the "
                        f"same per-step losses, in fp32 within {small(first)} (relative) over the first "
-                       f"{PARITY_FIRST_STEPS} steps and {small(everywhere)} over all (rounding in another order "
-                       f"grows over a run; the tests hold the first steps to {PARITY_TOLERANCE_TEXT})")
+                       f"{PARITY_FIRST_STEPS} steps and {small(everywhere)} over all (fp32 differences, from reductions "
+                       f"in another order or a clipping norm in another precision, grow over a run; the tests hold "
+                       f"the first steps to {PARITY_TOLERANCE_TEXT})")
     if any(run.summary.get("bubble_fraction") is not None for run in runs):
         carries.append("bubble fractions, as ratios of times within one run, and which pipeline stage is the slow "
                        "one (stage imbalance)")
