@@ -55,7 +55,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT / "assets") not in sys.path:
     sys.path.insert(0, str(REPO_ROOT / "assets"))
 
-KEPT_FILES = ("summary.json", "metrics.jsonl")
+from make_plots import load_run  # noqa: E402  (after the path set-up above)
+from run_series import keep  # noqa: E402
+
 BF16_TOLERANCE = 2e-2  # largest relative per-step loss difference from the baseline rung, first 5 steps, bf16
 FIRST_STEPS = 5
 RUN_ESTIMATE_S = 120  # what one run is assumed to take when deciding whether the budget allows it
@@ -142,24 +144,14 @@ def device_slug(dry_run: bool) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name).strip("-")
 
 
-def losses(run_dir: Path) -> list[float]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line)["loss"] for line in path.read_text().splitlines() if line.strip()]
-
-
 def parity(run_dir: Path, baseline_dir: Path) -> float | None:
-    """Largest relative difference of the first steps' losses from the baseline's; None when not comparable."""
-    mine, theirs = losses(run_dir), losses(baseline_dir)
-    if not mine or not theirs:
+    """Largest relative difference of the first steps' losses from the baseline's; None when the run does not do the
+    baseline's optimizer steps (the same test as make_posts' parity region: make_plots.Run.step_key)."""
+    run, baseline = load_run(run_dir), load_run(baseline_dir)
+    if run.step_key() != baseline.step_key() or not run.steps or not baseline.steps:
         return None
-    summary = json.loads((run_dir / "summary.json").read_text())
-    reference = json.loads((baseline_dir / "summary.json").read_text())
-    if summary.get("t_eff") != reference.get("t_eff"):
-        return None
-    pairs = list(zip(mine, theirs))[:FIRST_STEPS]
-    return max(abs(a - b) / abs(b) for a, b in pairs)
+    pairs = list(zip(run.steps, baseline.steps))[:FIRST_STEPS]
+    return max(abs(mine["loss"] - theirs["loss"]) / abs(theirs["loss"]) for mine, theirs in pairs)
 
 
 def write_entry(root: Path, entry: Path, series: str, plan: Plan, done: dict[str, str], all_rungs: list[Rung],
@@ -252,9 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             failures.append(rung.name)
             print(f"    FAILED ({code}) in {seconds:.0f} s: {tail[0][:200]}", flush=True)
         else:
-            (kept / rung.name).mkdir(parents=True, exist_ok=True)
-            for name in KEPT_FILES:
-                shutil.copy2(out / name, kept / rung.name / name)
+            keep(out, kept / rung.name)  # summary.json and metrics.jsonl, as run_series keeps every series
             summary = json.loads((out / "summary.json").read_text())
             done[rung.name] = "measured"
             baseline = next(r for r in all_rungs if r.ladder == rung.ladder)

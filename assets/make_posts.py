@@ -926,10 +926,16 @@ def small(value: float | None) -> str:
     return "0" if value == 0 else f"{value:.1e}"
 
 
+def loss_differences(run: Run, ref: Run) -> list[float]:
+    """Relative difference of the run's loss from the reference's at every step both logged, in step order."""
+    reference = {record["step"]: record["loss"] for record in ref.steps}
+    return [relative_difference(record["loss"], reference[record["step"]]) for record in run.steps
+            if record["step"] in reference]
+
+
 def gen_parity(ctx: Context, args: dict) -> str:
     runs, ref = ctx.site.runs(args["runs"]), ctx.site.run(args["ref"])
     names = ("model", "t_eff", *STEP_SETTINGS)
-    reference_losses = {record["step"]: record["loss"] for record in ref.steps}
     rows = []
     for run in runs:
         if run is ref:
@@ -938,13 +944,12 @@ def gen_parity(ctx: Context, args: dict) -> str:
             differ = [f"{name} {mine!r} vs {theirs!r}" for name, mine, theirs in
                       zip(names, run.step_key(), ref.step_key()) if mine != theirs]
             raise RegionError(f"parity: {run.name} does not do the steps of {ref.name} ({'; '.join(differ)})")
-        pairs = [(r["loss"], reference_losses[r["step"]]) for r in run.steps if r["step"] in reference_losses]
-        if not pairs:
+        differences = loss_differences(run, ref)
+        if not differences:
             raise RegionError(f"parity: {run.name} and {ref.name} have no step in common (metrics.jsonl)")
-        differences = [relative_difference(loss, reference) for loss, reference in pairs]
         everywhere, first = max(differences), max(differences[:PARITY_FIRST_STEPS])
         within = f"{show(everywhere <= PARITY_TOLERANCE)} / {show(first <= PARITY_TOLERANCE)}"
-        rows.append([run.name, str(len(pairs)), small(everywhere), small(first),
+        rows.append([run.name, str(len(differences)), small(everywhere), small(first),
                      small(relative_difference(run.summary.get("eval_loss"), ref.summary.get("eval_loss"))), within])
     headers = ["run", "steps compared", "max rel. loss difference, all steps",
                f"same, first {PARITY_FIRST_STEPS} steps", "eval loss rel. difference",
@@ -1222,10 +1227,8 @@ def box_parity(runs: list[Run]) -> tuple[float, float, int] | None:
         if len(group) < 2:
             continue
         group.sort(key=lambda run: run.summary.get("experiment") != "single-ft")  # single-ft is the reference
-        reference = {record["step"]: record["loss"] for record in group[0].steps}
         for run in group[1:]:
-            differences = [relative_difference(r["loss"], reference[r["step"]]) for r in run.steps
-                           if r["step"] in reference]
+            differences = loss_differences(run, group[0])
             if differences:
                 first = max(first, max(differences[:PARITY_FIRST_STEPS]))
                 everywhere = max(everywhere, max(differences))

@@ -620,6 +620,11 @@ class MemoryEstimate:
     def model_states_bytes(self) -> float:
         return self.weights_bytes + self.grads_bytes + self.optimizer_bytes + self.master_bytes
 
+    def state_bytes(self) -> dict[str, int]:
+        """The model states by kind, in the shape the experiments write `state_bytes_per_rank` (common.metrics)."""
+        return dict(weights=int(self.weights_bytes), grads=int(self.grads_bytes),
+                    optimizer=int(self.optimizer_bytes), master=int(self.master_bytes))
+
     @property
     def total_bytes(self) -> float:
         return (self.model_states_bytes + self.compute_copy_bytes + self.activations_bytes + self.logits_bytes

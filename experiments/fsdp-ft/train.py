@@ -378,8 +378,7 @@ def main(argv: list[str] | None = None) -> dict:
         predicted_peak_mem_gib=prediction.total_gib,
         state_bytes_per_rank=None if measured_state is None else all_ranks(measured_state),
         state_bytes_step=None if measured_state is None else state_step + 1,  # 1-based, as in metrics.jsonl
-        predicted_state_bytes={kind: int(getattr(prediction, f"{kind}_bytes"))
-                               for kind in ("weights", "grads", "optimizer", "master")},
+        predicted_state_bytes=prediction.state_bytes(),
         # With --cpu-offload common/memory.py predicts the sharded states in host memory, none on the device.
         predicted_cpu_bytes=int(prediction.cpu_bytes),
         predicted_note="fsdp-offload: common.memory predicts the model states in host memory (predicted_cpu_bytes); "

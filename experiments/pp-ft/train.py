@@ -500,8 +500,8 @@ def predicted_state_bytes_per_rank(model_config, stage_rank: list[int], config: 
                                 precision=PROJECT_BF16 if config.dtype == "bf16" else PROJECT_FP32)
     per_rank = [dict(weights=0, grads=0, optimizer=0, master=0) for _ in range(max(stage_rank) + 1)]
     for estimate, rank in zip(estimates, stage_rank):
-        for key in per_rank[rank]:
-            per_rank[rank][key] += int(getattr(estimate, f"{key}_bytes"))
+        for key, value in estimate.state_bytes().items():
+            per_rank[rank][key] += value
     return per_rank
 
 

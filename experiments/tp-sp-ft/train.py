@@ -570,8 +570,7 @@ def main(argv: list[str] | None = None) -> dict:
         predicted_peak_mem_gib=prediction.total_gib,
         state_bytes_per_rank=None if measured_state is None else all_ranks(measured_state),
         state_bytes_step=None if measured_state is None else state_step + 1,  # 1-based, as in metrics.jsonl
-        predicted_state_bytes={kind: int(getattr(prediction, f"{kind}_bytes"))
-                               for kind in ("weights", "grads", "optimizer", "master")},
+        predicted_state_bytes=prediction.state_bytes(),
         collective_bytes_formula=formula,
         packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
         n_truncated=data.stats["n_truncated"], data=data.stats, tensor_parallel=tp,

@@ -430,8 +430,7 @@ def main(argv: list[str] | None = None) -> dict:
         peak_mem_gib_per_rank=peak_mem_gib_per_rank, predicted_peak_mem_gib=predicted_peak_mem_gib,
         state_bytes_per_rank=None if measured_state is None else all_ranks(measured_state),
         state_bytes_step=None if measured_state is None else state_step + 1,  # 1-based, as in metrics.jsonl
-        predicted_state_bytes={kind: int(getattr(prediction, f"{kind}_bytes"))
-                               for kind in ("weights", "grads", "optimizer", "master")},
+        predicted_state_bytes=prediction.state_bytes(),
         predicted_cpu_bytes=int(prediction.cpu_bytes), predicted_note=predicted_note,
         collective_bytes_formula=formula,
         deepspeed=dict(version=deepspeed.__version__, config=ds_config))
