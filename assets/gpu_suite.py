@@ -2,38 +2,42 @@
 
     python3 assets/gpu_suite.py              # on a GPU machine, from the repository root; no uv or network needed
     python3 assets/gpu_suite.py --list       # the runs it would make, their commands and predictions; runs nothing
+    python3 assets/gpu_suite.py --wheels     # which wheels the TRL comparison needs on an offline machine, and how
     python3 assets/gpu_suite.py --dry-run    # every stage on the CPU with the tiny preset (what the tests run)
 
-It runs single-ft on the `qwen3-0.6b` preset (Qwen3-0.6B's geometry, random weights, bf16) as a ladder of rungs, each
-adding one speed feature to the one before (baseline -> + chunked loss -> + compile -> larger micro-batches), at
-sequence 1024 and 4096, full-parameter and LoRA r16, then fsdp-ft on one rank. Each run is the experiment's own
-command line (`python3 experiments/<x>/train.py ...`), launched as a user would, with the repository on PYTHONPATH so
-that it needs nothing but torch, transformers and peft (the lent GPU machines have no uv, no deepspeed, no datasets).
+Stages, in order of what matters most, each kept as soon as it finishes:
+1. Kernels: every variable-length attention kernel installed (common/attention.py: torch's varlen_attn, flash-attn,
+   FlexAttention, the per-document reference) against SDPA with the block-diagonal mask, forward and gradients, on
+   packed random q/k/v of Qwen3-0.6B's head geometry (kernel-check.json).
+2. Ladders: single-ft on the `qwen3-0.6b` preset (Qwen3-0.6B's geometry, random weights, bf16), each rung adding one
+   feature to the one before: baseline (SDPA with the packed rows' mask) -> + varlen attention -> + chunked loss ->
+   + compile -> larger micro-batches, at sequence 1024 and 4096, full-parameter and LoRA r16. Every rung that does
+   the baseline's optimizer steps is compared step by step with the baseline's losses (bf16: within
+   BF16_TOLERANCE, not fp32's 1e-5) and shown in a parity table. Fused AdamW, pinned batches and the single host
+   sync per step are always on in single-ft, so they have no rung of their own; stage 3 checks the last one.
+3. After the first ladder: its compile rung again under torch.cuda.set_sync_debug_mode, every synchronising call
+   counted per optimizer step by source line (host-syncs.json); then torch.profiler over its fastest rung: device
+   time by kernel and category (attention, matmul, loss, optimizer, other) and the idle share (profile.json); then
+   TRL's SFTTrainer beside single-ft on the same weights, data and batch (assets/peer_baseline.py), when trl and
+   datasets are installed (`--wheels` says how to bring them; otherwise noted as skipped).
+4. fsdp-ft on one rank: the wrapper's cost without communication. The lent machines have one GPU: two-rank
+   comparisons cannot be measured there, and the suite does not pretend to.
+Each run is the experiment's own command line (`python3 experiments/<x>/train.py ...`), launched as a user would, with
+the repository on PYTHONPATH so that it needs nothing but torch, transformers and peft.
 
 Every run that finishes is kept at once, as the devlog keeps runs: its summary.json and metrics.jsonl go to
 devlog/data/<date>-gpu-suite-<device>/<run>/, and devlog/<date>-gpu-suite-<device>.md is (re)written with generated
-regions (assets/make_posts.py) over what is kept so far. A suite cut off by its time budget or by the machine going
-away therefore leaves a usable partial entry. Runs are ordered by what matters most (seq 1024 full, then LoRA, then
-4096) and skipped, with a note, when the budget (--budget-min, default 20) would be overrun.
+regions (assets/make_posts.py) over what is kept so far. A suite cut off by its time budget (--budget-min, default 20)
+or by the machine going away therefore leaves a usable partial entry; runs the budget would overrun are skipped with a
+note. Each rung carries its prediction, written here before any GPU run: the entry prints it beside the measurement.
 
-Correctness comes first in each ladder: every rung that does the baseline's optimizer steps (same tokens per step) is
-compared step by step with the baseline's losses (bf16, so within BF16_TOLERANCE, not fp32's 1e-5), printed, and shown
-in the entry as a parity table.
-
-Each rung carries its prediction, written here before any GPU run: the entry prints it beside the measurement.
-
-Not built yet (the fast-path work that remains): varlen attention for packed rows, fused AdamW and a step free of host
-syncs; their rungs join the ladder when they exist. Until then the baseline attention is SDPA with the block-diagonal
-mask of packed rows (common/attention.py).
-
-Wheels: the suite needs only what the lent machine has (torch, transformers, peft). To run the peer baseline (TRL)
-there too, bring its wheels (`pip download trl datasets --no-deps -d wheels/`, install with
-`pip install --no-index --find-links wheels/ trl datasets`); the suite does not run it.
-
-On a machine whose results come back only from one folder, write there (`--root <folder>`: devlog/ and runs/ go under
-it) and copy its devlog/ into the repository afterwards. After the suite: commit devlog/data/<date>-gpu-suite-<device>/
-and the entry, then run
-`uv run python assets/make_posts.py` on a machine with the environment, which fills every post's GPU slots.
+From a fresh GPU machine to the committed entry:
+1. Bring the checkout (and .whl/ from `--wheels` for the TRL comparison) to the machine; no uv, lock or network is
+   needed there (Python 3.10+, torch 2.10+ for PyTorch's varlen kernel, transformers 5, peft).
+2. From the repository root: `python3 assets/gpu_suite.py` (on a machine whose results come back only from one
+   folder: `--root <folder>`, then copy <folder>/devlog/ into the repository).
+3. On a machine with the environment: `uv run python assets/make_posts.py` (fills the posts' GPU slots from the kept
+   runs; `--check` must pass), then commit devlog/data/<date>-gpu-suite-<device>/ and the entry.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
@@ -71,6 +76,8 @@ class Rung:
     prediction: str  # written before any GPU run
     ladder: str  # the rungs of one ladder share it; the first rung of a ladder is its baseline
     nproc: int = 1
+    syncs: bool = False  # run under torch.cuda.set_sync_debug_mode to count host syncs (not timed, not kept)
+    profile: bool = False  # profile the fastest rung of its ladder so far (its args are chosen when it runs)
 
 
 @dataclass
@@ -82,6 +89,7 @@ class Plan:
     chunk: int  # --loss-chunk-tokens
     ladders: list[tuple[str, int, int, tuple[int, ...]]] = field(default_factory=list)  # (label, seq, lora, micros)
     fsdp_seq: int = 1024
+    peer_micro: int = 4  # rows per optimizer step of the TRL comparison
 
 
 GPU_PLAN = Plan(model="qwen3-0.6b", dtype="bf16", steps=30, warmup=5, chunk=1024,
@@ -90,7 +98,8 @@ GPU_PLAN = Plan(model="qwen3-0.6b", dtype="bf16", steps=30, warmup=5, chunk=1024
                 fsdp_seq=1024)
 # The dry run leaves out the larger micro-batch rungs (the same code path as the compile rung, with other flags).
 DRY_PLAN = Plan(model="qwen3-tiny", dtype="fp32", steps=4, warmup=1, chunk=32,
-                ladders=[("s64-full", 64, 0, ())], fsdp_seq=64)
+                ladders=[("s64-full", 64, 0, ())], fsdp_seq=64, peer_micro=2)
+PEER_WHEELS = ("trl", "datasets", "dill", "multiprocess")  # what the peer baseline needs beyond the lent machine's
 
 
 def rungs(plan: Plan) -> list[Rung]:
@@ -98,38 +107,278 @@ def rungs(plan: Plan) -> list[Rung]:
               "--timing-warmup-steps", str(plan.warmup), "--comm-profile-steps", "0")
     out = []
     for label, seq, lora, micros in plan.ladders:
-        base = (*common, "--seq-len", str(seq), *(("--lora-rank", str(lora)) if lora else ()))
-        chunked = (*base, "--loss-chunk-tokens", str(plan.chunk))
+        base = (*common, "--seq-len", str(seq), *(("--lora-rank", str(lora)) if lora else ()), "--attn", "sdpa")
+        varlen = (*base[:-1], "varlen")
+        chunked = (*varlen, "--loss-chunk-tokens", str(plan.chunk))
         compiled = (*chunked, "--compile")
         out += [
             Rung(f"single-ft-{label}-1-baseline", "single-ft", base, ladder=label, prediction=(
-                "the reference: SDPA over packed rows with a block-diagonal mask, eager, micro-batch 1")),
-            Rung(f"single-ft-{label}-2-chunked-loss", "single-ft", chunked, ladder=label, prediction=(
+                "the reference: SDPA over packed rows with a block-diagonal [seq x seq] mask, eager, micro-batch 1")),
+            Rung(f"single-ft-{label}-2-varlen", "single-ft", varlen, ladder=label, prediction=(
+                "same losses; a variable-length kernel skips the masked-out blocks between documents and needs no "
+                "mask nor repeated K/V: attention is a small share of a 0.6B model's FLOPs at seq 1024 (the "
+                "attention term of common/models.py), so 5-15% more tokens/s there and 20-40% at seq 4096, "
+                "where the mask alone is 16M entries per layer call")),
+            Rung(f"single-ft-{label}-3-chunked-loss", "single-ft", chunked, ladder=label, prediction=(
                 "same losses; peak memory lower by about the logits and their gradient (tokens x 151,936 vocab in "
-                "bf16 and fp32), which matters most at seq 4096; step time within +-10% (the same FLOPs, fewer "
-                "bytes)")),
-            Rung(f"single-ft-{label}-3-compile", "single-ft", compiled, ladder=label, prediction=(
+                "bf16 and fp32), which matters most at seq 4096; tokens/s up by 0-10%: the LM head runs on loss "
+                "tokens only (about half the positions of this data) at 4/3 of its cost per token (recomputed)")),
+            Rung(f"single-ft-{label}-4-compile", "single-ft", compiled, ladder=label, prediction=(
                 "same losses; 10-30% more tokens/s from fused norms, activations and rotary embeddings in each "
                 "compiled decoder layer; the first steps slower (compilation, left out of the averages)")),
         ]
-        out += [Rung(f"single-ft-{label}-4-micro{micro}", "single-ft", (*compiled, "--micro-batch-size", str(micro)),
+        out += [Rung(f"single-ft-{label}-5-micro{micro}", "single-ft", (*compiled, "--micro-batch-size", str(micro)),
                      ladder=label, prediction=(
                          f"{micro}x the tokens per step; more tokens/s while micro-batch 1 leaves the GPU "
                          f"under-occupied (most at seq 1024), until memory runs out"))
                 for micro in micros]
+        if label == plan.ladders[0][0]:
+            # Right after the first ladder, its compile rung's step again, with every host sync counted.
+            out.append(Rung(f"syncs-{label}", "single-ft", (*compiled, "--steps", str(plan.warmup + 3)),
+                            ladder="syncs", syncs=True, prediction=(
+                "one synchronisation per optimizer step from train.py (the step line's loss and gradient norm "
+                "together), plus one per forward in transformers' packed-row detection "
+                "(find_packed_sequence_indices reads a flag on the device)")))
+            out.append(Rung(f"profile-{label}", "single-ft", (), ladder=label, profile=True, prediction=(
+                "the fastest rung's step by kernel: matmuls the largest share, attention second at seq 1024, "
+                "the optimizer a few percent (fused AdamW), idle gaps small once compiled")))
+            # Then TRL's SFTTrainer beside single-ft on the same weights, data and batch, when its wheels are here.
+            out.append(Rung(f"peer-{label}", "peer", (
+                "--model", plan.model, "--dtype", plan.dtype, "--steps", str(plan.steps), "--seq-len", str(seq),
+                "--micro-batch-size", str(plan.peer_micro), "--grad-accum", "1", "--attn", "sdpa",
+                "--timing-warmup-steps", str(plan.warmup)), ladder="peer", prediction=(
+                "both with SDPA and eager: within 20% of each other (the same model code and kernels; TRL packs "
+                "best-fit into one padding-free row); single-ft's own fast path is the ladder above")))
     out.append(Rung(f"fsdp-ft-s{plan.fsdp_seq}-full-1rank", "fsdp-ft",
-                    (*common, "--seq-len", str(plan.fsdp_seq)), ladder="fsdp", prediction=(
+                    (*common, "--seq-len", str(plan.fsdp_seq), "--attn", "varlen"), ladder="fsdp", prediction=(
                         "FSDP2 on one rank: nothing to shard or communicate, so the cost of its wrapping alone; "
-                        "within 5% of single-ft's baseline at the same sequence length")))
+                        "within 5% of single-ft's varlen rung at the same sequence length")))
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stage 1: the variable-length kernels against masked SDPA, before any timing
+
+KERNEL_SHAPE = dict(heads=16, kv_heads=8, head_dim=128)  # Qwen3-0.6B's attention geometry
+KERNEL_DOCUMENTS = (700, 300, 24, 1000, 24)  # two rows of 1,024 slots, packed as a real row is (pads included)
+
+
+def kernel_check(device_name: str) -> list[dict]:
+    """Every installed varlen kernel (common/attention.py) on packed random q/k/v, forward and backward, against SDPA
+    with the block-diagonal mask in fp32. The same masked SDPA in the working dtype (bf16 on a GPU) sets the scale of
+    a normal rounding error: a kernel passes within 3x that (1e-5 in fp32)."""
+    import torch
+
+    from common import attention
+
+    device = torch.device(device_name)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    generator = torch.Generator().manual_seed(0)
+    tokens = sum(KERNEL_DOCUMENTS)
+    shapes = {"q": (tokens, KERNEL_SHAPE["heads"]), "k": (tokens, KERNEL_SHAPE["kv_heads"]),
+              "v": (tokens, KERNEL_SHAPE["kv_heads"])}
+    base = {name: torch.randn(*shape, KERNEL_SHAPE["head_dim"], generator=generator) for name, shape in shapes.items()}
+    grad_out = torch.randn(tokens, KERNEL_SHAPE["heads"], KERNEL_SHAPE["head_dim"], generator=generator)
+    bounds = torch.tensor([0, *torch.tensor(KERNEL_DOCUMENTS).cumsum(0).tolist()], dtype=torch.int32)
+    longest, scale = max(KERNEL_DOCUMENTS), KERNEL_SHAPE["head_dim"] ** -0.5
+    document = torch.searchsorted(bounds[1:].long(), torch.arange(tokens), right=True).to(device)
+    mask = (document[:, None] == document[None, :]).tril()
+
+    def masked_sdpa(q, k, v, cu_seq_lens, max_length, scale):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True)
+        return out.transpose(0, 1)
+
+    def run(function, run_dtype, backward=True):
+        inputs = {name: t.to(device, run_dtype).requires_grad_(backward) for name, t in base.items()}
+        out = function(inputs["q"], inputs["k"], inputs["v"], bounds.to(device), longest, scale)
+        results = {"out": out.detach().float()}
+        if backward:
+            out.backward(grad_out.to(device, run_dtype))
+            results.update({f"d{name}": t.grad.float() for name, t in inputs.items()})
+        return results
+
+    def error(result, reference):
+        return max(float((result[key] - reference[key]).abs().max() / reference[key].abs().max())
+                   for key in result)
+
+    reference = run(masked_sdpa, torch.float32)
+    rounding = error(run(masked_sdpa, dtype), reference)
+    tolerance = max(3 * rounding, 1e-5)
+    rows = [{"kernel": "masked SDPA", "dtype": str(dtype).removeprefix("torch."), "backward": True,
+             "max_rel_error": rounding, "tolerance": None, "ok": True}]
+    kernels = [k for k in attention.available_varlen_kernels() if device.type == "cuda" or k in ("flex", "reference")]
+    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")  # CPU: no compile
+    for kernel in kernels:
+        backward = device.type == "cuda" or kernel != "flex"  # FlexAttention has no CPU backward
+        row = {"kernel": kernel, "dtype": str(dtype).removeprefix("torch."), "backward": backward,
+               "tolerance": tolerance}
+        try:
+            row["max_rel_error"] = error(run(attention._VARLEN_FUNCTIONS[kernel], dtype, backward), reference)
+            row["ok"] = row["max_rel_error"] <= tolerance
+        except Exception as exc:  # a kernel that cannot run here is a result, not a crash of the suite
+            row.update(max_rel_error=None, ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+        rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stage 3: host syncs per step, counted by torch.cuda.set_sync_debug_mode
+
+# Runs an experiment as `python3 train.py ...` would, with every synchronizing CUDA call warned (each occurrence,
+# with the Python line that made it).
+SYNC_CHILD = ("import runpy, sys, warnings, torch; warnings.simplefilter('always'); "
+              "torch.cuda.is_available() and torch.cuda.set_sync_debug_mode('warn'); "
+              "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+SYNC_WARNING = re.compile(r"^(.+?):(\d+): UserWarning: called a synchronizing CUDA operation")
+STEP_LINE = re.compile(r"^step (\d+)/(\d+) \|")
+
+
+def count_syncs(log: str, skip_steps: int) -> dict:
+    """Synchronising calls per optimizer step, by source line, from a SYNC_CHILD log (stdout and stderr in order).
+    A step's warnings come before its step line; the first `skip_steps` steps (compilation) are not counted."""
+    counted, pending, per_line = 0, [], {}
+    for line in log.splitlines():
+        if match := SYNC_WARNING.match(line):
+            pending.append(f"{Path(match.group(1)).name}:{match.group(2)}")
+        elif match := STEP_LINE.match(line):
+            if int(match.group(1)) > skip_steps:
+                counted += 1
+                for where in pending:
+                    per_line[where] = per_line.get(where, 0) + 1
+            pending = []
+    # What is pending after the last step line belongs to the evaluation and the summary, not to a step.
+    return {"steps_counted": counted, "per_step": {where: n / max(counted, 1) for where, n in per_line.items()},
+            "total_per_step": sum(per_line.values()) / max(counted, 1)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stage 4: where the fastest configuration's step time goes
+
+PROFILE_STEPS = 3
+KERNEL_CATEGORIES = (  # first match wins; names of CUDA kernels (or CPU ops in a dry run), lower case
+    ("attention", ("flash", "fmha", "attention", "attn", "sdpa", "varlen", "softmax_warp")),
+    ("loss", ("cross_entropy", "log_softmax", "nll_loss", "logsumexp")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "fused_adam")),
+    ("matmul", ("gemm", "matmul", "cutlass", "xmma", "cublas", "nvjet", "linear", "addmm", "mm")),
+)
+
+
+def profile_child(argv: list[str]) -> None:
+    """`gpu_suite.py --profile-child OUT.json train.py ARGS...`: run the experiment as `python3 train.py ARGS` would,
+    with torch.profiler over PROFILE_STEPS optimizer steps after its timing warm-up, and write a summary: kernels by
+    device time per step, their categories, and the share of the step the device sat idle."""
+    import runpy
+
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    out_json, script, *args = argv
+    warmup = int(args[args.index("--timing-warmup-steps") + 1]) if "--timing-warmup-steps" in args else 2
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    spans = []
+
+    def summarize(prof) -> None:
+        events = [e for e in prof.key_averages()
+                  if (e.device_type.name == "CUDA") == cuda and not e.key.startswith("ProfilerStep")]
+        time_of = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+        busy = sum(time_of(e) for e in events) / 1e3 / PROFILE_STEPS  # ms per step
+        step_ms = (spans[-1] - spans[0]) / PROFILE_STEPS * 1e3 if len(spans) > 1 else None
+        shares: dict[str, float] = {}
+        for event in events:
+            name = event.key.lower()
+            category = next((c for c, words in KERNEL_CATEGORIES if any(w in name for w in words)), "other")
+            shares[category] = shares.get(category, 0.0) + time_of(event) / 1e3 / PROFILE_STEPS
+        top = sorted(events, key=time_of, reverse=True)[:15]
+        Path(out_json).write_text(json.dumps({
+            "steps": PROFILE_STEPS, "device": "cuda" if cuda else "cpu", "step_ms": step_ms, "busy_ms": busy,
+            "idle_share": None if not step_ms or not cuda else max(0.0, 1 - busy / step_ms),
+            "categories_ms": dict(sorted(shares.items(), key=lambda kv: -kv[1])),
+            "top": [{"name": e.key[:120], "ms_per_step": time_of(e) / 1e3 / PROFILE_STEPS, "calls": e.count}
+                    for e in top]}, indent=1) + "\n")
+
+    prof = profile(activities=activities, schedule=schedule(wait=warmup - 1, warmup=1, active=PROFILE_STEPS, repeat=1),
+                   on_trace_ready=summarize)
+
+    def after_optimizer_step(*_):
+        if cuda:
+            torch.cuda.synchronize()
+        if prof.step_num >= warmup - 1 and len(spans) <= PROFILE_STEPS:  # the window's edges, steps synchronised
+            spans.append(time.perf_counter())
+        prof.step()
+
+    register_optimizer_step_post_hook(after_optimizer_step)
+    sys.argv = [script, *args]
+    prof.start()
+    runpy.run_path(script, run_name="__main__")
+    prof.stop()
 
 
 def command(rung: Rung, out_dir: Path, launcher: list[str]) -> list[str]:
     script = f"experiments/{rung.experiment}/train.py"
+    if rung.syncs:
+        return [*launcher, "-c", SYNC_CHILD, script, *rung.args, "--out-dir", str(out_dir)]
+    if rung.profile:
+        return [*launcher, "assets/gpu_suite.py", "--profile-child", str(out_dir / "profile.json"), script,
+                *rung.args, "--out-dir", str(out_dir)]
+    if rung.experiment == "peer":
+        return [*launcher, "assets/peer_baseline.py", *rung.args, "--out-dir", str(out_dir)]
     if rung.nproc > 1 or rung.experiment != "single-ft":
         return [*launcher, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={rung.nproc}",
                 script, *rung.args, "--out-dir", str(out_dir)]
     return [*launcher, script, *rung.args, "--out-dir", str(out_dir)]
+
+
+def fastest(rung: Rung, all_rungs: list[Rung], kept: Path) -> Rung:
+    """The profile rung with the arguments of the fastest kept run of its ladder (same name and prediction)."""
+    best, best_rate = None, 0.0
+    for candidate in all_rungs:
+        summary_file = kept / candidate.name / "summary.json"
+        if candidate.ladder == rung.ladder and not candidate.profile and summary_file.exists():
+            rate = json.loads(summary_file.read_text())["tokens_per_s"] or 0.0
+            if rate > best_rate:
+                best, best_rate = candidate, rate
+    if best is None:
+        return rung
+    args = list(best.args)  # its command, cut to the steps the profile needs
+    warmup = int(args[args.index("--timing-warmup-steps") + 1])
+    args[args.index("--steps") + 1] = str(warmup + PROFILE_STEPS + 1)
+    return Rung(rung.name, rung.experiment, tuple(args), rung.prediction + f" (profiled: {best.name})", rung.ladder,
+                profile=True)
+
+
+def peer_installed() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(name) is not None for name in ("trl", "datasets"))
+
+
+def wheels_instructions() -> str:
+    """How to bring the peer baseline's packages to an offline GPU machine, at the versions uv.lock pins."""
+    lock = (REPO_ROOT / "uv.lock").read_text()
+    pins = []
+    for name in PEER_WHEELS:
+        match = re.search(rf'^name = "{name}"\nversion = "([^"]+)"', lock, re.MULTILINE)
+        pins.append(f"{name}=={match.group(1)}" if match else name)
+    return "\n".join([
+        "The suite needs torch, transformers and peft only. For the TRL comparison, bring these wheels (versions from",
+        "uv.lock; torch, transformers, accelerate, pyarrow and the rest are on the lent machine). On a machine with",
+        "the package index, in the repository root:",
+        "",
+        "    echo /.whl/ >> .git/info/exclude",
+        "    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\",
+        "        --platform manylinux2014_x86_64 -d .whl " + " ".join(pins),
+        "",
+        "Carry .whl/ to the GPU machine with the checkout, and there, before the suite:",
+        "",
+        "    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && "
+        "export PYTHONPATH=/tmp/site",
+        "    python3 assets/gpu_suite.py",
+        "",
+        "Without them the suite runs everything else and notes the TRL comparison as skipped.",
+    ])
 
 
 def device_slug(dry_run: bool) -> str:
@@ -164,9 +413,39 @@ def write_entry(root: Path, entry: Path, series: str, plan: Plan, done: dict[str
     lines += [f"Made with `{invocation}` (assets/gpu_suite.py), started {started}: {plan.model}, {plan.dtype}, "
               f"{plan.steps} steps per run, the first {plan.warmup} left out of the averages. Each ladder adds one "
               f"feature per rung; every rung that does the baseline's optimizer steps is compared with its losses.", ""]
+    kernels_file = root / data / "kernel-check.json"
+    if kernels_file.exists():
+        lines += ["## Kernels", "", f"Each variable-length kernel against SDPA with the block-diagonal mask in fp32 "
+                  f"(forward and gradients, largest error relative to the largest value; {data}/kernel-check.json, "
+                  f"written by the suite's first stage):", ""]
+        for row in json.loads(kernels_file.read_text()):
+            error = "did not run: " + row["error"] if row.get("error") else f"{row['max_rel_error']:.1e}"
+            limit = "" if row["tolerance"] is None else f" (tolerance {row['tolerance']:.1e}: " \
+                f"{'ok' if row['ok'] else 'FAILED'})"
+            lines.append(f"- {row['kernel']}, {row['dtype']}, {'with' if row['backward'] else 'without'} "
+                         f"backward: {error}{limit}")
+        lines.append("")
     for ladder in dict.fromkeys(rung.ladder for rung in all_rungs):
         members = [rung for rung in all_rungs if rung.ladder == ladder]
         lines += [f"## {ladder}", ""]
+        if ladder == "peer":
+            sides = [f"{data}/{rung.name}-{side}" for rung in members for side in ("single-ft", "trl-sft")
+                     if (root / data / f"{rung.name}-{side}" / "summary.json").exists()]
+            if sides:
+                lines += [f"<!-- generated:table runs={','.join(sides)} cols=run,seq,micro,t_eff,step_ms,tok_s,"
+                          f"rel:tok_s,mfu,peak_mem ref={sides[0]} -->", "<!-- /generated -->", ""]
+            lines += [f"- `{rung.name}` ({done.get(rung.name, 'not run')}): {rung.prediction}." for rung in members]
+            lines.append("")
+            continue
+        if ladder == "syncs":
+            syncs_file = root / data / "host-syncs.json"
+            if syncs_file.exists():
+                counts = json.loads(syncs_file.read_text())
+                lines += [f"Host syncs per optimizer step over {counts['steps_counted']} steps after the warm-up "
+                          f"({data}/host-syncs.json): {counts['total_per_step']:g} in all", ""]
+                lines += [f"- `{where}`: {n:g}" for where, n in sorted(counts["per_step"].items())] + [""]
+            lines += [f"Predicted before the runs: {members[0].prediction}.", ""]
+            continue
         measured = [rung for rung in members if rung.name in kept]
         if measured:
             names = ",".join(f"{data}/{rung.name}" for rung in measured)
@@ -179,6 +458,18 @@ def write_entry(root: Path, entry: Path, series: str, plan: Plan, done: dict[str
             if twins:
                 lines += [f"<!-- generated:parity runs={','.join(f'{data}/{r.name}' for r in twins)}{ref} -->",
                           "<!-- /generated -->", ""]
+        profile_file = root / data / "profile.json"
+        if profile_file.exists() and any(rung.profile for rung in members):
+            profiled = json.loads(profile_file.read_text())
+            lines += [f"Where the fastest rung's step goes ({data}/profile.json, torch.profiler over "
+                      f"{profiled['steps']} steps; {profiled['device']} time per step"
+                      + (f", {profiled['step_ms']:.1f} ms wall" if profiled["step_ms"] else "")
+                      + (f", device idle {profiled['idle_share']:.0%}" if profiled["idle_share"] is not None else "")
+                      + "):", ""]
+            lines += [f"- {name}: {ms:.2f} ms" for name, ms in profiled["categories_ms"].items()]
+            lines += ["", "Top kernels:", ""]
+            lines += [f"- {row['ms_per_step']:.2f} ms, {row['calls']} calls: `{row['name']}`"
+                      for row in profiled["top"][:10]] + [""]
         lines += ["Predicted before the runs:", ""]
         for rung in members:
             status = done.get(rung.name, "not run")
@@ -194,9 +485,15 @@ def write_entry(root: Path, entry: Path, series: str, plan: Plan, done: dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--profile-child"]:
+        profile_child(argv[1:])
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="run every stage on the CPU with the tiny preset")
     parser.add_argument("--list", action="store_true", help="print the runs, commands and predictions; run nothing")
+    parser.add_argument("--wheels", action="store_true",
+                        help="print which wheels the TRL comparison needs on an offline machine, and how to bring them")
     parser.add_argument("--budget-min", type=float, default=20.0, help="stop starting runs after this many minutes")
     parser.add_argument("--root", type=Path, default=REPO_ROOT,
                         help="where devlog/ and runs/ are written (the repository by default; tests use a scratch "
@@ -206,6 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     plan = DRY_PLAN if args.dry_run else GPU_PLAN
     all_rungs = rungs(plan)
     launcher = [sys.executable]
+    if args.wheels:
+        print(wheels_instructions())
+        return 0
     if args.list:
         for rung in all_rungs:
             print(shlex.join(command(rung, Path("runs/gpu-suite") / rung.name, ["python3"])))
@@ -216,11 +516,21 @@ def main(argv: list[str] | None = None) -> int:
     root = args.root.resolve()
     scratch, kept = root / "runs" / "gpu-suite" / series, root / "devlog" / "data" / series
     entry = root / "devlog" / f"{series}.md"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     invocation = "python3 assets/gpu_suite.py" + (" --dry-run" if args.dry_run else "")
     started, clock = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), time.perf_counter()
     done: dict[str, str] = {}
     failures = []
+    print("[kernels] varlen kernels against masked SDPA", flush=True)
+    kernels = kernel_check("cpu" if args.dry_run else "cuda")
+    kept.mkdir(parents=True, exist_ok=True)
+    (kept / "kernel-check.json").write_text(json.dumps(kernels, indent=1) + "\n")
+    for row in kernels:
+        print(f"    {row['kernel']}: {row['max_rel_error']} ({'ok' if row['ok'] else row.get('error', 'FAILED')})",
+              flush=True)
+        if not row["ok"]:
+            failures.append(f"kernel {row['kernel']}")
     for index, rung in enumerate(all_rungs, start=1):
         elapsed = time.perf_counter() - clock
         if elapsed + RUN_ESTIMATE_S > args.budget_min * 60 and not args.dry_run:
@@ -228,6 +538,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{index}/{len(all_rungs)}] {rung.name}: skipped, {elapsed / 60:.1f} of {args.budget_min} min used",
                   flush=True)
             continue
+        if rung.experiment == "peer" and not peer_installed():
+            done[rung.name] = "skipped: trl or datasets not installed (python3 assets/gpu_suite.py --wheels)"
+            print(f"[{index}/{len(all_rungs)}] {rung.name}: skipped, trl or datasets not installed", flush=True)
+            write_entry(root, entry, series, plan, done, all_rungs, started, invocation)
+            continue
+        if rung.profile:
+            rung = fastest(rung, all_rungs, kept)
+            if not rung.args:
+                done[rung.name] = "skipped: no rung of its ladder measured"
+                continue
         out = scratch / rung.name
         if out.exists():
             shutil.rmtree(out)
@@ -238,7 +558,24 @@ def main(argv: list[str] | None = None) -> int:
         with open(out / "train.log", "w") as log:
             code = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
         seconds = time.perf_counter() - run_start
-        if code != 0 or not (out / "summary.json").exists():
+        if rung.syncs and code == 0:
+            counts = count_syncs((out / "train.log").read_text(), skip_steps=plan.warmup)
+            (kept / "host-syncs.json").write_text(json.dumps(counts, indent=1) + "\n")
+            done[rung.name] = "measured"
+            print(f"    {seconds:.0f} s: {counts['total_per_step']:g} host syncs per step", flush=True)
+        elif rung.profile and code == 0 and (out / "profile.json").exists():
+            shutil.copy(out / "profile.json", kept / "profile.json")
+            summary = json.loads((out / "profile.json").read_text())
+            done[rung.name] = "measured"
+            print(f"    {seconds:.0f} s: {json.dumps(summary['categories_ms'])[:300]}", flush=True)
+        elif rung.experiment == "peer" and code == 0:
+            for side in ("single-ft", "trl-sft"):
+                keep(out / side, kept / f"{rung.name}-{side}")
+            ratio_file = out / "peer_baseline.json"
+            ratio = json.loads(ratio_file.read_text()) if ratio_file.exists() else {}
+            done[rung.name] = "measured"
+            print(f"    {seconds:.0f} s: {json.dumps(ratio)[:300]}", flush=True)
+        elif code != 0 or not (out / "summary.json").exists():
             tail = (out / "train.log").read_text().strip().splitlines()[-1:] or [""]
             done[rung.name] = f"failed (exit {code})"
             failures.append(rung.name)

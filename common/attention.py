@@ -19,9 +19,24 @@ Every experiment calls `setup_attention(device, config.attn)` before building th
   is then the same on every device: full-head q, k, v and the same mask.
 - Any other ROCm arch: not in the table above, so we assume nothing and take the gfx908 path.
 
-`--attn sdpa|eager|flash` overrides "auto". "flash" is transformers' "flash_attention_2" and needs the
+`--attn sdpa|eager|flash|varlen` overrides "auto". "flash" is transformers' "flash_attention_2" and needs the
 `flash_attn` package. An override that cannot work on the device (flash on CPU) stops the run with a clear
 error instead of falling back without saying so.
+
+"varlen" treats a packed row as what it is, a list of separate documents: each attention call gets the
+cumulative document lengths (`cu_seq_lens`, built once per micro-batch on the host from the restarted
+position_ids, see `document_kwargs`) and runs a variable-length kernel over the flattened tokens. There is no
+[seq x seq] mask to build, keep for backward or read in every layer, no K/V repeated for GQA where the kernel
+takes grouped heads, and no FLOP spent on the masked-out blocks between documents. The kernel, chosen once:
+- NVIDIA: PyTorch's own `torch.nn.attention.varlen.varlen_attn` (torch 2.10+), else flash-attn's
+  `flash_attn_varlen_func` when that package is installed, else FlexAttention with a document mask (compiled).
+  "auto" picks varlen on NVIDIA when one of the first two exists (the FlexAttention fallback is only as fast as
+  its compilation, so it is never picked silently).
+- CPU, and ROCm archs without a fused kernel (gfx906/gfx908): a reference that runs SDPA once per document with
+  a plain causal mask. It is the same plumbing as the GPU kernels (same kwargs, same layout), which is what lets
+  the CPU tests prove that `--attn varlen` computes the same losses as the masked SDPA path.
+- ROCm MI200/MI300/MI350: torch's varlen_attn where the installed torch has it (not run by this project yet),
+  else the reference.
 
 Packed rows (several conversations in one row) rely on transformers building a block-diagonal mask from
 position_ids that restart at 0, which it only does when attention_mask is None and the attention
@@ -29,18 +44,23 @@ implementation has a mask function registered. The custom attention therefore re
 `sdpa_mask` under its name (see `register_math_expanded_kv_attention`).
 """
 
+import functools
 import importlib.util
+import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask, sdpa_mask
 
-VALID_REQUESTS = ("auto", "sdpa", "eager", "flash")
+VALID_REQUESTS = ("auto", "sdpa", "eager", "flash", "varlen")
 MATH_EXPANDED_KV = "sdpa_math_expanded_kv"  # name under which the custom attention is registered
+VARLEN = "varlen"  # attn_implementation name of the variable-length attention (one registration per kernel)
+# Variable-length kernels, in order of preference on NVIDIA; "reference" is the per-document SDPA loop.
+VARLEN_KERNELS = ("torch", "flash_attn", "flex", "reference")
 
 # SDPA backends per ROCm arch (gcnArchName without its feature flags). An arch missing here gets the math-only
 # path with a reason saying it is not in this table.
@@ -82,13 +102,38 @@ class AttentionChoice:
     impl: str  # the attn_implementation passed to transformers' from_pretrained / from_config
     sdpa_backends: tuple[str, ...]  # SDPA backends left enabled; empty when impl does not go through SDPA
     reason: str  # one sentence, printed at start
+    varlen_kernel: str | None = None  # with impl "varlen": one of VARLEN_KERNELS
+
+    def forward_kwargs(self, position_ids: torch.Tensor, device: torch.device) -> dict:
+        """Extra keyword arguments of the model call for this micro-batch: {} except for varlen, which gets the
+        document boundaries (`document_kwargs`). Pass the host copy of position_ids: no device sync."""
+        return document_kwargs(position_ids, device) if self.impl == VARLEN else {}
 
 
-def choose_attention(info: DeviceInfo, requested: str = "auto") -> AttentionChoice:
-    """Pure decision: which attention implementation and SDPA backends suit `info`, honouring `requested`."""
+def available_varlen_kernels() -> tuple[str, ...]:
+    """The variable-length kernels the installed packages provide (the reference always exists)."""
+    found = []
+    if importlib.util.find_spec("torch.nn.attention.varlen") is not None:
+        found.append("torch")
+    if importlib.util.find_spec("flash_attn") is not None:
+        found.append("flash_attn")
+    found += ["flex", "reference"]
+    return tuple(found)
+
+
+def choose_attention(info: DeviceInfo, requested: str = "auto",
+                     varlen_kernels: tuple[str, ...] | None = None) -> AttentionChoice:
+    """Pure decision: which attention implementation and SDPA backends suit `info`, honouring `requested`.
+    `varlen_kernels` lists the variable-length kernels installed (default: `available_varlen_kernels()`)."""
     if requested not in VALID_REQUESTS:
         raise ValueError(f"unknown attention {requested!r}: expected one of {', '.join(VALID_REQUESTS)}")
     device = info.label()
+    if varlen_kernels is None:
+        varlen_kernels = available_varlen_kernels()
+
+    if requested == "varlen" or (requested == "auto" and info.kind == "cuda"
+                                 and {"torch", "flash_attn"} & set(varlen_kernels)):
+        return _choose_varlen(info, requested, varlen_kernels)
 
     if requested == "eager":
         return AttentionChoice("eager", (), f"eager attention requested on {device} (plain matmul + softmax)")
@@ -136,6 +181,202 @@ def choose_attention(info: DeviceInfo, requested: str = "auto") -> AttentionChoi
     return AttentionChoice(
         MATH_EXPANDED_KV, MATH_ONLY, f"{device}, {why}; math backend with KV heads expanded to all query heads"
     )
+
+
+def _choose_varlen(info: DeviceInfo, requested: str, kernels: tuple[str, ...]) -> AttentionChoice:
+    device = info.label()
+    how = {
+        "torch": "PyTorch's varlen_attn",
+        "flash_attn": "flash-attn's flash_attn_varlen_func",
+        "flex": "FlexAttention with a document mask (compiled; neither torch's varlen_attn nor flash-attn is "
+                "installed)",
+        "reference": "a reference that runs SDPA once per document",
+    }
+    if info.kind == "cpu":
+        kernel, backends, why = "reference", CPU_BACKENDS, "no variable-length kernel runs on CPU"
+    elif info.kind == "cuda":
+        kernel = next(k for k in VARLEN_KERNELS if k in kernels)
+        backends, why = ALL_CUDA_BACKENDS, "packed documents without a mask"
+    elif info.kind == "rocm" and info.arch in ROCM_AOTRITON_ARCHS and "torch" in kernels:
+        kernel, backends = "torch", ROCM_FUSED_BACKENDS
+        why = f"{ROCM_AOTRITON_ARCHS[info.arch]}, not yet run on ROCm by this project"
+    elif info.kind == "rocm":
+        kernel, backends = "reference", MATH_ONLY
+        why = "no fused variable-length kernel for this arch, so each document runs the math SDPA backend"
+    else:
+        raise ValueError(f"unknown device kind {info.kind!r}: expected cpu, cuda or rocm")
+    gqa = ""
+    if kernel == "torch" and not torch_varlen_takes_gqa():
+        gqa = "; this torch's varlen_attn takes no grouped K/V heads, so they are expanded to all query heads"
+    picked = "varlen requested" if requested == "varlen" else "auto picks varlen"
+    return AttentionChoice(VARLEN, backends, f"{device}: {picked}, {how[kernel]} ({why}){gqa}", kernel)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Variable-length attention over packed documents
+
+
+def document_boundaries(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Cumulative document lengths over the flattened [batch x seq] tokens, and the longest document.
+
+    A document starts at every row start and wherever a position does not follow its predecessor by one (packed
+    conversations restart at 0; so do the pad slots at the end of a row, which then form their own document).
+    Returns (cu_seq_lens int32 [n_documents + 1] on position_ids' device, max length). On a CUDA tensor this
+    synchronises (the number of documents sets the output's size): pass the host copy where you can.
+    """
+    rows, seq = position_ids.shape
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    first = starts.flatten().nonzero().squeeze(1)
+    cu_seq_lens = torch.cat([first, first.new_tensor([rows * seq])]).to(torch.int32)
+    return cu_seq_lens, int((cu_seq_lens[1:] - cu_seq_lens[:-1]).max())
+
+
+def document_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict:
+    """The model call's keyword arguments that tell every varlen attention call where the documents are.
+
+    transformers passes `cu_seq_lens_q/k` and `max_length_q/k` (its flash-attention kwargs) from the model call to
+    every attention function, so the boundaries are computed once per micro-batch, not once per layer.
+    """
+    cu_seq_lens, max_length = document_boundaries(position_ids.cpu())
+    if device.type == "cuda":
+        cu_seq_lens = cu_seq_lens.pin_memory().to(device, non_blocking=True)  # pinned: the copy does not block
+    return dict(cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=max_length,
+                max_length_k=max_length)
+
+
+@functools.cache
+def torch_varlen_takes_gqa() -> bool:
+    """torch's varlen_attn changed its signature between releases: 2.10 has `is_causal`; later releases express
+    causality as `window_size=(-1, 0)` and, later still, take grouped K/V heads with `enable_gqa`."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def _torch_varlen(q, k, v, cu_seq_lens, max_length, scale):
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif scale != q.shape[-1] ** -0.5:
+        raise ValueError(f"this torch's varlen_attn takes no scale, and {scale} is not 1/sqrt(head_dim)")
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    else:
+        # Query head j reads K/V head j // group, the layout repeat_kv makes.
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    return varlen_attn(q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length, **kwargs)
+
+
+def _flash_attn_varlen(q, k, v, cu_seq_lens, max_length, scale):
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length, dropout_p=0.0,
+                                  softmax_scale=scale, causal=True)
+
+
+_flex_cache: dict = {}
+
+
+def _flex(q, k, v, cu_seq_lens, max_length, scale):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    tokens = q.shape[0]
+    # One block mask per micro-batch: every layer receives the same cu_seq_lens tensor, so key on it.
+    key = (id(cu_seq_lens), cu_seq_lens.data_ptr(), tokens)
+    if _flex_cache.get("key") != key:
+        positions = torch.arange(tokens, device=q.device)
+        document = torch.searchsorted(cu_seq_lens[1:].long(), positions, right=True)
+
+        def same_document_causal(batch, head, q_index, kv_index):
+            return (document[q_index] == document[kv_index]) & (q_index >= kv_index)
+
+        _flex_cache.update(key=key, mask=create_block_mask(same_document_causal, None, None, tokens, tokens,
+                                                           device=q.device))
+        if "compiled" not in _flex_cache:
+            # Uncompiled, FlexAttention materialises the scores; compiled, it is a fused kernel.
+            _flex_cache["compiled"] = torch.compile(flex_attention) if q.is_cuda else flex_attention
+    out = _flex_cache["compiled"](q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                  v.transpose(0, 1).unsqueeze(0), block_mask=_flex_cache["mask"], scale=scale,
+                                  enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _reference_varlen(q, k, v, cu_seq_lens, max_length, scale):
+    """SDPA once per document with a plain causal mask: what the fused kernels compute, one document at a time."""
+    bounds = cu_seq_lens.tolist()  # a host sync on a GPU; free on CPU, where this path is meant to run
+    outputs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        q_doc, k_doc, v_doc = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, len, d]
+        out = F.scaled_dot_product_attention(q_doc, k_doc, v_doc, is_causal=True, scale=scale, enable_gqa=True)
+        outputs.append(out.squeeze(0).transpose(0, 1))
+    return torch.cat(outputs)
+
+
+_VARLEN_FUNCTIONS = {"torch": _torch_varlen, "flash_attn": _flash_attn_varlen, "flex": _flex,
+                     "reference": _reference_varlen}
+
+
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    position_ids: torch.Tensor | None = None,
+    *,
+    kernel: str,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """An attention function for transformers' AttentionInterface: packed documents through a varlen kernel.
+
+    Same contract as transformers' sdpa_attention_forward: query (batch, heads, seq, head_dim), key and value
+    (batch, kv_heads, seq, head_dim); returns ((batch, seq, heads, head_dim), None). The documents come from
+    `cu_seq_lens_q`/`max_length_q` (the model call's kwargs, see `document_kwargs`); without them, from the
+    `position_ids` every Qwen3 decoder layer passes on (a host sync per layer on a GPU, so the training loops pass
+    the kwargs).
+    """
+    if attention_mask is not None:
+        raise ValueError("--attn varlen takes packed rows with restarted position_ids and no padding mask")
+    if dropout or sliding_window:
+        raise ValueError("--attn varlen supports neither attention dropout nor a sliding window")
+    batch, heads, seq, head_dim = query.shape
+    if key.shape[2] != seq:
+        # Decoding with a KV cache (queries shorter than keys): not a packed row; transformers' SDPA handles it.
+        return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, **kwargs)
+    if cu_seq_lens_q is None:
+        if position_ids is None:
+            raise ValueError("--attn varlen needs cu_seq_lens_q (document_kwargs) or position_ids in the call")
+        cu_seq_lens_q, max_length_q = document_boundaries(position_ids.expand(batch, seq))
+    if int(cu_seq_lens_q.shape[0]) < 2:
+        raise ValueError("cu_seq_lens_q must hold at least one document")
+    scale = scaling if scaling is not None else head_dim ** -0.5
+    if torch.is_autocast_enabled(query.device.type):
+        # Autocast casts SDPA's inputs, but not those of a custom kernel, and Qwen3's q_norm/k_norm (fp32 weights)
+        # return fp32 queries and keys next to bf16 values. The fused kernels take one 16-bit dtype: the autocast one.
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    # [batch, heads, seq, d] -> [tokens, heads, d]. The projections laid q, k, v out as [batch, seq, heads, d] and
+    # transformers transposed them, so transposing back is free and the flattening is a view.
+    q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], head_dim) for t in (query, key, value))
+    out = _VARLEN_FUNCTIONS[kernel](q, k, v, cu_seq_lens_q, max_length_q, scale)
+    return out.view(batch, seq, heads, head_dim), None
+
+
+def register_varlen_attention(kernel: str) -> None:
+    """Make VARLEN a valid attn_implementation running `kernel`. Its mask function is transformers' flash one,
+    which returns None for rows without padding: no [seq x seq] mask is ever built."""
+    AttentionInterface.register(VARLEN, functools.partial(varlen_attention_forward, kernel=kernel))
+    AttentionMaskInterface.register(VARLEN, flash_attention_mask)
 
 
 def sdpa_math_expanded_kv_forward(
@@ -187,6 +428,8 @@ def apply_attention_choice(choice: AttentionChoice) -> None:
     """Set PyTorch's global SDPA backend switches to `choice` and register custom attention it names."""
     if choice.impl == MATH_EXPANDED_KV:
         register_math_expanded_kv_attention()
+    if choice.impl == VARLEN:
+        register_varlen_attention(choice.varlen_kernel)
     # eager and flash_attention_2 never call SDPA, so there is no backend to choose; leave the switches alone.
     if not choice.sdpa_backends:
         return

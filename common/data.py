@@ -365,6 +365,14 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                            reduction="sum")
 
 
+def to_device(host_batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Copy a micro-batch to `device`. On a GPU the host tensors are pinned first, so the copy is asynchronous (from
+    pageable memory the host waits for it); the batch's host copy stays usable for host-side work."""
+    pin = device.type == "cuda"
+    return {key: (value.pin_memory() if pin else value).to(device, non_blocking=True)
+            for key, value in host_batch.items()}
+
+
 @torch.no_grad()
 def evaluate(model, data: SFTData, micro_batch_size: int, device: torch.device, autocast) -> float | None:
     """Token-weighted loss over the whole held-out split (the same with and without packing)."""

@@ -778,8 +778,8 @@ def _estimate_slice(shape: ModelShape, piece: DeviceSlice, strategy: str, world_
 
 def attention_kind(attn_implementation: str, packing: bool) -> str:
     """The ATTENTION_KINDS entry for an experiment's attention implementation and --packing setting."""
-    if attn_implementation.startswith("flash"):
-        return "flash"
+    if attn_implementation.startswith("flash") or attn_implementation == "varlen":
+        return "flash"  # no [seq x seq] mask; varlen's kernels keep flash's memory
     return "sdpa-packed" if packing else "sdpa"
 
 

@@ -1,5 +1,6 @@
-"""common/attention.py: the per-device choice, device description, global switches, and the custom
-expanded-KV math attention checked numerically on a tiny Qwen3 with a packed row."""
+"""common/attention.py: the per-device choice, device description, global switches, the custom expanded-KV math
+attention and the variable-length attention (document boundaries, every kernel's adapter, the CPU reference)
+checked numerically on a tiny Qwen3 with packed rows."""
 
 import importlib.util
 from importlib.machinery import ModuleSpec
@@ -27,6 +28,8 @@ MI50 = DeviceInfo("rocm", "AMD Instinct MI50", "gfx906")
 MI250 = DeviceInfo("rocm", "AMD Instinct MI250X", "gfx90a")
 MI300 = DeviceInfo("rocm", "AMD Instinct MI300X", "gfx942")
 RADEON = DeviceInfo("rocm", "AMD Radeon RX 7900 XTX", "gfx1100")
+NO_FAST_VARLEN = ("flex", "reference")  # an install with neither torch's varlen_attn nor flash-attn
+ALL_VARLEN = ("torch", "flash_attn", "flex", "reference")
 
 SWITCHES = {
     "flash": (torch.backends.cuda.flash_sdp_enabled, torch.backends.cuda.enable_flash_sdp),
@@ -77,7 +80,7 @@ def fake_flash_attn(monkeypatch, installed: bool) -> None:
     ],
 )
 def test_auto_choice_per_device(info, impl, backends, mentions):
-    choice = choose_attention(info)
+    choice = choose_attention(info, varlen_kernels=NO_FAST_VARLEN)
     assert choice.impl == impl
     assert choice.sdpa_backends == backends
     assert mentions in choice.reason
@@ -101,7 +104,7 @@ def test_eager_request_overrides_auto(info):
 
 def test_sdpa_request_matches_auto_where_auto_is_sdpa():
     for info in (CPU, H100, MI250, MI300):
-        assert choose_attention(info, "sdpa") == choose_attention(info, "auto")
+        assert choose_attention(info, "sdpa") == choose_attention(info, "auto", varlen_kernels=NO_FAST_VARLEN)
 
 
 @pytest.mark.parametrize("info", [MI100, MI50, RADEON])
@@ -133,7 +136,7 @@ def test_flash_request_on_cpu_is_an_error_even_with_flash_attn(monkeypatch):
 
 @pytest.mark.parametrize("requested", ["flash_attention_2", "SDPA", "", "math"])
 def test_invalid_request_lists_valid_values(requested):
-    with pytest.raises(ValueError, match="auto, sdpa, eager, flash"):
+    with pytest.raises(ValueError, match="auto, sdpa, eager, flash, varlen"):
         choose_attention(H100, requested)
 
 
@@ -269,3 +272,210 @@ def test_expanded_kv_math_keeps_packed_documents_isolated(packed_row):
     # mask over the whole row (what a missing mask function would give), and then the second document sees the first.
     whole_row_causal = logits(model, input_ids, position_ids, attention_mask=torch.ones_like(input_ids))
     assert (whole_row_causal[:, FIRST_DOC_LEN:] - second_alone).abs().max() > 1e-3
+
+
+# --- varlen: the choice --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "info, requested, kernels, kernel, backends",
+    [
+        (CPU, "varlen", ALL_VARLEN, "reference", ("flash", "math")),
+        (H100, "varlen", ALL_VARLEN, "torch", ("flash", "efficient", "cudnn", "math")),
+        (H100, "varlen", ("flash_attn", "flex", "reference"), "flash_attn", ("flash", "efficient", "cudnn", "math")),
+        (H100, "varlen", NO_FAST_VARLEN, "flex", ("flash", "efficient", "cudnn", "math")),
+        (H100, "auto", ("torch", "flex", "reference"), "torch", ("flash", "efficient", "cudnn", "math")),
+        (H100, "auto", ("flash_attn", "flex", "reference"), "flash_attn", ("flash", "efficient", "cudnn", "math")),
+        (MI100, "varlen", ("torch", "flex", "reference"), "reference", ("math",)),
+        (MI300, "varlen", ("torch", "flex", "reference"), "torch", ("flash", "efficient", "math")),
+        (MI300, "varlen", NO_FAST_VARLEN, "reference", ("math",)),
+    ],
+)
+def test_varlen_kernel_per_device_and_install(info, requested, kernels, kernel, backends):
+    choice = choose_attention(info, requested, varlen_kernels=kernels)
+    assert (choice.impl, choice.varlen_kernel, choice.sdpa_backends) == ("varlen", kernel, backends)
+    assert info.label() in choice.reason
+
+
+def test_auto_never_picks_varlen_off_nvidia_or_without_a_fast_kernel():
+    assert choose_attention(H100, "auto", varlen_kernels=NO_FAST_VARLEN).impl == "sdpa"  # flex only on request
+    for info in (CPU, MI100, MI300):
+        assert choose_attention(info, "auto", varlen_kernels=ALL_VARLEN).impl != "varlen"
+
+
+def test_forward_kwargs_are_empty_except_for_varlen(packed_row):
+    _, position_ids = packed_row
+    assert choose_attention(CPU, "sdpa").forward_kwargs(position_ids, torch.device("cpu")) == {}
+    kwargs = choose_attention(CPU, "varlen").forward_kwargs(position_ids, torch.device("cpu"))
+    assert kwargs["cu_seq_lens_q"].tolist() == [0, FIRST_DOC_LEN, FIRST_DOC_LEN + SECOND_DOC_LEN]
+    assert kwargs["cu_seq_lens_k"] is kwargs["cu_seq_lens_q"]
+    assert kwargs["max_length_q"] == kwargs["max_length_k"] == SECOND_DOC_LEN
+
+
+# --- varlen: document boundaries -----------------------------------------------------------------------------
+
+
+def test_document_boundaries_over_rows_restarts_and_pad_slots():
+    position_ids = torch.tensor([
+        [0, 1, 2, 0, 1, 0, 1, 2, 3, 0],  # three conversations, then one pad slot (its own restarted position)
+        [0, 1, 2, 3, 4, 5, 0, 1, 2, 3],  # a row always starts a document, even if positions ran on
+        [5, 6, 7, 8, 9, 3, 4, 0, 1, 2],  # restarts at any value, not only 0, split documents
+    ])
+    cu_seq_lens, longest = attention.document_boundaries(position_ids)
+    assert cu_seq_lens.dtype == torch.int32
+    assert cu_seq_lens.tolist() == [0, 3, 5, 9, 10, 16, 20, 25, 27, 30]
+    assert longest == 6
+
+
+# --- varlen: numerically -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def packed_rows():
+    """Two packed rows: documents of 10 + 14 tokens and 5 + 12 + 7 tokens (the last ones like pad slots)."""
+    generator = torch.Generator().manual_seed(2)
+    input_ids = torch.randint(0, 64, (2, 24), generator=generator)
+    position_ids = torch.stack([torch.cat([torch.arange(10), torch.arange(14)]),
+                                torch.cat([torch.arange(5), torch.arange(12), torch.arange(7)])])
+    return input_ids, position_ids
+
+
+def loss_and_grads(model, input_ids, position_ids, **kwargs):
+    model.zero_grad()
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False, **kwargs)
+    loss = out.logits.float().logsumexp(-1).mean()
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.usefixtures("restore_sdp_switches")
+def test_varlen_reference_equals_masked_sdpa_in_loss_and_gradients(packed_rows):
+    choice = choose_attention(CPU, "varlen")
+    apply_attention_choice(choice)
+    model = tiny_qwen3("varlen").train()
+    with_kwargs = loss_and_grads(model, *packed_rows, **choice.forward_kwargs(packed_rows[1], torch.device("cpu")))
+    from_position_ids = loss_and_grads(model, *packed_rows)  # the fallback: documents from the layers' position_ids
+    model.set_attn_implementation("sdpa")
+    masked = loss_and_grads(model, *packed_rows)
+    for candidate in (with_kwargs, from_position_ids):
+        torch.testing.assert_close(candidate[0], masked[0], rtol=1e-6, atol=0)
+        for name, grad in masked[1].items():
+            torch.testing.assert_close(candidate[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    # The check has teeth: the same positions with each whole row as one document (documents not isolated) give
+    # another loss.
+    model.set_attn_implementation("varlen")
+    whole_rows = loss_and_grads(model, *packed_rows, cu_seq_lens_q=torch.tensor([0, 24, 48], dtype=torch.int32),
+                                max_length_q=24)
+    assert (whole_rows[0] - masked[0]).abs() > 1e-4
+
+
+@pytest.mark.usefixtures("restore_sdp_switches")
+def test_varlen_refuses_a_padding_mask(packed_rows):
+    apply_attention_choice(choose_attention(CPU, "varlen"))
+    model = tiny_qwen3("varlen")
+    input_ids, position_ids = packed_rows
+    mask = torch.ones_like(input_ids)
+    mask[0, -3:] = 0
+    with pytest.raises(ValueError, match="no padding mask"):
+        model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False)
+
+
+def qkv_of_packed_rows(heads=4, kv_heads=2, head_dim=16):
+    """[tokens, heads, d] queries and [tokens, kv_heads, d] keys/values of two rows of three documents."""
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(48, heads, head_dim, generator=generator)
+    k, v = (torch.randn(48, kv_heads, head_dim, generator=generator) for _ in range(2))
+    cu_seq_lens = torch.tensor([0, 10, 24, 29, 41, 48], dtype=torch.int32)
+    return q, k, v, cu_seq_lens, 14
+
+
+def masked_reference(q, k, v, cu_seq_lens, scale):
+    """Plain SDPA over all tokens with a block-diagonal causal mask: what every kernel must return."""
+    document = torch.searchsorted(cu_seq_lens[1:].long(), torch.arange(q.shape[0]), right=True)
+    mask = (document[:, None] == document[None, :]).tril()
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                           attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_kernel_forward_equals_the_masked_reference():
+    # FlexAttention has no CPU backward: its forward is checked here, its backward on a GPU by the GPU suite.
+    q, k, v, cu_seq_lens, longest = qkv_of_packed_rows()
+    expected = masked_reference(q, k, v, cu_seq_lens, 0.3)
+    torch.testing.assert_close(attention._flex(q, k, v, cu_seq_lens, longest, 0.3), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(attention._reference_varlen(q, k, v, cu_seq_lens, longest, 0.3), expected,
+                               rtol=1e-5, atol=1e-6)
+
+
+def fake_varlen_attn(calls):
+    """Three generations of torch's varlen_attn signature, each computing with the reference; `calls` records what
+    the adapter passed."""
+
+    def run(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, enable_gqa):
+        calls.append(dict(kv_heads=k.shape[1], causal=causal, scale=scale, enable_gqa=enable_gqa, max_q=max_q))
+        assert causal, "the adapter must ask for causal attention"
+        if not enable_gqa:
+            assert k.shape[1] == q.shape[1], "without enable_gqa, K/V must come with all query heads"
+        return attention._reference_varlen(q, k, v, cu_q, max_q, scale if scale is not None else q.shape[-1] ** -0.5)
+
+    def torch_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+        return run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, None, False)
+
+    def torch_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                   window_size=(-1, -1)):
+        return run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, tuple(window_size) == (-1, 0), scale, False)
+
+    def later(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+              window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+        return run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, tuple(window_size) == (-1, 0), scale,
+                   enable_gqa)
+
+    return {"2.10": torch_2_10, "2.11": torch_2_11, "later": later}
+
+
+@pytest.mark.parametrize("version", ["2.10", "2.11", "later"])
+def test_torch_varlen_adapter_follows_each_signature(monkeypatch, version):
+    import torch.nn.attention.varlen as varlen_module
+
+    calls = []
+    monkeypatch.setattr(varlen_module, "varlen_attn", fake_varlen_attn(calls)[version])
+    attention.torch_varlen_takes_gqa.cache_clear()
+    q, k, v, cu_seq_lens, longest = qkv_of_packed_rows()
+    scale = 16 ** -0.5 if version == "2.10" else 0.3  # 2.10 takes no scale: only the default one is accepted
+    torch.testing.assert_close(attention._torch_varlen(q, k, v, cu_seq_lens, longest, scale),
+                               masked_reference(q, k, v, cu_seq_lens, scale), rtol=1e-5, atol=1e-6)
+    (call,) = calls
+    assert call["kv_heads"] == (2 if version == "later" else 4)  # grouped K/V heads passed as such where taken
+    assert call["max_q"] == longest
+    assert attention.torch_varlen_takes_gqa() == (version == "later")
+    reason = choose_attention(H100, "varlen", varlen_kernels=("torch", "reference")).reason
+    assert ("expanded" in reason) == (version != "later")
+    if version == "2.10":
+        with pytest.raises(ValueError, match="takes no scale"):
+            attention._torch_varlen(q, k, v, cu_seq_lens, longest, 0.3)
+    attention.torch_varlen_takes_gqa.cache_clear()
+
+
+@pytest.mark.usefixtures("restore_sdp_switches")
+def test_varlen_kernels_get_one_dtype_under_autocast(monkeypatch, packed_rows):
+    """Under bf16 autocast Qwen3's normed queries and keys are fp32 and its values bf16; SDPA casts them itself, a
+    custom kernel does not, and the fused ones take a single 16-bit dtype."""
+    seen = []
+
+    def recording(q, k, v, cu_seq_lens, max_length, scale):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return attention._reference_varlen(q, k, v, cu_seq_lens, max_length, scale)
+
+    monkeypatch.setitem(attention._VARLEN_FUNCTIONS, "reference", recording)
+    choice = choose_attention(CPU, "varlen")
+    apply_attention_choice(choice)
+    model = tiny_qwen3("varlen")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        varlen = model(input_ids=packed_rows[0], position_ids=packed_rows[1], attention_mask=None, use_cache=False,
+                       **choice.forward_kwargs(packed_rows[1], torch.device("cpu"))).logits
+        model.set_attn_implementation("sdpa")
+        masked = model(input_ids=packed_rows[0], position_ids=packed_rows[1], attention_mask=None,
+                       use_cache=False).logits
+    assert seen and set(seen) == {(torch.bfloat16,) * 3}
+    torch.testing.assert_close(varlen.float(), masked.float(), rtol=0, atol=2e-2)

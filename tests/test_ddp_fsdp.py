@@ -1,6 +1,7 @@
 """ddp-ft and fsdp-ft against single-ft (2 ranks, gloo, CPU): same per-step losses on the same B, bf16, LoRA,
-the FSDP memory options, checkpoint/resume (also after a save that died half-way), and the HF export; the model-state
-bytes each rank holds against common/memory.py, and the collectives' calls and bytes against common/comm.py.
+the FSDP memory options, the fast path's flags (--loss-chunk-tokens, --compile, --attn varlen), checkpoint/resume
+(also after a save that died half-way), and the HF export; the model-state bytes each rank holds against
+common/memory.py, the collectives' calls and bytes against common/comm.py, and the host reads of a step.
 
 Each experiment runs all its configurations in ONE torchrun launch (a module-scoped fixture returns the folder
 holding one --out-dir per configuration); the single-ft references run once, in this process.
@@ -9,6 +10,8 @@ holding one --out-dir per configuration); the single-ft references run once, in 
 import json
 import math
 import shutil
+import sys
+from collections import Counter
 from contextlib import contextmanager, nullcontext
 
 import pytest
@@ -17,10 +20,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.checkpoint import load_checkpoint
 from common.data import build_data, evaluate
-from conftest import load_experiment, read_losses, torchrun
+from conftest import REPO_ROOT, load_experiment, read_losses, torchrun
 from test_comm import assert_formula_matches, tiny_parameters
 
 single_ft = load_experiment("single-ft")
+ddp_ft = load_experiment("ddp-ft")
 fsdp_ft = load_experiment("fsdp-ft")
 
 STEPS = 6  # every compared run has the same --steps (the cosine schedule depends on it); resume from step 3
@@ -31,6 +35,11 @@ NO_PROFILE = ("--comm-profile-steps", 0)
 # collectives are compared with common/comm.py's formula.
 PROFILE_ONE = ("--comm-profile-steps", 1)
 LORA = ("--lora-rank", 4, "--steps", 3)
+# The fast path's flags run 3 steps (2 with --compile, whose compilation is most of the run's time), compared with the
+# first steps of the 6-step reference: with 2 warm-up steps, a step's loss and gradient depend only on the learning
+# rates before it, which do not depend on --steps until the third update.
+FAST = ("--steps", 3, *NO_PROFILE)
+COMPILED = ("--steps", 2, *NO_PROFILE, "--compile", "--loss-chunk-tokens", 64)
 
 
 def split(micro: int, accum: int) -> tuple:
@@ -99,6 +108,9 @@ def ddp(tmp_path_factory, small_data):
                       "--reduce-every-micro-batch"],
         "lora": [*split(1, 2), *LORA, *NO_PROFILE, "--activation-checkpointing", "--save-hf", root / "lora-merged",
                  "--merge-lora"],
+        "chunked": [*split(1, 2), *FAST, "--loss-chunk-tokens", 64],
+        "varlen": [*split(1, 2), *FAST, "--attn", "varlen"],
+        "compiled": [*split(1, 2), *COMPILED],
     })
     return root
 
@@ -119,6 +131,9 @@ def fsdp(tmp_path_factory, small_data):
                     "--no-reshard-after-forward", "--activation-checkpointing", "--cpu-offload",
                     "--reduce-every-micro-batch", "--eval-every", 2],
         "lora": [*split(1, 2), *LORA, *NO_PROFILE, "--save-hf", root / "lora-merged", "--merge-lora"],
+        "chunked": [*split(1, 2), *FAST, "--loss-chunk-tokens", 64],
+        "varlen": [*split(1, 2), *FAST, "--attn", "varlen"],
+        "compiled": [*split(1, 2), *COMPILED],
     })
     return root
 
@@ -157,6 +172,57 @@ def test_lora_equals_single_ft_lora_and_merges(experiment, request, reference, s
     loss, model = reloaded_eval_loss(runs / "lora-merged", small_data)
     assert not any("lora" in name for name, _ in model.named_parameters())
     assert loss == pytest.approx(run["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("experiment", ["ddp", "fsdp"])
+def test_fast_path_flags_compute_single_ft_steps(experiment, request, reference):
+    """--loss-chunk-tokens, --attn varlen, and --compile with the chunked loss, each on the first steps of the
+    reference. The chunked loss runs the wrapped model whole (its forward arms DDP's gradient hooks; FSDP's root
+    gathers the LM head): a forward that bypassed the wrapper would leave each rank stepping on its own gradient."""
+    runs = request.getfixturevalue(experiment)
+    expected = records(reference / "full")
+    assert summary(reference / "full")["attention"]["impl"] == "sdpa"  # the block-diagonal mask varlen replaces
+    for name, steps, rel in (("chunked", 3, 1e-5), ("varlen", 3, 1e-5), ("compiled", 2, 1e-4)):
+        got = records(runs / name)
+        assert [r["step"] for r in got] == list(range(1, steps + 1)), name
+        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in expected[:steps]], rel=rel), name
+        # A gradient summed on one rank only, or a tie counted twice, is off by tens of percent (see above).
+        assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in expected[:steps]],
+                                                             rel=1e-3), name
+    # The runs took the other paths: the chunked loss, the varlen attention (on CPU its per-document reference),
+    # the compiled layers.
+    chunked, varlen, compiled = (summary(runs / name) for name in ("chunked", "varlen", "compiled"))
+    assert chunked["config"]["loss_chunk_tokens"] == 64 and chunked["attention"]["impl"] == "sdpa"
+    assert varlen["attention"]["impl"] == "varlen" and varlen["attention"]["varlen_kernel"] == "reference"
+    assert varlen["config"]["loss_chunk_tokens"] == 0
+    assert compiled["config"]["compile"] and compiled["config"]["loss_chunk_tokens"] == 64
+    # The third update too: both runs end with the same weights, evaluated through their own attention.
+    assert varlen["eval_loss"] == pytest.approx(chunked["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("module", [ddp_ft, fsdp_ft], ids=["ddp", "fsdp"])
+def test_the_step_reads_the_device_once(module, small_data, tmp_path, monkeypatch):
+    """The training loop waits for the device once per optimizer step: the step line's loss and gradient norm,
+    read together, also with the chunked loss and varlen. Counted on CPU in a 1-rank run by wrapping every Tensor
+    method that copies a value to the host, for calls made from the script itself, as tests/test_single_ft.py
+    counts single-ft's (syncs inside libraries are the GPU suite's to count)."""
+    script = str(REPO_ROOT / "experiments" / module.EXPERIMENT / "train.py")
+    calls = []
+
+    def counting(method):
+        def wrapper(self, *args, **kwargs):
+            if sys._getframe(1).f_code.co_filename == script:
+                calls.append(method.__name__)
+            return method(self, *args, **kwargs)
+        return wrapper
+
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name)))
+    with one_thread():
+        module.main(argv("--data", small_data, *FP32, *NO_PROFILE, *split(2, 2), "--steps", 3, "--eval-fraction", 0,
+                         "--loss-chunk-tokens", 64, "--attn", "varlen", "--out-dir", tmp_path))
+    assert Counter(calls) == Counter({"tolist": 3})
+    assert not torch.distributed.is_initialized()  # the 1-rank group the script made is gone
 
 
 @pytest.mark.parametrize("experiment", ["ddp", "fsdp"])

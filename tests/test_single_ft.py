@@ -1,6 +1,7 @@
 """single-ft, the reference: batch-split invariance, packing invariance, learning, export, LoRA, CLI contract."""
 
 import json
+from collections import Counter
 from contextlib import nullcontext
 import re
 import subprocess
@@ -145,3 +146,46 @@ def test_lora_resume_equals_the_uninterrupted_run(tmp_path, small_data):
     _, uninterrupted = run(tmp_path, "whole", small_data, *args, "--checkpoint-every", 2)
     _, resumed = run(tmp_path, "resumed", small_data, *args, "--resume", tmp_path / "whole" / "checkpoints" / "step-2")
     assert resumed == pytest.approx(uninterrupted[2:], rel=1e-5)
+
+
+def test_varlen_attention_computes_the_masked_sdpa_steps(tmp_path, small_data):
+    """--attn varlen (on CPU: the per-document reference, fed the same cu_seq_lens a GPU kernel gets) against the
+    block-diagonal mask of --attn sdpa, full SFT and LoRA, two rows per micro-batch (documents of both rows flattened
+    into one list) and through the chunked loss's decoder-only call."""
+    args = ("--steps", 3, "--micro-batch-size", 2, "--grad-accum", 2, "--comm-profile-steps", 0)
+    for name, extra in (("full", ()), ("lora", ("--lora-rank", 4)), ("chunked", ("--loss-chunk-tokens", 64))):
+        sdpa_summary, sdpa = run(tmp_path, f"sdpa-{name}", small_data, *args, *extra, "--attn", "sdpa")
+        varlen_summary, varlen = run(tmp_path, f"varlen-{name}", small_data, *args, *extra, "--attn", "varlen")
+        assert varlen_summary["attention"]["impl"] == "varlen"
+        assert varlen_summary["attention"]["varlen_kernel"] == "reference"
+        assert sdpa_summary["attention"]["impl"] == "sdpa"
+        assert varlen == pytest.approx(sdpa, rel=1e-5), name
+        assert varlen_summary["eval_loss"] == pytest.approx(sdpa_summary["eval_loss"], rel=1e-5)
+
+
+def test_the_step_reads_the_device_once(tmp_path, small_data, monkeypatch):
+    """The training step's own code waits for the device once per optimizer step: loss and gradient norm read
+    together for the step line. Counted on CPU by wrapping every Tensor method that copies a value to the host,
+    for calls made from train.py, with and without the chunked loss and varlen. (Syncs inside libraries are the GPU
+    suite's to count, with torch.cuda.set_sync_debug_mode.)"""
+    script = str(REPO_ROOT / "experiments" / "single-ft" / "train.py")
+    calls = []
+
+    def counting(method):
+        def wrapper(self, *args, **kwargs):
+            if sys._getframe(1).f_code.co_filename == script:
+                calls.append(method.__name__)
+            return method(self, *args, **kwargs)
+        return wrapper
+
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name)))
+    for extra in ((), ("--loss-chunk-tokens", 64, "--attn", "varlen")):
+        per_run = []
+        for steps in (2, 5):
+            calls.clear()
+            run(tmp_path, f"syncs-{steps}-{len(extra)}", small_data, "--steps", steps, "--grad-accum", 2,
+                "--comm-profile-steps", 0, "--eval-fraction", 0, *extra)
+            per_run.append(list(calls))
+        # 3 more steps, one read each, and nothing else: a .item() added to the step would show here.
+        assert Counter(per_run[1]) - Counter(per_run[0]) == Counter({"tolist": 3}), (per_run, extra)

@@ -1,6 +1,6 @@
 """zero-ft against single-ft: DeepSpeed ZeRO stages 1, 2 and 3 (and ZeRO-Offload) on 2 CPU ranks (gloo) compute
-single-ft's steps; the model-state bytes each rank holds against common/memory.py, the collectives against
-common/comm.py.
+single-ft's steps, also with the fast path's flags (--loss-chunk-tokens, --compile, --attn varlen); the model-state
+bytes each rank holds against common/memory.py, the collectives against common/comm.py.
 
 Every 2-rank configuration runs in one torchrun launch (module fixture `launch`): the imports and DeepSpeed's
 start-up cost more than the runs themselves. B = 4 rows per step: 2 ranks x 1 row x 2 micro-batches for zero-ft,
@@ -25,6 +25,11 @@ single_ft = load_experiment("single-ft")
 STEPS = 6
 SHARED = ["--seq-len", 128, "--dtype", "fp32", "--steps", STEPS, "--warmup-steps", 2]
 ZERO = [*SHARED, "--micro-batch-size", 1, "--grad-accum", 2]  # x 2 ranks
+# The fast path's flags run 3 steps (2 with --compile, whose compilation is most of the run's time), compared with the
+# first steps of the 6-step reference: with 2 warm-up steps, a step's loss and gradient depend only on the learning
+# rates before it, which do not depend on --steps until the third update.
+FAST = [*ZERO, "--steps", 3, "--comm-profile-steps", 0]
+COMPILED = [*ZERO, "--steps", 2, "--comm-profile-steps", 0, "--compile", "--loss-chunk-tokens", 64]
 
 
 def checkpoints(out_dir) -> list[str]:
@@ -71,6 +76,9 @@ def launch(tmp_path_factory, small_data):
         [*data, *ZERO, "--zero-stage", 2, "--cpu-offload", "--out-dir", root / "stage2-offload", *profile_one],
         [*data, *ZERO, "--zero-stage", 3, "--out-dir", root / "lora", "--lora-rank", 4, "--save-hf",
          root / "lora-merged", "--merge-lora", *quiet],
+        [*data, *FAST, "--zero-stage", 3, "--loss-chunk-tokens", 64, "--out-dir", root / "stage3-chunked"],
+        [*data, *FAST, "--zero-stage", 3, "--attn", "varlen", "--out-dir", root / "stage3-varlen"],
+        [*data, *COMPILED, "--zero-stage", 2, "--out-dir", root / "stage2-compiled"],
     ])
     return root, reference, lora
 
@@ -89,6 +97,41 @@ def test_every_stage_computes_the_single_process_steps(launch, run):
     assert [r["tokens"] for r in got] == [r["tokens"] for r in expected]  # counted over both ranks
     assert expected[-1]["loss"] < expected[0]["loss"] - 0.5  # the steps really trained
     assert summary(root / run)["eval_loss"] == pytest.approx(summary(root / "single")["eval_loss"], rel=1e-5)
+
+
+def test_fast_path_flags_compute_the_single_process_steps(launch):
+    """--loss-chunk-tokens under ZeRO-3 (the LM head's weight gathered by hand around the loss and its backward),
+    --attn varlen under ZeRO-3's hooks, and --compile with the chunked loss at stage 2, each on the first steps of
+    the reference."""
+    root, *_ = launch
+    expected = records(root / "single")
+    assert summary(root / "single")["attention"]["impl"] == "sdpa"  # the block-diagonal mask varlen replaces
+    for run, steps, rel in (("stage3-chunked", 3, 1e-5), ("stage3-varlen", 3, 1e-5), ("stage2-compiled", 2, 1e-4)):
+        got = records(root / run)
+        assert [r["step"] for r in got] == list(range(1, steps + 1)), run
+        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in expected[:steps]], rel=rel), run
+        # A head gradient left out of ZeRO's reduction, or reduced twice, would show in the norm.
+        assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in expected[:steps]],
+                                                             rel=1e-3), run
+    # The runs took the other paths: the chunked loss, the varlen attention (on CPU its per-document reference),
+    # the compiled layers.
+    chunked, varlen, compiled = (summary(root / run) for run in ("stage3-chunked", "stage3-varlen", "stage2-compiled"))
+    assert chunked["config"]["loss_chunk_tokens"] == 64 and chunked["attention"]["impl"] == "sdpa"
+    assert varlen["attention"]["impl"] == "varlen" and varlen["attention"]["varlen_kernel"] == "reference"
+    assert varlen["config"]["loss_chunk_tokens"] == 0
+    assert compiled["config"]["compile"] and compiled["config"]["loss_chunk_tokens"] == 64
+    assert compiled["zero_stage"] == 2 and chunked["zero_stage"] == varlen["zero_stage"] == 3
+    # The third update too: both runs end with the same weights, evaluated through their own attention.
+    assert varlen["eval_loss"] == pytest.approx(chunked["eval_loss"], rel=1e-5)
+
+
+def test_compile_is_refused_at_stage_3_with_the_reason():
+    zero_ft = load_experiment("zero-ft")
+    zero_ft.resolve(zero_ft.Config(compile=True, zero_stage=2))  # accepted
+    with pytest.raises(SystemExit) as refusal:
+        zero_ft.resolve(zero_ft.Config(compile=True, zero_stage=3))
+    message = str(refusal.value)
+    assert message.startswith("--compile needs --zero-stage 1 or 2: ZeRO-3 gathers") and "\n" not in message
 
 
 def test_resume_equals_the_uninterrupted_run_and_ignores_a_torn_save(launch):

@@ -6,6 +6,7 @@ state sharded over the ranks, each decoder layer's weights all-gathered just bef
     uv run python experiments/fsdp-ft/train.py --model Qwen/Qwen3-0.6B-Base        # one GPU (a 1-rank process group)
     uv run torchrun --nproc_per_node=2 experiments/fsdp-ft/train.py --lora-rank 16 --save-hf runs/lora --merge-lora
     uv run torchrun --nproc_per_node=2 experiments/fsdp-ft/train.py --steps 3 --seq-len 128   # CPU smoke run (gloo)
+    uv run torchrun --nproc_per_node=2 experiments/fsdp-ft/train.py --loss-chunk-tokens 1024 --compile  # fast path
 
 One optimizer step consumes B = micro_batch_size x grad_accum x world_size packed rows (common/data.py); rank r
 runs the r-th contiguous slice of them, as in ddp-ft. What changes is where the model lives: each rank keeps 1/W of
@@ -42,6 +43,7 @@ from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import DataError, build_data, describe, evaluate, token_loss_sum
 from common.comm import as_backend, fsdp_collectives
 from common.dist import all_ranks, init_distributed, print0, teardown
+from common.loss import chunked_token_loss_sum
 from common.memory import attention_kind, estimate
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     state_bytes, summary_table
@@ -67,11 +69,13 @@ class Config:
     seed: int = 0  # one seed for init, data order and held-out split
     dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 compute with fp32 master weights and AdamW state; default bf16 on GPU, fp32 on CPU
     activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of storing its activations
+    loss_chunk_tokens: int = 0  # 0 = plain loss over the full logits; N = LM head + cross-entropy on loss tokens only, N at a time, never holding the [tokens x vocab] logits (common/loss.py); meant for GPUs and a 152k vocabulary, e.g. 1024 (untuned)
+    compile: bool = False  # torch.compile each decoder layer (GPU speed; on CPU it only costs compile time)
     packing: bool = True  # pack conversations into rows (--no-packing: one padded conversation per row)
     lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
     lora_alpha: float | None = None  # LoRA scaling numerator; default 2 x rank
     merge_lora: bool = False  # with --save-hf and LoRA: write the merged full model instead of the adapter
-    attn: Literal["auto", "sdpa", "eager", "flash"] = "auto"  # attention implementation; auto: common/attention.py decides per device
+    attn: Literal["auto", "sdpa", "eager", "flash", "varlen"] = "auto"  # attention implementation; auto: common/attention.py decides per device (varlen: packed documents without a mask)
     eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
     eval_every: int = 0  # also evaluate every N steps (0 = only at the end)
     timing_warmup_steps: int = 2  # first steps left out of the averages in summary.json (allocator, caches, compilation)
@@ -104,8 +108,8 @@ def resolve(config: Config) -> Config:
     if config.out_dir is None:
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
         config.out_dir = str(REPO_ROOT / "runs" / f"{EXPERIMENT}-{stamp}")
-    if config.micro_batch_size < 1 or config.grad_accum < 1 or config.steps < 0:
-        raise SystemExit("--micro-batch-size and --grad-accum must be >= 1 and --steps >= 0")
+    if config.micro_batch_size < 1 or config.grad_accum < 1 or config.steps < 0 or config.loss_chunk_tokens < 0:
+        raise SystemExit("--micro-batch-size and --grad-accum must be >= 1, --steps and --loss-chunk-tokens >= 0")
     return config
 
 
@@ -158,9 +162,10 @@ def apply_fsdp(model, mesh: DeviceMesh, param_dtype: torch.dtype | None, reshard
     for layer in layers:  # transformers' decoder layers (Qwen3DecoderLayer), LoRA adapters included
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                     offload_policy=offload_policy)
-    # The root keeps its weights gathered after forward (reshard_after_forward defaults to False for the root):
-    # backward starts with the LM head, which would otherwise be gathered again right away.
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    # The root keeps its weights gathered after forward (FSDP's default for the root, spelled out here): backward
+    # starts with the LM head, which would otherwise be gathered again right away. It is also what lets
+    # --loss-chunk-tokens use the LM head's weight after the model's forward has returned (see the training loop).
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload_policy)
     return layers
 
 
@@ -227,6 +232,13 @@ def main(argv: list[str] | None = None) -> dict:
         # has already gathered for that layer's backward, instead of triggering a second round of hooks.
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if config.compile:
+        # One compiled graph per decoder layer, not one for the whole model (as torchtitan does): compile time stays
+        # bounded, and a graph break stays inside its layer. Module.compile() compiles in place, so parameter names
+        # (checkpoints, --save-hf) do not change. Before sharding, as torchtitan does; compilation itself waits for
+        # the first call, and FSDP's hooks around each layer's call run outside the graph (torch.compile skips them).
+        for layer in model.get_decoder().layers:
+            layer.compile()
     layer_units = apply_fsdp(model, mesh, torch.bfloat16 if config.dtype == "bf16" else None,
                              config.reshard_after_forward, config.cpu_offload)
     n_units = len(layer_units) + 1
@@ -238,6 +250,9 @@ def main(argv: list[str] | None = None) -> dict:
     del full_state
     if model.config.tie_word_embeddings:
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight, "tie lost in sharding"
+    # --loss-chunk-tokens applies the LM head itself, on the final hidden states the model returns; the model's own
+    # head then runs on no position (logits_to_keep takes an index of the positions to keep).
+    lm_head, no_positions = model.get_output_embeddings(), torch.empty(0, dtype=torch.long, device=device)
     model.train()
     n_params = count_parameters(model.config)["total"]
     trainable = [p for p in model.parameters() if p.requires_grad]  # DTensors: each rank's shard of a parameter
@@ -295,8 +310,10 @@ def main(argv: list[str] | None = None) -> dict:
         stopwatch.reset()
         comm_timer.start(step)
         step_loss = torch.zeros((), device=device)
-        for index, batch in enumerate(micro_batches):
-            batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+        for index, host_batch in enumerate(micro_batches):
+            batch = {key: value.to(device, non_blocking=True) for key, value in host_batch.items()}
+            # --attn varlen: the documents' boundaries, from the host copy of position_ids ({} otherwise).
+            packed = attention.forward_kwargs(host_batch["position_ids"], device)
             # Reduce-scatter only in the backward of the last micro-batch. Before it, each rank accumulates its own
             # unsharded gradients (in fp32, the reduce_dtype) and backward's only collectives are the weight
             # all-gathers. The price is memory: a full-size fp32 gradient per rank until the step's reduce-scatter,
@@ -304,14 +321,30 @@ def main(argv: list[str] | None = None) -> dict:
             last = index == len(micro_batches) - 1
             model.set_requires_gradient_sync(last or config.reduce_every_micro_batch)
             # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
-            # isolated (transformers builds a block-diagonal causal mask from the position_ids).
-            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                           attention_mask=None, use_cache=False).logits
+            # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen needs none).
+            if config.loss_chunk_tokens:
+                # Final hidden states, then the LM head on loss tokens only, chunk by chunk; the labels' host copy
+                # picks those tokens without waiting for the device (a CUDA mask would force a sync). Unlike
+                # single-ft, the decoder body is not called on its own: the embedding and the LM head live in the
+                # root unit, which only the root's forward gathers. So the whole model runs, asked for its hidden
+                # states (the last one after the final norm; backward keeps the others anyway) and for logits at no
+                # position at all. The root stays gathered after its forward (apply_fsdp), so lm_head.weight is now
+                # the whole weight (in the gather dtype), and its gradient joins the root's reduce-scatter, like the
+                # plain path's.
+                hidden = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                               attention_mask=None, use_cache=False, output_hidden_states=True,
+                               logits_to_keep=no_positions, **packed).hidden_states[-1]
+                loss_sum = chunked_token_loss_sum(hidden, lm_head.weight, host_batch["labels"],
+                                                  config.loss_chunk_tokens)
+            else:
+                logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                               attention_mask=None, use_cache=False, **packed).logits
+                loss_sum = token_loss_sum(logits, batch["labels"])
             # Divide by the whole step's loss tokens (all micro-batches, all ranks), not this micro-batch's:
             # summing the gradients over micro-batches and ranks then gives exactly the gradient of the
             # token-weighted step loss. FSDP's reduce-scatter averages over ranks (like DDP's all-reduce), so the
             # backward runs on world_size x loss: the average of those is the sum we want.
-            loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
+            loss = loss_sum / loss_tokens
             (loss * world_size).backward()
             step_loss += loss.detach()
         if step == state_step:
@@ -328,11 +361,13 @@ def main(argv: list[str] | None = None) -> dict:
         # Each rank summed its own rows' token losses over the global count: the step loss is the sum over ranks.
         # Only for the log line; one scalar all-reduce per step.
         dist.all_reduce(step_loss)
-        step_loss_value = step_loss.item()  # the one host-device synchronisation of the step
+        # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together
+        # (with --cpu-offload the norm of the CPU shards is a CPU tensor).
+        step_loss_value, grad_norm_value = torch.stack([step_loss, grad_norm.to(device, torch.float32)]).tolist()
         step_ms = stopwatch.elapsed_ms()
         comm_ms = comm_timer.stop(step)
 
-        metrics.log_step(step + 1, step_loss_value, lr, grad_norm.item(), data.step_real_tokens(step, rows_per_step),
+        metrics.log_step(step + 1, step_loss_value, lr, grad_norm_value, data.step_real_tokens(step, rows_per_step),
                          loss_tokens, step_ms, comm_ms, print_fn=print0)
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate(model, data, config.micro_batch_size, device, nullcontext)))

@@ -26,7 +26,7 @@ from transformers import HfArgumentParser
 
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
-from common.data import DataError, build_data, describe, evaluate, token_loss_sum
+from common.data import DataError, build_data, describe, evaluate, to_device, token_loss_sum
 from common.dist import all_ranks, init_distributed, print0, teardown
 from common.loss import chunked_token_loss_sum
 from common.memory import attention_kind, estimate
@@ -60,7 +60,7 @@ class Config:
     lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
     lora_alpha: float | None = None  # LoRA scaling numerator; default 2 x rank
     merge_lora: bool = False  # with --save-hf and LoRA: write the merged full model instead of the adapter
-    attn: Literal["auto", "sdpa", "eager", "flash"] = "auto"  # attention implementation; auto: common/attention.py decides per device
+    attn: Literal["auto", "sdpa", "eager", "flash", "varlen"] = "auto"  # attention implementation; auto: common/attention.py decides per device (varlen: packed documents without a mask)
     eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
     eval_every: int = 0  # also evaluate every N steps (0 = only at the end)
     timing_warmup_steps: int = 2  # first steps left out of the averages in summary.json (allocator, caches, compilation)
@@ -194,22 +194,26 @@ def main(argv: list[str] | None = None) -> dict:
 
         stopwatch.reset()
         comm_timer.start(step)
+        # All of the step's micro-batches go to the device up front, from pinned memory on a GPU, so the copies
+        # overlap the compute queued before them instead of waiting in the loop.
+        batches = [to_device(host_batch, device) for host_batch in micro_batches]
         step_loss = torch.zeros((), device=device)
-        for host_batch in micro_batches:
-            batch = {key: value.to(device, non_blocking=True) for key, value in host_batch.items()}
+        for host_batch, batch in zip(micro_batches, batches):
+            # --attn varlen: the documents' boundaries, from the host copy of position_ids ({} otherwise).
+            packed = attention.forward_kwargs(host_batch["position_ids"], device)
             with autocast():
                 # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
-                # isolated (transformers builds a block-diagonal causal mask from the position_ids).
+                # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen needs none).
                 if config.loss_chunk_tokens:
                     # Final hidden states, then the LM head on loss tokens only, chunk by chunk; the labels' host
                     # copy picks those tokens without waiting for the device (a CUDA mask would force a sync).
                     hidden = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                                     attention_mask=None, use_cache=False).last_hidden_state
+                                     attention_mask=None, use_cache=False, **packed).last_hidden_state
                     loss_sum = chunked_token_loss_sum(hidden, lm_head.weight, host_batch["labels"],
                                                       config.loss_chunk_tokens)
                 else:
                     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                                   attention_mask=None, use_cache=False).logits
+                                   attention_mask=None, use_cache=False, **packed).logits
                     loss_sum = token_loss_sum(logits, batch["labels"])
             # Divide by the whole step's loss tokens, not this micro-batch's: summing the micro-batch gradients
             # then gives exactly the gradient of the token-weighted step loss.
@@ -223,11 +227,12 @@ def main(argv: list[str] | None = None) -> dict:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        step_loss_value = step_loss.item()  # the one host-device synchronisation of the step
+        # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together.
+        step_loss_value, grad_norm_value = torch.stack([step_loss, grad_norm.float()]).tolist()
         step_ms = stopwatch.elapsed_ms()
         comm_ms = comm_timer.stop(step)
 
-        metrics.log_step(step + 1, step_loss_value, lr, grad_norm.item(), data.step_real_tokens(step, rows_per_step),
+        metrics.log_step(step + 1, step_loss_value, lr, grad_norm_value, data.step_real_tokens(step, rows_per_step),
                          loss_tokens, step_ms, comm_ms, print_fn=print0)
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate(model, data, config.micro_batch_size, device, autocast)))

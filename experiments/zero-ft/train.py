@@ -4,6 +4,7 @@
     uv run torchrun --nproc_per_node=2 experiments/zero-ft/train.py --zero-stage 3 --model Qwen/Qwen3-1.7B-Base
     uv run python experiments/zero-ft/train.py --zero-stage 3                               # one process (a world of 1)
     uv run torchrun --nproc_per_node=2 experiments/zero-ft/train.py --zero-stage 3 --steps 5 --seq-len 128  # CPU smoke
+    uv run torchrun --nproc_per_node=2 experiments/zero-ft/train.py --zero-stage 2 --loss-chunk-tokens 1024 --compile
 
 ZeRO keeps data parallelism (every rank runs the whole model on its own rows) but stops replicating the training
 state: stage 1 shards the optimizer state (AdamW's two moments, and in bf16 the fp32 master weights) over the ranks,
@@ -15,7 +16,7 @@ One optimizer step consumes B = micro_batch_size x grad_accum x world_size packe
 same computation as single-ft on that B: the loss is token-weighted over all ranks and micro-batches, and DeepSpeed's
 own loss/gradient scaling is undone (see the training loop). tests/test_zero_ft.py holds every stage to single-ft.
 
-Strategy flags: --zero-stage, --cpu-offload.
+Strategy flags: --zero-stage, --cpu-offload. --compile is refused at stage 3 (README.md says why).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from common.checkpoint import load_deepspeed_checkpoint, save_deepspeed_checkpoi
 from common.data import DataError, build_data, describe, evaluate, token_loss_sum  # noqa: E402
 from common.comm import as_backend, zero_collectives  # noqa: E402
 from common.dist import act_as_launcher_if_alone, all_ranks, init_distributed, print0, teardown  # noqa: E402
+from common.loss import chunked_token_loss_sum  # noqa: E402
 from common.memory import STRATEGIES, attention_kind, estimate  # noqa: E402
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     memory_label, peak_memory_gib, state_bytes, storage_bytes, summary_table  # noqa: E402
@@ -74,11 +76,13 @@ class Config:
     seed: int = 0  # one seed for init, data order and held-out split
     dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 weights and compute with fp32 master weights and AdamW state; default bf16 on GPU, fp32 on CPU
     activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of storing its activations
+    loss_chunk_tokens: int = 0  # 0 = plain loss over the full logits; N = LM head + cross-entropy on loss tokens only, N at a time, never holding the [tokens x vocab] logits (common/loss.py); meant for GPUs and a 152k vocabulary, e.g. 1024 (untuned)
+    compile: bool = False  # torch.compile each decoder layer (GPU speed; on CPU it only costs compile time); ZeRO stages 1 and 2 only (README)
     packing: bool = True  # pack conversations into rows (--no-packing: one padded conversation per row)
     lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
     lora_alpha: float | None = None  # LoRA scaling numerator; default 2 x rank
     merge_lora: bool = False  # with --save-hf and LoRA: write the merged full model instead of the adapter
-    attn: Literal["auto", "sdpa", "eager", "flash"] = "auto"  # attention implementation; auto: common/attention.py decides per device
+    attn: Literal["auto", "sdpa", "eager", "flash", "varlen"] = "auto"  # attention implementation; auto: common/attention.py decides per device (varlen: packed documents without a mask)
     eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
     eval_every: int = 0  # also evaluate every N steps (0 = only at the end)
     timing_warmup_steps: int = 2  # first steps left out of the averages in summary.json (allocator, caches, compilation)
@@ -110,10 +114,14 @@ def resolve(config: Config) -> Config:
     if config.out_dir is None:
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
         config.out_dir = str(REPO_ROOT / "runs" / f"{EXPERIMENT}-{stamp}")
-    if config.micro_batch_size < 1 or config.grad_accum < 1 or config.steps < 0:
-        raise SystemExit("--micro-batch-size and --grad-accum must be >= 1 and --steps >= 0")
+    if config.micro_batch_size < 1 or config.grad_accum < 1 or config.steps < 0 or config.loss_chunk_tokens < 0:
+        raise SystemExit("--micro-batch-size and --grad-accum must be >= 1, --steps and --loss-chunk-tokens >= 0")
     if config.zero_stage not in (1, 2, 3):
         raise SystemExit(f"--zero-stage must be 1, 2 or 3, got {config.zero_stage} (stage 0 is plain DDP: see ddp-ft)")
+    if config.compile and config.zero_stage == 3:
+        raise SystemExit("--compile needs --zero-stage 1 or 2: ZeRO-3 gathers each projection's weight in hooks "
+                         "that torch.compile must leave out of its graphs, so a compiled decoder layer falls apart "
+                         "into small graphs between the gathers instead of one (see README.md)")
     return config
 
 
@@ -267,6 +275,13 @@ def main(argv: list[str] | None = None) -> dict:
         lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
         model = get_peft_model(model, lora)
+    if config.compile:
+        # One compiled graph per decoder layer, not one for the whole model (as torchtitan does): compile time stays
+        # bounded, and a graph break stays inside its layer. Module.compile() compiles in place, so parameter names
+        # (checkpoints, --save-hf) do not change. Stages 1 and 2 put no hook inside a layer (their gradient hooks
+        # are on the parameters' accumulators, outside the graph): one graph per layer, as in single-ft.
+        for layer in model.get_decoder().layers:
+            layer.compile()
     if config.zero_stage == 3 and config.dtype == "bf16":
         # For stages 1 and 2 the engine casts the parameters to bf16 (buffers such as RoPE's stay fp32); under ZeRO-3
         # it expects them in bf16 already, as zero.Init builds them. So cast what zero.Init did not build: a preset,
@@ -306,6 +321,10 @@ def main(argv: list[str] | None = None) -> dict:
         model=model, optimizer=optimizer, config=ds_config,
         lr_scheduler=lambda wrapped: torch.optim.lr_scheduler.LambdaLR(
             wrapped, lambda step: lr_factor(step, config.warmup_steps, config.steps)))
+    # --loss-chunk-tokens applies the LM head itself, on the final hidden states the model returns; the model's own
+    # head then runs on no position (logits_to_keep takes an index of the positions to keep).
+    lm_head, no_positions = model.get_output_embeddings(), torch.empty(0, dtype=torch.long, device=device)
+    gather_head = config.loss_chunk_tokens > 0 and config.zero_stage == 3
 
     # ---------------------------------------------------------------------------------------------------------
     # Training loop
@@ -332,22 +351,45 @@ def main(argv: list[str] | None = None) -> dict:
         stopwatch.reset()
         comm_timer.start(step)
         step_loss = torch.zeros((), device=device)
-        for index, batch in enumerate(micro_batches):
-            batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+        for index, host_batch in enumerate(micro_batches):
+            batch = {key: value.to(device, non_blocking=True) for key, value in host_batch.items()}
+            # --attn varlen: the documents' boundaries, from the host copy of position_ids ({} otherwise).
+            packed = attention.forward_kwargs(host_batch["position_ids"], device)
             with autocast():
                 # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
-                # isolated (transformers builds a block-diagonal causal mask from the position_ids).
-                # Under ZeRO-3 the engine's hooks all-gather each layer's parameters just before it runs.
-                logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                                attention_mask=None, use_cache=False).logits
-            # Divide by the whole step's loss tokens, not this micro-batch's: summing the micro-batch gradients
-            # of all ranks then gives exactly the gradient of the token-weighted step loss.
-            loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
-            # DeepSpeed assumes a per-micro-batch mean loss: engine.backward divides it by grad_accum, and the
-            # gradient reduction over ranks (in every stage) divides the sum by world_size. Our loss is
-            # already a share of the global step loss, so the gradients must simply be summed: scale_wrt_gas=False
-            # skips the first division and the factor world_size cancels the second (exact for a power-of-2 world).
-            engine.backward(loss * world_size, scale_wrt_gas=False)
+                # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen needs
+                # none). Under ZeRO-3 the engine's hooks all-gather each layer's parameters just before it runs.
+                if config.loss_chunk_tokens:
+                    # Unlike single-ft, the decoder body is not called on its own: the engine's forward hooks its
+                    # outputs for DeepSpeed's backward and, under ZeRO-3, gathers the embedding. So the whole model
+                    # runs, asked for its hidden states (the last one after the final norm; backward keeps the others
+                    # anyway) and for logits at no position.
+                    hidden = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                    attention_mask=None, use_cache=False, output_hidden_states=True,
+                                    logits_to_keep=no_positions, **packed).hidden_states[-1]
+                else:
+                    logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                    attention_mask=None, use_cache=False, **packed).logits
+            # ZeRO-3 gathers a weight only around the forward and backward of the modules that own it; the chunked
+            # loss uses the LM head's weight outside them (after the model's forward, and again in backward, where
+            # it recomputes each chunk's logits), so it is gathered here, from the loss until the end of backward,
+            # and partitioned again on leaving. Its gradient still goes through ZeRO-3's hook, like the plain path's.
+            with deepspeed.zero.GatheredParameters([lm_head.weight], enabled=gather_head):
+                if config.loss_chunk_tokens:
+                    # The LM head on loss tokens only, chunk by chunk; the labels' host copy picks those tokens
+                    # without waiting for the device (a CUDA mask would force a sync).
+                    loss_sum = chunked_token_loss_sum(hidden, lm_head.weight, host_batch["labels"],
+                                                      config.loss_chunk_tokens)
+                else:
+                    loss_sum = token_loss_sum(logits, batch["labels"])
+                # Divide by the whole step's loss tokens, not this micro-batch's: summing the micro-batch gradients
+                # of all ranks then gives exactly the gradient of the token-weighted step loss.
+                loss = loss_sum / loss_tokens
+                # DeepSpeed assumes a per-micro-batch mean loss: engine.backward divides it by grad_accum, and the
+                # gradient reduction over ranks (in every stage) divides the sum by world_size. Our loss is already
+                # a share of the global step loss, so the gradients must simply be summed: scale_wrt_gas=False skips
+                # the first division and the factor world_size cancels the second (exact for a power-of-2 world).
+                engine.backward(loss * world_size, scale_wrt_gas=False)
             if step == state_step and index == len(micro_batches) - 1:
                 measured_state = deepspeed_state_bytes(engine)  # the update runs in the engine.step() below
             # At the last micro-batch (the accumulation boundary): reduce, clip, AdamW on the shards, LR schedule;
@@ -356,12 +398,15 @@ def main(argv: list[str] | None = None) -> dict:
             step_loss += loss.detach()
         # Each rank holds the loss of its own rows over the global denominator: their sum is the step loss.
         dist.all_reduce(step_loss)
-        grad_norm = float(engine.get_global_grad_norm())  # before clipping, over all shards
-        step_loss_value = step_loss.item()  # the one host-device synchronisation of the step
+        grad_norm = engine.get_global_grad_norm()  # before clipping, over all shards; a tensor or a float
+        # The one host-device synchronisation of the step (of this loop's own code; DeepSpeed's step has its own):
+        # the step line's loss and gradient norm, read together.
+        step_loss_value, grad_norm_value = torch.stack(
+            [step_loss, torch.as_tensor(grad_norm, dtype=torch.float32, device=device)]).tolist()
         step_ms = stopwatch.elapsed_ms()
         comm_ms = comm_timer.stop(step)
 
-        metrics.log_step(step + 1, step_loss_value, lr, grad_norm, data.step_real_tokens(step, rows_per_step),
+        metrics.log_step(step + 1, step_loss_value, lr, grad_norm_value, data.step_real_tokens(step, rows_per_step),
                          loss_tokens, step_ms, comm_ms, print_fn=print0)
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate(engine, data, config.micro_batch_size, device, autocast)))
