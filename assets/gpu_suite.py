@@ -90,6 +90,7 @@ class Plan:
     ladders: list[tuple[str, int, int, tuple[int, ...]]] = field(default_factory=list)  # (label, seq, lora, micros)
     fsdp_seq: int = 1024
     peer_micro: int = 4  # rows per optimizer step of the TRL comparison
+    compile: bool = True  # the dry run leaves torch.compile out (tests/test_loss.py checks it; on CPU it only costs)
 
 
 GPU_PLAN = Plan(model="qwen3-0.6b", dtype="bf16", steps=30, warmup=5, chunk=1024,
@@ -98,7 +99,7 @@ GPU_PLAN = Plan(model="qwen3-0.6b", dtype="bf16", steps=30, warmup=5, chunk=1024
                 fsdp_seq=1024)
 # The dry run leaves out the larger micro-batch rungs (the same code path as the compile rung, with other flags).
 DRY_PLAN = Plan(model="qwen3-tiny", dtype="fp32", steps=4, warmup=1, chunk=32,
-                ladders=[("s64-full", 64, 0, ())], fsdp_seq=64, peer_micro=2)
+                ladders=[("s64-full", 64, 0, ())], fsdp_seq=64, peer_micro=2, compile=False)
 PEER_WHEELS = ("trl", "datasets", "dill", "multiprocess")  # what the peer baseline needs beyond the lent machine's
 
 
@@ -110,7 +111,7 @@ def rungs(plan: Plan) -> list[Rung]:
         base = (*common, "--seq-len", str(seq), *(("--lora-rank", str(lora)) if lora else ()), "--attn", "sdpa")
         varlen = (*base[:-1], "varlen")
         chunked = (*varlen, "--loss-chunk-tokens", str(plan.chunk))
-        compiled = (*chunked, "--compile")
+        compiled = (*chunked, "--compile") if plan.compile else chunked
         out += [
             Rung(f"single-ft-{label}-1-baseline", "single-ft", base, ladder=label, prediction=(
                 "the reference: SDPA over packed rows with a block-diagonal [seq x seq] mask, eager, micro-batch 1")),
@@ -123,10 +124,11 @@ def rungs(plan: Plan) -> list[Rung]:
                 "same losses; peak memory lower by about the logits and their gradient (tokens x 151,936 vocab in "
                 "bf16 and fp32), which matters most at seq 4096; tokens/s up by 0-10%: the LM head runs on loss "
                 "tokens only (about half the positions of this data) at 4/3 of its cost per token (recomputed)")),
-            Rung(f"single-ft-{label}-4-compile", "single-ft", compiled, ladder=label, prediction=(
-                "same losses; 10-30% more tokens/s from fused norms, activations and rotary embeddings in each "
-                "compiled decoder layer; the first steps slower (compilation, left out of the averages)")),
         ]
+        if plan.compile:
+            out.append(Rung(f"single-ft-{label}-4-compile", "single-ft", compiled, ladder=label, prediction=(
+                "same losses; 10-30% more tokens/s from fused norms, activations and rotary embeddings in each "
+                "compiled decoder layer; the first steps slower (compilation, left out of the averages)")))
         out += [Rung(f"single-ft-{label}-5-micro{micro}", "single-ft", (*compiled, "--micro-batch-size", str(micro)),
                      ladder=label, prediction=(
                          f"{micro}x the tokens per step; more tokens/s while micro-batch 1 leaves the GPU "

@@ -96,6 +96,8 @@ def pp(tmp_path_factory, small_data):
               *LORA, *lora_extra[schedule]] for schedule in LORA_SCHEDULES]
     runs.append([*common_args(small_data, root / "lora-resumed"), "--schedule", "1f1b", "--steps", LORA_STEPS, *LORA,
                  "--resume", root / "lora-1f1b" / "checkpoints" / "step-2"])
+    runs += [[*common_args(small_data, root / "varlen"), "--schedule", "zbv", "--steps", 3, "--attn", "varlen"],
+             [*common_args(small_data, root / "compile"), "--steps", 2, "--compile"]]
     torchrun("pp-ft", runs)
     return root
 
@@ -117,6 +119,8 @@ def pp_ds(tmp_path_factory, small_data):
         [*common_args(small_data, root / "lora-resumed"), "--steps", LORA_STEPS, *LORA, "--activation-checkpointing",
          "--resume", root / "lora" / "checkpoints" / "step-2", "--save-hf", root / "lora-merged", "--merge-lora"],
         [*common_args(small_data, root / "lora-bf16"), "--steps", 2, *LORA, "--dtype", "bf16"],  # ZeRO-1's bf16 path
+        [*common_args(small_data, root / "varlen"), "--steps", 3, "--attn", "varlen"],
+        [*common_args(small_data, root / "compile"), "--steps", 2, "--compile"],
     ])
     return root
 
@@ -223,6 +227,28 @@ def test_deepspeed_pipeline_computes_single_ft_steps(pp_ds, single):
     assert [r["grad_norm"] for r in zero1] == pytest.approx([r["grad_norm"] for r in want], rel=1e-3)
     summary = json.loads((pp_ds / "zero0" / "summary.json").read_text())
     assert summary["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("experiment", ["pp", "pp_ds"])
+def test_varlen_and_compile_compute_single_ft_steps(experiment, request, single):
+    """--attn varlen (the per-document reference on CPU, its documents found from the position_ids each stage
+    passes its layers) and --compile (each decoder layer of a stage) against single-ft's --attn sdpa steps."""
+    root, want = request.getfixturevalue(experiment), single["records"]
+    for name, steps, tolerance in (("varlen", 3, 1e-5), ("compile", 2, 1e-4)):
+        got = records(root / name)
+        assert len(got) == steps
+        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want[:steps]], rel=tolerance), name
+        assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want[:steps]], rel=1e-3)
+    assert summary_of(root / "varlen")["attention"]["varlen_kernel"] == "reference"
+    assert summary_of(root / "compile")["config"]["compile"] is True
+
+
+@pytest.mark.parametrize("experiment", ["pp-ft", "pp-ds-ft"])
+def test_chunked_loss_is_refused_with_the_reason(experiment):
+    module = load_experiment(experiment)
+    config = module.Config(loss_chunk_tokens=64, out_dir="unused")
+    with pytest.raises(SystemExit, match="no --loss-chunk-tokens yet: the last stage"):
+        module.resolve(config, 2) if experiment == "pp-ds-ft" else module.resolve(config)
 
 
 def test_deepspeed_resume_equals_the_uninterrupted_run(pp_ds):

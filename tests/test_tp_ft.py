@@ -57,6 +57,7 @@ def tp(tmp_path_factory, small_data):
                     out / "lora" / "hf", "--merge-lora"),
         # Without the q_norm/k_norm all-reduce: two steps are enough for the replicas to part.
         common_args(small_data, out / "unsynced", "--steps", 2, "--no-sync-qk-norm-grads"),
+        common_args(small_data, out / "varlen", "--steps", 3, "--attn", "varlen"),
     ])
     return out
 
@@ -69,6 +70,7 @@ def tp_sp(tmp_path_factory, small_data):
         # LoRA, with the logits gathered instead of loss-parallel, exported as an adapter.
         common_args(small_data, out / "lora", "--steps", STEPS, "--lora-rank", LORA_RANK, "--no-loss-parallel",
                     "--save-hf", out / "lora" / "hf"),
+        common_args(small_data, out / "varlen-compile", "--steps", 2, "--attn", "varlen", "--compile"),
     ])
     return out
 
@@ -152,6 +154,25 @@ def test_results_contract(tp, single):
     assert [r["tokens"] for r in records] == [r["tokens"] for r in reference]
     assert [r["loss_tokens"] for r in records] == [r["loss_tokens"] for r in reference]
     assert result["tokens_per_s_per_device"] == pytest.approx(result["tokens_per_s"] / 2)
+
+
+@pytest.mark.parametrize("experiment, run, steps, tolerance",
+                         [("tp", "varlen", 3, 1e-5), ("tp_sp", "varlen-compile", 2, 1e-4)])
+def test_varlen_and_compile_compute_single_ft_steps(experiment, run, steps, tolerance, request, single):
+    """--attn varlen (each rank's heads over the whole row's documents, the CPU reference kernel) and, in tp-sp-ft,
+    --compile of each split decoder layer, against single-ft's --attn sdpa steps."""
+    out = request.getfixturevalue(experiment) / run
+    assert read_losses(out) == pytest.approx(read_losses(single / "full")[:steps], rel=tolerance)
+    assert summary(out)["attention"]["varlen_kernel"] == "reference"
+    assert summary(out)["config"]["compile"] == (run == "varlen-compile")
+
+
+@pytest.mark.parametrize("flag, reason", [("compile", "fails in backward inside DTensor's redistribution"),
+                                          ("loss_chunk_tokens", "no --loss-chunk-tokens: loss parallelism")])
+def test_tp_ft_refuses_what_it_cannot_run_with_the_reason(flag, reason):
+    tp_ft = load_experiment("tp-ft")
+    with pytest.raises(SystemExit, match=reason):
+        tp_ft.resolve(tp_ft.Config(out_dir="unused", **{flag: 64 if flag == "loss_chunk_tokens" else True}))
 
 
 def test_head_counts_that_do_not_divide_stop_with_the_reason():

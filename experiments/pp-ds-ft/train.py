@@ -82,7 +82,9 @@ class Config:
     lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
     lora_alpha: float | None = None  # LoRA scaling numerator; default 2 x rank
     merge_lora: bool = False  # with --save-hf and LoRA: write the merged full model instead of the adapter
-    attn: Literal["auto", "sdpa", "eager", "flash"] = "auto"  # attention implementation; auto: common/attention.py decides per device
+    attn: Literal["auto", "sdpa", "eager", "flash", "varlen"] = "auto"  # attention implementation; auto: common/attention.py decides per device (varlen: packed documents without a mask)
+    compile: bool = False  # torch.compile each decoder layer of this rank's stages (GPU speed; on CPU it only costs compile time)
+    loss_chunk_tokens: int = 0  # not built here: 0 only (the README says why)
     eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
     eval_every: int = 0  # also evaluate every N steps (0 = only at the end)
     timing_warmup_steps: int = 2  # first steps left out of the averages in summary.json (allocator, caches, compilation)
@@ -117,6 +119,10 @@ def resolve(config: Config, world_size: int) -> Config:
         config.out_dir = str(REPO_ROOT / "runs" / f"{EXPERIMENT}-{stamp}")
     if config.micro_batch_size < 1 or config.grad_accum < 1 or config.steps < 0:
         raise SystemExit("--micro-batch-size and --grad-accum must be >= 1 and --steps >= 0")
+    if config.loss_chunk_tokens:
+        raise SystemExit(f"{EXPERIMENT} has no --loss-chunk-tokens yet: the last stage would have to take the labels "
+                         "and apply the tied LM head inside the chunked loss instead of returning logits to the "
+                         "schedule's loss function (see the README)")
     if config.stages is None:
         config.stages = world_size
     if config.stages < 1 or world_size % config.stages:
@@ -221,6 +227,9 @@ class DecoderLayerPipe(nn.Module):
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, position_ids = inputs
+        # With --attn varlen the mask is None and the varlen attention finds the documents from position_ids itself
+        # (a host sync per layer on a GPU: DeepSpeed sends only fixed-shape tensors between stages, and the
+        # boundaries' count varies from row to row).
         mask = create_causal_mask(config=self.model_config, inputs_embeds=hidden, attention_mask=None,
                                   past_key_values=None, position_ids=position_ids)
         position_embeddings = self.rotary_emb(hidden, position_ids)
@@ -397,6 +406,12 @@ def main(argv: list[str] | None = None) -> dict:
             activation_checkpoint_interval=1 if config.activation_checkpointing else 0,
             checkpointable_layers=["DecoderLayerPipe"])
     del model
+    if config.compile:
+        # One compiled graph per decoder layer, as in single-ft; in place, so the parameter names do not change. The
+        # pipe wrapper around it (mask, rotary embedding, the tuple DeepSpeed sends between stages) stays eager.
+        for module in pipe.modules():
+            if isinstance(module, DecoderLayerPipe):
+                module.layer.compile()
     pipe.train()
     n_params = count_parameters(model_config)["total"]
     params = [p for p in pipe.parameters() if p.requires_grad]  # all of them, or the LoRA adapters

@@ -48,7 +48,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from transformers import HfArgumentParser
 from transformers.masking_utils import create_causal_mask
 
-from common.attention import setup_attention
+from common.attention import VARLEN, document_kwargs, setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.comm import as_backend, pipeline_collectives
 from common.data import IGNORE_INDEX, DataError, build_data, describe, token_loss_sum
@@ -82,7 +82,9 @@ class Config:
     lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
     lora_alpha: float | None = None  # LoRA scaling numerator; default 2 x rank
     merge_lora: bool = False  # with --save-hf and LoRA: write the merged full model instead of the adapter
-    attn: Literal["auto", "sdpa", "eager", "flash"] = "auto"  # attention implementation; auto: common/attention.py decides per device
+    attn: Literal["auto", "sdpa", "eager", "flash", "varlen"] = "auto"  # attention implementation; auto: common/attention.py decides per device (varlen: packed documents without a mask)
+    compile: bool = False  # torch.compile each decoder layer of this rank's stages (GPU speed; on CPU it only costs compile time)
+    loss_chunk_tokens: int = 0  # not built here: 0 only (the README says why)
     eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
     eval_every: int = 0  # also evaluate every N steps (0 = only at the end)
     timing_warmup_steps: int = 2  # first steps left out of the averages in summary.json (allocator, caches, compilation)
@@ -118,6 +120,10 @@ def resolve(config: Config) -> Config:
         config.out_dir = str(REPO_ROOT / "runs" / f"{EXPERIMENT}-{stamp}")
     if config.micro_batch_size < 1 or config.grad_accum < 1 or config.steps < 0:
         raise SystemExit("--micro-batch-size and --grad-accum must be >= 1 and --steps >= 0")
+    if config.loss_chunk_tokens:
+        raise SystemExit(f"{EXPERIMENT} has no --loss-chunk-tokens yet: the last stage would have to take the labels "
+                         "and apply the tied LM head inside the chunked loss instead of returning logits to the "
+                         "schedule's loss function (see the README)")
     if config.stages_per_rank is None:
         config.stages_per_rank = 2 if config.schedule in ("interleaved-1f1b", "zbv") else 1
     if config.schedule in ("gpipe", "1f1b") and config.stages_per_rank != 1:
@@ -210,9 +216,14 @@ class Qwen3Stage(nn.Module):
             mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
                                       past_key_values=None, position_ids=position_ids)
             position_embeddings = self.rotary_emb(hidden, position_ids)
+            # --attn varlen: the documents' boundaries, once per stage call for all its layers. The schedule hands
+            # position_ids over on the device, so reading the boundaries is a host sync (single-ft reads them from
+            # the batch's host copy, without one).
+            packed = document_kwargs(position_ids, position_ids.device) \
+                if self.config._attn_implementation == VARLEN else {}
             for layer in self.model.layers.values():
                 hidden = layer(hidden, attention_mask=mask, position_ids=position_ids,
-                               position_embeddings=position_embeddings)
+                               position_embeddings=position_embeddings, **packed)
             if self.is_last:
                 return self.lm_head(self.model.norm(hidden))
             return hidden
@@ -566,6 +577,11 @@ def main(argv: list[str] | None = None) -> dict:
                             autocast_dtype=autocast_dtype).to(device)
               for s in range(n_stages) if stage_rank[s] == rank}
     del model
+    if config.compile:
+        # One compiled graph per decoder layer, as in single-ft; in place, so the parameter names do not change.
+        for stage in stages.values():
+            for layer in stage.model.layers.values():
+                layer.compile()
     module = rank_container(list(stages.values()))
     module.train()
     first_rank, last_rank = stage_rank[0], stage_rank[-1]
@@ -702,11 +718,12 @@ def main(argv: list[str] | None = None) -> dict:
         # Only the last stage has the loss; rank 0 prints it, so it is broadcast (a tiny collective, every step).
         step_loss = torch.stack(micro_losses).sum().detach() if micro_losses else torch.zeros((), device=device)
         dist.broadcast(step_loss, src=last_rank)
-        step_loss_value = step_loss.item()
+        # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together.
+        step_loss_value, grad_norm_value = torch.stack([step_loss, grad_norm.float()]).tolist()
         step_ms = stopwatch.elapsed_ms()
         comm_ms = comm_timer.stop(step)
 
-        metrics.log_step(step + 1, step_loss_value, lr, grad_norm.item(), data.step_real_tokens(step, rows_per_step),
+        metrics.log_step(step + 1, step_loss_value, lr, grad_norm_value, data.step_real_tokens(step, rows_per_step),
                          loss_tokens, step_ms, comm_ms, print_fn=print0)
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate_pipeline(stages, stage_rank, data, config.micro_batch_size, device)))

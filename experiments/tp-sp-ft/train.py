@@ -78,7 +78,9 @@ class Config:
     lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
     lora_alpha: float | None = None  # LoRA scaling numerator; default 2 x rank
     merge_lora: bool = False  # with --save-hf and LoRA: write the merged full model instead of the adapter
-    attn: Literal["auto", "sdpa", "eager", "flash"] = "auto"  # attention implementation; auto: common/attention.py decides per device
+    attn: Literal["auto", "sdpa", "eager", "flash", "varlen"] = "auto"  # attention implementation; auto: common/attention.py decides per device (varlen: packed documents without a mask)
+    compile: bool = False  # torch.compile each decoder layer, after it is split (GPU speed; on CPU it only costs compile time)
+    loss_chunk_tokens: int = 0  # not built here: 0 only (the README says why)
     eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
     eval_every: int = 0  # also evaluate every N steps (0 = only at the end)
     timing_warmup_steps: int = 2  # first steps left out of the averages in summary.json (allocator, caches, compilation)
@@ -113,6 +115,10 @@ def resolve(config: Config) -> Config:
         config.out_dir = str(REPO_ROOT / "runs" / f"{EXPERIMENT}-{stamp}")
     if config.micro_batch_size < 1 or config.grad_accum < 1 or config.steps < 0:
         raise SystemExit("--micro-batch-size and --grad-accum must be >= 1 and --steps >= 0")
+    if config.loss_chunk_tokens:
+        raise SystemExit(f"{EXPERIMENT} has no --loss-chunk-tokens: loss parallelism already splits the logits over "
+                         "the vocabulary, and chunking them too needs a vocabulary-parallel chunked cross-entropy "
+                         "over DTensors, not built yet (see the README)")
     return config
 
 
@@ -438,6 +444,17 @@ def main(argv: list[str] | None = None) -> dict:
                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
         model = get_peft_model(model, lora)
     partial_grad_params = apply_tp(model, tp_mesh, config.loss_parallel)
+    if config.compile:
+        # One compiled graph per decoder layer (as in single-ft), after the split: the graph is traced over the
+        # DTensor parameters, so the collectives of the plan are part of it. Module.compile() compiles in place, so
+        # parameter names (checkpoints, --save-hf) do not change.
+        # Inductor's on-disk caches stay off: a graph of these DTensor layers taken from a warm cache gave wrong
+        # gradients (the second step's loss 0.7% off single-ft's, torch 2.15 on CPU), the same code compiled afresh
+        # the right ones (tests/test_tp_ft.py holds it to single-ft). Compilation then costs its full time every run.
+        torch._inductor.config.fx_graph_cache = False
+        torch._functorch.config.enable_autograd_cache = False
+        for layer in decoder_layers(model):
+            layer.compile()
     if not config.sync_qk_norm_grads:
         partial_grad_params = []
     model.train()
@@ -497,15 +514,19 @@ def main(argv: list[str] | None = None) -> dict:
         stopwatch.reset()
         comm_timer.start(step)
         step_loss = torch.zeros((), device=device)
-        for index, batch in enumerate(micro_batches):
-            batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+        for index, host_batch in enumerate(micro_batches):
+            batch = {key: value.to(device, non_blocking=True) for key, value in host_batch.items()}
+            # --attn varlen: the documents' boundaries, from the host copy of position_ids ({} otherwise). The
+            # attention sees every token of the row (each rank computes its own heads), so they are single-ft's.
+            packed = attention.forward_kwargs(host_batch["position_ids"], device)
             measure = activations if step == start_step and index == 0 else nullcontext()
             with loss_context():
                 with autocast(), measure:
                     # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
-                    # isolated (transformers builds a block-diagonal causal mask from the position_ids).
+                    # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen
+                    # needs none).
                     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                                   attention_mask=None, use_cache=False).logits
+                                   attention_mask=None, use_cache=False, **packed).logits
                 # Divide by the whole step's loss tokens, not this micro-batch's: summing the micro-batch gradients
                 # then gives exactly the gradient of the token-weighted step loss. With loss parallelism the sum
                 # over tokens is already complete on every rank (a Replicate DTensor), so the division is the same.
@@ -522,13 +543,14 @@ def main(argv: list[str] | None = None) -> dict:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        step_loss_value = step_loss.item()  # the one host-device synchronisation of the step
+        # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together.
+        step_loss_value, grad_norm_value = torch.stack([step_loss, grad_norm.float()]).tolist()
         step_ms = stopwatch.elapsed_ms()
         comm_ms = comm_timer.stop(step)
 
         if step == start_step:
             print0(f"activations: {activations.mib:.1f} MiB saved for the backward of one micro-batch on rank 0")
-        metrics.log_step(step + 1, step_loss_value, lr, grad_norm.item(), data.step_real_tokens(step, rows_per_step),
+        metrics.log_step(step + 1, step_loss_value, lr, grad_norm_value, data.step_real_tokens(step, rows_per_step),
                          loss_tokens, step_ms, comm_ms, print_fn=print0)
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate(FullLogits(model), data, config.micro_batch_size, device, autocast)))
