@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -253,6 +254,10 @@ def main(argv: list[str] | None = None) -> dict:
     # --loss-chunk-tokens applies the LM head itself, on the final hidden states the model returns; the model's own
     # head then runs on no position (logits_to_keep takes an index of the positions to keep).
     lm_head, no_positions = model.get_output_embeddings(), torch.empty(0, dtype=torch.long, device=device)
+    if config.loss_chunk_tokens:
+        # That forward returns views (the logits of no position are a slice), and FSDP2 warns that an in-place op on a
+        # view would skip its pre-backward hook. Nothing here writes to the outputs in place.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
     model.train()
     n_params = count_parameters(model.config)["total"]
     trainable = [p for p in model.parameters() if p.requires_grad]  # DTensors: each rank's shard of a parameter
