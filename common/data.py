@@ -1,11 +1,17 @@
-"""SFT data: JSONL records -> chat template -> token ids and loss labels -> packed rows -> deterministic batches.
+"""SFT data: records -> chat template -> token ids and loss labels -> packed rows -> deterministic batches.
 
 The semantics here are the contract every experiment shares (the tests hold each one to it):
-- Records are {"messages": [...]} (roles system/user/assistant), {"instruction", "input"?, "output"} or
-  {"prompt", "completion"}. Bad input stops the run before training with `<file>:<line>: <what is wrong>`.
-- Text is rendered with the tokenizer's chat template; only assistant tokens (and the <|im_end|> that closes each
-  assistant turn, so the model learns to stop) carry loss. The mask comes from the template's
-  {% generation %} markers, never from string matching.
+- --data is a JSONL file or folder (read here), or a .json, .parquet, .csv or .arrow file, a save_to_disk folder
+  or a hub id (read by `datasets`, memory-mapped and cached). Records are {"messages": [...]} (roles
+  system/user/assistant, an assistant turn may carry "reasoning_content"), ShareGPT {"conversations":
+  [{"from": "human"|"gpt"|"system", "value"}]}, {"instruction", "input"?, "output"} or {"prompt", "completion"};
+  --data-columns renames other columns to these. Bad input stops the run before training with
+  `<file>:<line>: <what is wrong>` (`<file>: row <n>:` where the format has no lines).
+- Text is rendered with the tokenizer's own chat template; only assistant tokens (and the <|im_end|> that closes
+  each assistant turn, so the model learns to stop) carry loss. Where an assistant turn starts comes from the
+  template's rendering of the turns before it (`assistant_spans`), so the hub's Qwen3 template works as it is,
+  with thinking on, off or mixed; an empty <think></think> block is prompt, not content (--train-empty-think).
+  A run in which no end-of-turn token carries loss stops.
 - `labels` are already shifted: labels[t] is the token that should follow input t, or -100. Shifting per
   conversation (not per row) means the last token of one packed conversation never predicts the first of the next.
 - Packing puts whole conversations into rows of seq_len tokens (first-fit); position_ids restart at 0 for
@@ -18,7 +24,11 @@ The semantics here are the contract every experiment shares (the tests hold each
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
+import socket
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +54,7 @@ CHATML_TEMPLATE = (
 
 
 class DataError(ValueError):
-    """Bad training data; the message starts with `<file>:<line>:`."""
+    """Bad training data; the message starts with where: `<file>:<line>:`, `<file>: row <n>:` or the hub id."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -54,24 +64,58 @@ class DataError(ValueError):
 @dataclass
 class Conversation:
     messages: list[dict[str, str]]
-    source: str  # "<file>:<line>", for error messages and for tracing a row back to its record
+    source: str  # "<file>:<line>" or "<file>: row <n>", for error messages and for tracing a row back to its record
 
 
-def _data_files(path: Path) -> list[Path]:
-    if path.is_dir():
-        files = sorted(path.glob("*.jsonl"))
-        if not files:
-            raise DataError(f"{path}: folder holds no .jsonl files")
-        return files
-    if not path.exists():
-        raise DataError(f"{path}: no such file or folder (--data)")
-    return [path]
+# The columns a record may have, by shape, and the names --data-columns maps onto.
+SHAPES = {"messages": ("messages",), "conversations": ("conversations",), "instruction": ("instruction", "output"),
+          "prompt": ("prompt", "completion")}
+KNOWN_COLUMNS = ("messages", "conversations", "instruction", "input", "output", "prompt", "completion")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+# Formats `datasets` reads (memory-mapped into its cache); .jsonl keeps the reader below, which names lines.
+DATASETS_BUILDERS = {".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+SUPPORTED = ".jsonl file or folder, .json, .parquet, .csv or .arrow file, a save_to_disk folder, or a hub id"
+
+
+def parse_columns(spec: str | dict | None) -> dict[str, str]:
+    """--data-columns "prompt=question,completion=answer" -> {"prompt": "question", "completion": "answer"}."""
+    if not spec:
+        return {}
+    if isinstance(spec, dict):
+        pairs = list(spec.items())
+    else:
+        pairs = []
+        for item in spec.split(","):
+            name, sep, column = item.partition("=")
+            if not sep or not name.strip() or not column.strip():
+                raise DataError(f"--data-columns: '{item}' is not NAME=COLUMN (e.g. prompt=question,completion=answer)")
+            pairs.append((name.strip(), column.strip()))
+    for name, _ in pairs:
+        if name not in KNOWN_COLUMNS:
+            raise DataError(f"--data-columns: unknown name '{name}' (expected one of {', '.join(KNOWN_COLUMNS)})")
+    return dict(pairs)
+
+
+def map_columns(record: object, columns: dict[str, str], where: str) -> object:
+    """The record with --data-columns applied: each mapped column renamed to the name this module expects."""
+    if not columns or not isinstance(record, dict):
+        return record
+    missing = [column for column in columns.values() if column not in record]
+    if missing:
+        raise DataError(f"{where}: column '{missing[0]}' (--data-columns) is not in the data; it has: "
+                        f"{', '.join(sorted(record))}")
+    renamed = {key: value for key, value in record.items() if key not in columns.values()}
+    renamed.update({name: record[column] for name, column in columns.items()})
+    return renamed
 
 
 def _non_empty_string(record: dict, key: str, where: str) -> str:
     if key not in record:
         raise DataError(f"{where}: missing field '{key}'")
     value = record[key]
+    if value is None:
+        raise DataError(f"{where}: field '{key}' is empty")
     if not isinstance(value, str):
         raise DataError(f"{where}: field '{key}' must be a string, got {type(value).__name__}")
     if not value.strip():
@@ -79,26 +123,44 @@ def _non_empty_string(record: dict, key: str, where: str) -> str:
     return value
 
 
+def _chat_message(message: object, at: str, role_key: str, content_key: str, roles: dict[str, str]) -> dict:
+    if not isinstance(message, dict):
+        raise DataError(f"{at}: expected an object with '{role_key}' and '{content_key}'")
+    role = _non_empty_string(message, role_key, at)
+    if role not in roles:
+        raise DataError(f"{at}: unknown role '{role}' (expected one of {', '.join(roles)})")
+    clean = {"role": roles[role], "content": _non_empty_string(message, content_key, at)}
+    # Qwen3's templates render an assistant turn's `reasoning_content` as its <think> block.
+    reasoning = message.get("reasoning_content")
+    if reasoning is not None:
+        if not isinstance(reasoning, str):
+            raise DataError(f"{at}: field 'reasoning_content' must be a string, got {type(reasoning).__name__}")
+        if clean["role"] != "assistant":
+            raise DataError(f"{at}: only assistant turns have 'reasoning_content'")
+        if reasoning.strip():
+            clean["reasoning_content"] = reasoning
+    return clean
+
+
+def _turns(record: dict, key: str, where: str, role_key: str, content_key: str, roles: dict[str, str]) -> list:
+    turns = record[key]
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{where}: field '{key}' must be a non-empty list")
+    clean = [_chat_message(message, f"{where}: message {i}", role_key, content_key, roles)
+             for i, message in enumerate(turns)]
+    if not any(m["role"] == "assistant" for m in clean):
+        raise DataError(f"{where}: conversation has no assistant turn, so nothing to learn from")
+    return clean
+
+
 def record_to_messages(record: object, where: str) -> list[dict[str, str]]:
-    """Validate one parsed JSON record (any of the three formats) and return it as chat messages."""
+    """Validate one record (any of the four shapes) and return it as chat messages."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if "messages" in record:
-        messages = record["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise DataError(f"{where}: field 'messages' must be a non-empty list")
-        clean = []
-        for i, message in enumerate(messages):
-            at = f"{where}: message {i}"
-            if not isinstance(message, dict):
-                raise DataError(f"{at}: expected an object with 'role' and 'content'")
-            role = _non_empty_string(message, "role", at)
-            if role not in ROLES:
-                raise DataError(f"{at}: unknown role '{role}' (expected one of {', '.join(ROLES)})")
-            clean.append({"role": role, "content": _non_empty_string(message, "content", at)})
-        if not any(m["role"] == "assistant" for m in clean):
-            raise DataError(f"{where}: conversation has no assistant turn, so nothing to learn from")
-        return clean
+        return _turns(record, "messages", where, "role", "content", {role: role for role in ROLES})
+    if "conversations" in record:  # ShareGPT: [{"from": "human" | "gpt" | "system", "value": ...}]
+        return _turns(record, "conversations", where, "from", "value", SHAREGPT_ROLES)
     if "instruction" in record or "output" in record:
         prompt = _non_empty_string(record, "instruction", where)
         extra = record.get("input")
@@ -111,14 +173,23 @@ def record_to_messages(record: object, where: str) -> list[dict[str, str]]:
     if "prompt" in record or "completion" in record:
         return [{"role": "user", "content": _non_empty_string(record, "prompt", where)},
                 {"role": "assistant", "content": _non_empty_string(record, "completion", where)}]
-    raise DataError(f"{where}: unknown record format, expected 'messages', 'instruction'/'output' or "
-                    f"'prompt'/'completion'; found keys {sorted(record)}")
+    raise DataError(f"{where}: unknown record format, expected 'messages', 'conversations' (ShareGPT), "
+                    f"'instruction'/'output' or 'prompt'/'completion'; found keys {sorted(record)} "
+                    f"(--data-columns maps other names, e.g. prompt=question,completion=answer)")
 
 
-def read_conversations(path: str | Path) -> list[Conversation]:
-    """Read a JSONL file or a folder of them. Blank lines are allowed; anything else must be a valid record."""
+def _jsonl_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+    if not files:
+        raise DataError(f"{path}: folder holds no .jsonl files and is not a datasets save_to_disk folder "
+                        f"(--data takes a {SUPPORTED})")
+    return files
+
+
+def _read_jsonl(path: Path, columns: dict[str, str]) -> list[Conversation]:
+    """A JSONL file or a folder of them, read here (not by datasets) so that every error names its line."""
     conversations = []
-    for file in _data_files(Path(path)):
+    for file in _jsonl_files(path):
         n_before = len(conversations)
         with open(file, encoding="utf-8") as handle:
             for line_number, line in enumerate(handle, start=1):
@@ -129,14 +200,113 @@ def read_conversations(path: str | Path) -> list[Conversation]:
                     record = json.loads(line)
                 except json.JSONDecodeError as error:
                     raise DataError(f"{where}: invalid JSON ({error.msg} at column {error.colno})") from None
-                conversations.append(Conversation(record_to_messages(record, where), where))
+                conversations.append(Conversation(record_to_messages(map_columns(record, columns, where), where),
+                                                  where))
         if len(conversations) == n_before:
             raise DataError(f"{file}:1: empty file, no records")
     return conversations
 
 
+def _hub_reachable() -> bool:
+    """Whether the Hub's host answers, within 3 s (datasets itself retries for half a minute before failing)."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=3).close()
+        return True
+    except OSError:
+        return False
+
+
+def _load_dataset(path: str, split: str, subset: str | None):
+    """(name for messages, datasets.Dataset) for every --data that is not JSONL."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    source = Path(path)
+    if source.is_dir():  # written by Dataset.save_to_disk or DatasetDict.save_to_disk
+        try:
+            loaded = datasets.load_from_disk(str(source))
+        except Exception as error:  # e.g. a saved split with no rows, which datasets cannot load back
+            raise DataError(f"{path}: datasets cannot load this save_to_disk folder ({type(error).__name__}: "
+                            f"{str(error).strip().splitlines()[0] if str(error).strip() else ''})") from None
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise DataError(f"{path}: no split '{split}' (--data-split); it has: {', '.join(loaded)}")
+            loaded = loaded[split]
+        return str(source), loaded
+    if source.exists():
+        builder = DATASETS_BUILDERS[source.suffix]
+        try:
+            return str(source), datasets.load_dataset(builder, data_files=str(source), split="train")
+        except Exception as error:
+            if "corresponds to no data" in str(error):  # how datasets says a file has no rows
+                raise DataError(f"{path}: the file has no rows") from None
+            detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            raise DataError(f"{path}: datasets cannot read it as {builder} ({type(error).__name__}: {detail})") from None
+    name = f"{path} ({split})"
+    if not (os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE")) and not _hub_reachable():
+        raise DataError(f"{path}: not a local file or folder, and the Hugging Face Hub cannot be reached from here; "
+                        f"pass a local {SUPPORTED[:-12]} (or set HF_HUB_OFFLINE=1 to use a copy in the datasets cache)")
+    try:
+        return name, datasets.load_dataset(path, subset, split=split)
+    except Exception as error:  # the hub's errors vary by version; the first line says which it was
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise DataError(f"{name}: could not load it from the Hugging Face Hub: {detail}") from None
+
+
+def _dataset_conversations(name: str, dataset, columns: dict[str, str], split: str) -> list[Conversation]:
+    if len(dataset) == 0:
+        raise DataError(f"{name}: the split has no rows (--data-split {split})")
+    present = dataset.column_names
+    missing = [column for column in columns.values() if column not in present]
+    if missing:
+        raise DataError(f"{name}: column '{missing[0]}' (--data-columns) is not in the data; it has: "
+                        f"{', '.join(present)}")
+    mapped = {next((n for n, c in columns.items() if c == column), column) for column in present}
+    if not any(all(key in mapped for key in keys) for keys in SHAPES.values()):
+        raise DataError(f"{name}: no column set this script knows: it has {', '.join(present)}; expected messages, "
+                        f"conversations (ShareGPT), instruction/output or prompt/completion "
+                        f"(--data-columns maps yours, e.g. prompt=question,completion=answer)")
+    conversations = []
+    for index, record in enumerate(dataset):
+        where = f"{name}: row {index + 1}"
+        conversations.append(Conversation(record_to_messages(map_columns(record, columns, where), where), where))
+    return conversations
+
+
+def read_conversations(path: str | Path, split: str = "train", subset: str | None = None,
+                       columns: str | dict | None = None) -> list[Conversation]:
+    """Every record of --data as validated chat messages, each with where it came from.
+
+    JSONL (a file or a folder of them) is read here, so errors name file and line; blank lines are allowed.
+    Everything else goes through `datasets`: .json, .parquet, .csv, .arrow, a save_to_disk folder, a hub id
+    (`split`, `subset`); its errors name the row. `columns` (--data-columns) renames the data's columns first.
+    """
+    columns = parse_columns(columns)
+    source = Path(path)
+    if source.suffix == ".jsonl" or (source.is_dir() and not _is_saved_dataset(source)):
+        if not source.exists():
+            raise DataError(f"{path}: no such file or folder (--data)")
+        return _read_jsonl(source, columns)
+    if source.is_file() and source.suffix not in DATASETS_BUILDERS:
+        raise DataError(f"{path}: unknown file type '{source.suffix}' (--data takes a {SUPPORTED})")
+    if not source.exists() and not HUB_ID.match(str(path)):
+        raise DataError(f"{path}: no such file or folder (--data)")
+    name, dataset = _load_dataset(str(path), split, subset)
+    return _dataset_conversations(name, dataset, columns, split)
+
+
+def _is_saved_dataset(folder: Path) -> bool:
+    return (folder / "dataset_dict.json").exists() or (folder / "state.json").exists()
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# Tokenizing
+# Tokenizing: the loss mask from the template's own rendering
 
 
 @dataclass
@@ -151,24 +321,75 @@ class TokenizedConversation:
 
 
 def chat_template_for(tokenizer) -> str:
+    """A template with {% generation %} markers, for tools that need them (TRL's assistant_only_loss)."""
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, str) and "{% generation %}" in template:
         return template
     return CHATML_TEMPLATE
 
 
-def tokenize_conversations(conversations: list[Conversation], tokenizer, batch_size: int = 256
-                           ) -> list[TokenizedConversation]:
-    template = chat_template_for(tokenizer)
+def end_of_turn(tokenizer) -> tuple[str, int]:
+    """The token that closes an assistant turn: <|im_end|> in ChatML (Qwen3), else the tokenizer's eos."""
+    token = "<|im_end|>" if "<|im_end|>" in tokenizer.get_vocab() else tokenizer.eos_token
+    if token is None:
+        raise DataError("the tokenizer has neither <|im_end|> nor an eos token: no way to learn where a turn ends")
+    return token, tokenizer.convert_tokens_to_ids(token)
+
+
+EMPTY_THINK = re.compile(r"<think>\s*</think>\s*")
+
+
+def assistant_spans(tokenizer, messages: list[dict], where: str, train_empty_think: bool = False
+                    ) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans that carry loss: each assistant turn from where the
+    template's generation prompt ends to its end-of-turn token, inclusive.
+
+    The spans come from the template itself: rendering the turns before assistant turn i with the generation
+    prompt gives exactly the text in front of turn i, so turn i starts where that prefix ends. This holds for
+    any template (the hub's Qwen3 one included) that renders earlier turns the same whatever follows them.
+    A turn that opens with an empty think block (Qwen3 renders `<think>\n\n</think>\n\n` for an answer without
+    reasoning) starts after it: at inference that block is part of the prompt (enable_thinking=False), so it is
+    not trained as if it were content unless `train_empty_think`.
+    """
+    eot, _ = end_of_turn(tokenizer)
+    template = getattr(tokenizer, "chat_template", None) or CHATML_TEMPLATE  # a base model may come without one
+    text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prefix = tokenizer.apply_chat_template(messages[:i], chat_template=template, tokenize=False,
+                                               add_generation_prompt=True)
+        if not text.startswith(prefix):
+            raise DataError(f"{where}: the chat template renders the turns before message {i} differently once "
+                            f"later turns follow, so where that assistant turn starts cannot be found")
+        start = len(prefix)
+        end = text.find(eot, start)
+        if end < 0:
+            raise DataError(f"{where}: message {i}: no {eot} closes the assistant turn in the rendered text")
+        think = EMPTY_THINK.match(text, start)
+        if think and not train_empty_think:
+            start = think.end()
+        spans.append((start, end + len(eot)))
+    return text, spans
+
+
+def tokenize_conversations(conversations: list[Conversation], tokenizer, batch_size: int = 256,
+                           train_empty_think: bool = False) -> list[TokenizedConversation]:
+    """Token ids and shifted labels: a token carries loss when it starts inside an assistant span."""
+    _, eot_id = end_of_turn(tokenizer)
     tokenized = []
-    for start in range(0, len(conversations), batch_size):
-        chunk = conversations[start:start + batch_size]
-        encoded = tokenizer.apply_chat_template([c.messages for c in chunk], chat_template=template, tokenize=True,
-                                                return_dict=True, return_assistant_tokens_mask=True)
-        for conversation, ids, mask in zip(chunk, encoded["input_ids"], encoded["assistant_masks"]):
+    for first in range(0, len(conversations), batch_size):
+        chunk = conversations[first:first + batch_size]
+        rendered = [assistant_spans(tokenizer, c.messages, c.source, train_empty_think) for c in chunk]
+        encoded = tokenizer([text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
+        for conversation, (_, spans), ids, offsets in zip(chunk, rendered, encoded["input_ids"],
+                                                          encoded["offset_mapping"]):
+            mask = [any(start <= begin < end for start, end in spans) for begin, _ in offsets]
             labels = [ids[t + 1] if mask[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX]
-            if all(label == IGNORE_INDEX for label in labels):
-                raise DataError(f"{conversation.source}: the chat template marked no assistant tokens")
+            if eot_id not in {label for label in labels if label != IGNORE_INDEX}:
+                raise DataError(f"{conversation.source}: no end-of-turn token carries loss (the chat template "
+                                f"marked no assistant tokens), so the model would never learn to stop")
             tokenized.append(TokenizedConversation(list(ids), labels, conversation.source))
     return tokenized
 
@@ -251,6 +472,7 @@ class SFTData:
     eval: Rows | None
     seed: int
     stats: dict
+    eval_messages: list[list[dict]] = field(default_factory=list, repr=False)  # the held-out conversations' turns
 
     def rows_for_step(self, step: int, rows_per_step: int) -> torch.Tensor:
         """Indices (into self.train) of the B rows that optimizer step `step` (0-based) consumes.
@@ -303,11 +525,14 @@ class SFTData:
 
 
 def build_data(path: str | Path, tokenizer, seq_len: int, packing: bool = True, eval_fraction: float = 0.05,
-               seed: int = 0) -> SFTData:
-    """Read, validate, tokenize, split (by conversation), truncate and pack. Deterministic for a given seed."""
+               seed: int = 0, split: str = "train", subset: str | None = None, columns: str | dict | None = None,
+               train_empty_think: bool = False) -> SFTData:
+    """Read, validate, tokenize, split (by conversation), truncate and pack. Deterministic for a given seed.
+    `split`, `subset`, `columns`: --data-split, --data-config, --data-columns (read_conversations)."""
     if not 0.0 <= eval_fraction < 1.0:
         raise ValueError(f"--eval-fraction must be in [0, 1), got {eval_fraction}")
-    conversations = tokenize_conversations(read_conversations(path), tokenizer)
+    records = read_conversations(path, split, subset, columns)
+    conversations = tokenize_conversations(records, tokenizer, train_empty_think=train_empty_think)
     n_truncated = truncated_tokens = 0
     for conversation in conversations:
         excess = len(conversation.input_ids) - seq_len
@@ -318,6 +543,11 @@ def build_data(path: str | Path, tokenizer, seq_len: int, packing: bool = True, 
             conversation.labels = conversation.labels[:seq_len]
     if all(c.n_loss_tokens == 0 for c in conversations):
         raise DataError(f"{path}: after truncation to --seq-len {seq_len} no assistant token is left")
+    eot, eot_id = end_of_turn(tokenizer)
+    n_stops = sum(eot_id in c.labels for c in conversations)
+    if n_stops == 0:
+        raise DataError(f"{path}: after truncation to --seq-len {seq_len} no {eot} carries loss in any "
+                        f"conversation, so the model would never learn to stop; raise --seq-len")
 
     order = list(range(len(conversations)))
     random.Random(seed).shuffle(order)
@@ -343,8 +573,10 @@ def build_data(path: str | Path, tokenizer, seq_len: int, packing: bool = True, 
         train_tokens=train.n_real_tokens,
         train_loss_tokens=int((train.labels != IGNORE_INDEX).sum()),
         packing_efficiency=train.packing_efficiency,
+        n_end_of_turn_trained=n_stops,  # conversations whose closing end-of-turn token carries loss
     )
-    return SFTData(train=train, eval=evaluation, seed=seed, stats=stats)
+    return SFTData(train=train, eval=evaluation, seed=seed, stats=stats,
+                   eval_messages=[records[i].messages for i in order[:n_eval]])
 
 
 def describe(stats: dict, seq_len: int, packing: bool) -> str:
@@ -353,6 +585,32 @@ def describe(stats: dict, seq_len: int, packing: bool) -> str:
             f"({stats['truncated_tokens']:,} tokens cut) | {stats['n_train_rows']:,} train rows, "
             f"{'packed' if packing else 'one conversation per row'}, "
             f"packing efficiency {stats['packing_efficiency']:.1%}")
+
+
+def sample_text(data: SFTData, tokenizer, color: bool | None = None) -> str:
+    """--show-sample: the first conversation of the first training row, as the model sees it, with the text that
+    carries loss between [[ and ]] (on a terminal: that text bright, the rest dimmed)."""
+    row = int(data.rows_for_step(0, 1)[0])
+    _, length = data.train.segments[row][0]
+    ids = data.train.input_ids[row, :length].tolist()
+    labels = data.train.labels[row, :length].tolist()
+    # labels are shifted: token t + 1 carries loss when labels[t] is set.
+    trained = [False] + [label != IGNORE_INDEX for label in labels[:-1]]
+    if color is None:
+        color = sys.stdout.isatty()
+    opening, closing = ("\033[1;32m", "\033[0;2m") if color else ("[[", "]]")
+    pieces, start = [], 0
+    for t in range(1, length + 1):
+        if t == length or trained[t] != trained[start]:
+            text = tokenizer.decode(ids[start:t])
+            pieces.append(f"{opening}{text}{closing}" if trained[start] else text)
+            start = t
+    body = "".join(pieces)
+    if color:
+        body = f"\033[2m{body}\033[0m"
+    n_trained = sum(trained)
+    return (f"sample (step 1, row {row}): {length} tokens, {n_trained} carry loss"
+            f"{'' if color else ' (between [[ and ]])'}:\n{body}")
 
 
 # ---------------------------------------------------------------------------------------------------------------

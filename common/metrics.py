@@ -10,7 +10,8 @@ Definitions (the same in every experiment):
   collectives by kind and the bytes each one was handed (`collectives_per_step`, `collective_bytes_per_step`).
 - state bytes: the weights, gradients and optimizer state a rank holds, summed from its local tensors
   (`state_bytes`), to set beside common.memory's prediction.
-- tokens/s: real (non-pad) tokens of the step over all ranks / step time.
+- tokens/s: real (non-pad) tokens of the step over all ranks / step time; in summary.json, the timed steps'
+  tokens over their summed time (not the mean of per-step rates, which a few fast steps would inflate).
 - peak memory: torch.cuda.max_memory_reserved() per device; on CPU the process's peak resident set size.
 - MFU: tokens/s x training FLOPs per token (common/models.py) / (dense bf16 peak per device x devices).
 """
@@ -33,6 +34,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+# Kineto, the profiler behind comm_ms, writes USDT markers on every start and stop and, on a machine without a GPU,
+# an "ERROR ... gpuGetDeviceCount failed" line: noise that makes a working run look broken. Level 6 is above all of
+# its levels; set KINETO_LOG_LEVEL yourself to see them.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 # Dense (no sparsity) bf16 tensor-core peak per device, TFLOP/s, from the vendors' data sheets. Matched in order
 # against torch.cuda.get_device_name(), so more specific names come first. MI250X and MI250 are listed per GCD,
@@ -338,17 +344,24 @@ def state_bytes(parameters, optimizer: torch.optim.Optimizer | None = None, mast
 
 STEP_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens", "loss_tokens", "step_ms", "comm_ms", "tokens_per_s",
                "peak_mem_gib", "mfu")
-AVERAGED = ("step_ms", "comm_ms", "tokens_per_s", "peak_mem_gib", "mfu")
 
 
-def format_step_line(record: dict, total_steps: int) -> str:
+def format_duration(seconds: float) -> str:
+    """1m32s, 1h05m, 0m07s: the step line's eta."""
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def format_step_line(record: dict, total_steps: int, eta_s: float | None = None) -> str:
     def optional(value, fmt):
         return "-" if value is None else format(value, fmt)
 
-    return (f"step {record['step']}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.1e} | "
+    line = (f"step {record['step']}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.1e} | "
             f"grad_norm {record['grad_norm']:.2f} | step_ms {record['step_ms']:.0f} | "
             f"comm_ms {optional(record['comm_ms'], '.0f')} | tok/s {record['tokens_per_s']:,.0f} | "
             f"mfu {optional(record['mfu'], '.2f')} | mem {record['peak_mem_gib']:.1f} GiB")
+    return line if eta_s is None else f"{line} | eta {format_duration(eta_s)}"
 
 
 @dataclass
@@ -365,6 +378,8 @@ class MetricsLogger:
     def __post_init__(self):
         self.out_dir = Path(self.out_dir)
         self.records: list[dict] = []
+        self.wall_s: list[float] = []  # wall time from one step line to the next (data loading and eval included)
+        self._last_line: float | None = None
         self.peak_flops = peak_flops_per_device(device_name(self.device)) if self.device.type == "cuda" else None
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -379,11 +394,20 @@ class MetricsLogger:
                       peak_mem_gib=peak_memory_gib(self.device),
                       mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_flops, self.world_size))
         self.records.append(record)
+        now = time.perf_counter()
+        self.wall_s.append(step_ms / 1000.0 if self._last_line is None else now - self._last_line)
+        self._last_line = now
         if self.is_main:
             with open(self.out_dir / "metrics.jsonl", "a") as handle:
                 handle.write(json.dumps(record) + "\n")
-            print_fn(format_step_line(record, self.total_steps))
+            print_fn(format_step_line(record, self.total_steps, self.eta_s(step)))
         return record
+
+    def eta_s(self, step: int) -> float:
+        """Time left: the steps to go times the mean wall time per step so far, warm-up steps left out once
+        there are others (so compilation does not inflate it; evaluation and data loading stay in)."""
+        recent = self.wall_s[self.warmup_steps:] or self.wall_s
+        return max(0, self.total_steps - step) * sum(recent) / len(recent)
 
     def averages(self, profiled: list[int] = ()) -> dict:
         """Means over the measured steps (after the warm-up). `profiled` (1-based step numbers) ran under
@@ -391,10 +415,15 @@ class MetricsLogger:
         measured = self.records[self.warmup_steps:] or self.records
         timed = [r for r in measured if r["step"] not in set(profiled)] or measured
         result = {}
-        for key in AVERAGED:
-            values = [r[key] for r in (measured if key in ("comm_ms", "peak_mem_gib") else timed)
-                      if r[key] is not None]
+        for key in ("step_ms", "comm_ms"):
+            values = [r[key] for r in (measured if key == "comm_ms" else timed) if r[key] is not None]
             result[key] = sum(values) / len(values) if values else None
+        # A rate is averaged as total tokens over total time: the mean of per-step rates would weigh a fast step
+        # as much as a slow one and overstate the throughput whenever step times vary.
+        seconds = sum(r["step_ms"] for r in timed) / 1000.0
+        result["tokens_per_s"] = sum(r["tokens"] for r in timed) / seconds if timed and seconds > 0 else None
+        result["mfu"] = (None if result["tokens_per_s"] is None else
+                         mfu(result["tokens_per_s"], self.flops_per_token, self.peak_flops, self.world_size))
         if measured:
             result["peak_mem_gib"] = max(r["peak_mem_gib"] for r in measured)
         profiled_records = [r for r in measured if r["step"] in set(profiled)]

@@ -18,6 +18,16 @@ def load_experiment(name: str):
     return module
 
 
+def load_infer():
+    """experiments/infer.py, imported as a module (it is not a train.py, so not through load_experiment)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("infer", REPO_ROOT / "experiments" / "infer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from common.models import load_tokenizer
@@ -34,8 +44,36 @@ def small_data(tmp_path_factory) -> Path:
     return path
 
 
-def torchrun(experiment: str, runs: list[list], nproc: int = 2, timeout: int = 900) -> None:
-    """Launch tests/run_many.py under torchrun with `nproc` ranks; fail with the ranks' output if it fails."""
+def sharegpt(record):
+    return {"conversations": [{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]),
+                               "value": m["content"]} for m in record["messages"]]}
+
+
+@pytest.fixture(scope="session")
+def formats(tmp_path_factory, small_data):
+    """small_data written as parquet, as a ShareGPT JSON array, as a save_to_disk folder (a DatasetDict), and its
+    single-turn records as a CSV with its own column names; plus the JSONL each must read the same as."""
+    import json
+
+    import datasets
+
+    root = tmp_path_factory.mktemp("formats")
+    records = [json.loads(line) for line in small_data.read_text().splitlines()]
+    datasets.Dataset.from_list(records).to_parquet(root / "data.parquet")
+    (root / "sharegpt.json").write_text(json.dumps([sharegpt(r) for r in records]))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(records),
+                          "test": datasets.Dataset.from_list(records[:5])}).save_to_disk(root / "saved")
+    pairs = [r["messages"] for r in records if len(r["messages"]) == 2 and r["messages"][0]["role"] == "user"]
+    datasets.Dataset.from_list([{"question": q["content"], "answer": a["content"]} for q, a in pairs]).to_csv(
+        root / "pairs.csv", index=False)
+    (root / "pairs.jsonl").write_text("".join(json.dumps({"prompt": q["content"], "completion": a["content"]}) + "\n"
+                                              for q, a in pairs))
+    return root
+
+
+def torchrun(experiment: str, runs: list[list], nproc: int = 2, timeout: int = 900):
+    """Launch tests/run_many.py under torchrun with `nproc` ranks; fail with the ranks' output if it fails.
+    Returns the finished process (its stdout and stderr)."""
     import json
     import subprocess
 
@@ -45,6 +83,7 @@ def torchrun(experiment: str, runs: list[list], nproc: int = 2, timeout: int = 9
     if result.returncode != 0:
         raise AssertionError(f"torchrun {experiment} failed ({result.returncode}):\n{result.stdout[-5000:]}\n"
                              f"{result.stderr[-10000:]}")
+    return result
 
 
 def read_losses(out_dir: Path) -> list[float]:

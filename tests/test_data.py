@@ -1,12 +1,15 @@
-"""common/data.py: validation with file:line errors, assistant-only labels, packing, counts, batch semantics."""
+"""common/data.py: validation with file:line (or row) errors, every --data format, assistant-only labels from the
+template's rendering (thinking on, off, mixed), --show-sample, packing, counts, batch semantics."""
 
 import json
+import re
 
 import pytest
 import torch
 
-from common.data import (CHATML_TEMPLATE, IGNORE_INDEX, DataError, build_data, chat_template_for, pack_rows,
-                         read_conversations, tokenize_conversations)
+from common.data import (CHATML_TEMPLATE, IGNORE_INDEX, Conversation, DataError, build_data, chat_template_for,
+                         pack_rows, read_conversations, sample_text, tokenize_conversations)
+from conftest import REPO_ROOT
 
 GOOD = {"messages": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}]}
 
@@ -178,3 +181,175 @@ def test_eval_split_does_not_depend_on_packing(small_data, tokenizer):
     assert packed.eval.n_real_tokens == unpacked.eval.n_real_tokens
     assert int((packed.eval.labels != IGNORE_INDEX).sum()) == int((unpacked.eval.labels != IGNORE_INDEX).sum())
     assert len(packed.eval) < len(unpacked.eval)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The loss mask from the template's own rendering
+
+
+def test_mask_from_the_rendering_equals_the_generation_markers(small_data, tokenizer):
+    """The built-in template marks assistant text with {% generation %}: transformers' own assistant mask from
+    those markers and the mask derived from rendering prefixes agree on every token of the sample data."""
+    conversations = read_conversations(small_data)
+    ours = tokenize_conversations(conversations, tokenizer)
+    encoded = tokenizer.apply_chat_template([c.messages for c in conversations], tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+    for mine, ids, mask in zip(ours, encoded["input_ids"], encoded["assistant_masks"]):
+        assert mine.input_ids == list(ids)
+        assert mine.labels == [ids[t + 1] if mask[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [-100]
+
+
+@pytest.fixture(scope="module")
+def thinking_tokenizer():
+    """The built-in tokenizer with a template that renders reasoning the way Qwen3's published one does."""
+    from common.models import load_tokenizer
+
+    tokenizer = load_tokenizer("qwen3-tiny")
+    tokenizer.chat_template = (REPO_ROOT / "assets" / "tokenizer" / "chat_template_thinking.jinja").read_text()
+    return tokenizer
+
+
+def trained_text(tokenizer, messages, **kwargs) -> list[str]:
+    """The decoded runs of tokens that carry loss, one string per run."""
+    (conversation,) = tokenize_conversations([Conversation(messages, "test:1")], tokenizer, **kwargs)
+    runs, current = [], []
+    for label in conversation.labels:
+        if label == IGNORE_INDEX:
+            if current:
+                runs.append(tokenizer.decode(current))
+            current = []
+        else:
+            current.append(label)
+    return runs + ([tokenizer.decode(current)] if current else [])
+
+
+USER = {"role": "user", "content": "What is 2 + 2?"}
+
+
+def test_thinking_on_trains_the_reasoning_and_the_answer(thinking_tokenizer):
+    by_field = [USER, {"role": "assistant", "content": "4", "reasoning_content": "Two and two make four."}]
+    inline = [USER, {"role": "assistant", "content": "<think>\nTwo and two make four.\n</think>\n\n4"}]
+    expected = ["<think>\nTwo and two make four.\n</think>\n\n4<|im_end|>"]
+    assert trained_text(thinking_tokenizer, by_field) == expected
+    assert trained_text(thinking_tokenizer, inline) == expected
+
+
+def test_thinking_off_leaves_the_empty_think_block_untrained(thinking_tokenizer):
+    messages = [USER, {"role": "assistant", "content": "4"}]
+    text = thinking_tokenizer.apply_chat_template(messages, tokenize=False)
+    assert "<think>\n\n</think>\n\n4<|im_end|>" in text  # the template does render the empty block
+    assert trained_text(thinking_tokenizer, messages) == ["4<|im_end|>"]
+    assert trained_text(thinking_tokenizer, messages, train_empty_think=True) == ["<think>\n\n</think>\n\n4<|im_end|>"]
+
+
+def test_mixed_thinking_in_one_conversation(thinking_tokenizer):
+    # An earlier turn's reasoning is not rendered once a later user turn follows (as in Qwen3's template), so
+    # only its answer is trained; the last turn, without reasoning, gets its answer and end-of-turn only.
+    messages = [USER, {"role": "assistant", "content": "4", "reasoning_content": "Easy."},
+                {"role": "user", "content": "And 3 + 3?"}, {"role": "assistant", "content": "6"}]
+    assert trained_text(thinking_tokenizer, messages) == ["4<|im_end|>", "6<|im_end|>"]
+    messages[-1]["reasoning_content"] = "Three twice."
+    assert trained_text(thinking_tokenizer, messages) == ["4<|im_end|>",
+                                                          "<think>\nThree twice.\n</think>\n\n6<|im_end|>"]
+
+
+def test_mixed_thinking_across_a_dataset(tmp_path, thinking_tokenizer):
+    records = [{"messages": [USER, {"role": "assistant", "content": "4", "reasoning_content": "Sum."}]},
+               {"messages": [USER, {"role": "assistant", "content": "4"}]}] * 20
+    path = write_lines(tmp_path, [json.dumps(r) for r in records])
+    data = build_data(path, thinking_tokenizer, 64, eval_fraction=0.0)
+    assert data.stats["n_end_of_turn_trained"] == 40
+    think = thinking_tokenizer.encode("<think>", add_special_tokens=False)
+    labels = data.train.labels.flatten().tolist()
+    starts = [t for t in range(len(labels) - len(think)) if labels[t:t + len(think)] == think]
+    assert len(starts) == 20  # exactly the conversations with reasoning train a <think> block
+
+
+def test_no_trained_end_of_turn_stops_the_run(tmp_path, tokenizer):
+    class NoEndOfTurn:
+        """A template whose assistant turns never close: the model would never learn to stop."""
+
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+
+    with pytest.raises(DataError, match=r"test:1: message 1: no <\|im_end\|> closes the assistant turn"):
+        tokenize_conversations([Conversation([USER, {"role": "assistant", "content": "4"}], "test:1")], NoEndOfTurn())
+    # Truncation that cuts every conversation before its end-of-turn token is caught after truncation.
+    path = write_lines(tmp_path, [json.dumps({"messages": [USER, {"role": "assistant", "content": "four " * 40}]})])
+    with pytest.raises(DataError, match="no <\\|im_end\\|> carries loss in any conversation"):
+        build_data(path, tokenizer, 24, eval_fraction=0.0)
+
+
+def test_show_sample_marks_what_carries_loss(small_data, tokenizer):
+    data = build_data(small_data, tokenizer, 128, seed=0)
+    plain = sample_text(data, tokenizer, color=False)
+    header, body = plain.split("\n", 1)
+    assert "carry loss (between [[ and ]])" in header
+    # Every bracketed piece is assistant text ending in the end-of-turn token; nothing else is bracketed.
+    pieces = re.findall(r"\[\[(.*?)\]\]", body, re.S)
+    assert pieces and all(piece.endswith("<|im_end|>") for piece in pieces)
+    assert body.count("<|im_start|>assistant\n[[") == len(pieces)
+    assert "\033[1;32m" in sample_text(data, tokenizer, color=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Formats other than JSONL, through datasets
+
+
+def test_every_format_reads_as_its_jsonl(formats, small_data):
+    expected = [c.messages for c in read_conversations(small_data)]
+    for name in ("data.parquet", "sharegpt.json", "saved"):
+        conversations = read_conversations(formats / name)
+        assert [c.messages for c in conversations] == expected, name
+        assert conversations[2].source == f"{formats / name}: row 3"
+    csv = read_conversations(formats / "pairs.csv", columns="prompt=question,completion=answer")
+    assert [c.messages for c in csv] == [c.messages for c in read_conversations(formats / "pairs.jsonl")]
+    assert len(read_conversations(formats / "saved", split="test")) == 5
+
+
+BAD_SOURCES = {
+    "mapped column missing": ("pairs.csv", dict(columns="prompt=query,completion=answer"),
+                              "pairs.csv: column 'query' (--data-columns) is not in the data; it has: question, answer"),
+    "no known columns": ("pairs.csv", {}, "no column set this script knows: it has question, answer"),
+    "unknown split": ("saved", dict(split="validation"), "saved: no split 'validation' (--data-split); it has: train, test"),
+    "bad mapping": ("pairs.csv", dict(columns="prompt"), "--data-columns: 'prompt' is not NAME=COLUMN"),
+    "unknown name": ("pairs.csv", dict(columns="question=prompt"), "--data-columns: unknown name 'question'"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_SOURCES))
+def test_bad_sources_are_one_clear_line(formats, kind):
+    name, kwargs, expected = BAD_SOURCES[kind]
+    with pytest.raises(DataError) as error:
+        read_conversations(formats / name, **kwargs)
+    assert expected in str(error.value) and "\n" not in str(error.value)
+
+
+def test_bad_row_and_empty_split_name_the_row(tmp_path):
+    import datasets
+
+    rows = [{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": " "}]
+    datasets.Dataset.from_list(rows).to_parquet(tmp_path / "bad.parquet")
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'bad.parquet'}: row 2: field 'completion' is empty")):
+        read_conversations(tmp_path / "bad.parquet")
+    datasets.Dataset.from_dict({"prompt": [], "completion": []}).to_parquet(tmp_path / "empty.parquet")
+    with pytest.raises(DataError, match=r"empty.parquet: the file has no rows"):
+        read_conversations(tmp_path / "empty.parquet")
+    (tmp_path / "data.txt").write_text("hello")
+    with pytest.raises(DataError, match=r"data.txt: unknown file type '.txt'"):
+        read_conversations(tmp_path / "data.txt")
+
+
+def test_unreachable_hub_id_is_one_line(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens on port 9
+    with pytest.raises(DataError) as error:
+        read_conversations("some-org/some-dataset")
+    message = str(error.value)
+    assert message.startswith("some-org/some-dataset: not a local file or folder, and the Hugging Face Hub cannot "
+                              "be reached") and "pass a local" in message and "\n" not in message

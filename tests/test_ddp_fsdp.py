@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.checkpoint import load_checkpoint
 from common.data import build_data, evaluate
-from conftest import REPO_ROOT, load_experiment, read_losses, torchrun
+from conftest import REPO_ROOT, load_experiment, load_infer, read_losses, torchrun
 from test_comm import assert_formula_matches, tiny_parameters
 
 single_ft = load_experiment("single-ft")
@@ -89,9 +89,10 @@ def reference(tmp_path_factory, small_data):
 
 
 def launch(experiment, root, small_data, runs: dict[str, list]) -> None:
-    """All `runs` (name -> extra flags) in one torchrun launch, each into root/<name>."""
-    torchrun(experiment, [["--data", small_data, *FP32, *args, "--out-dir", root / name]
-                          for name, args in runs.items()])
+    """All `runs` (name -> extra flags) in one torchrun launch, each into root/<name>; its output in root/output.txt."""
+    result = torchrun(experiment, [["--data", small_data, *FP32, *args, "--out-dir", root / name]
+                                   for name, args in runs.items()])
+    (root / "output.txt").write_text(result.stdout + result.stderr)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +109,8 @@ def ddp(tmp_path_factory, small_data):
                       "--reduce-every-micro-batch"],
         "lora": [*split(1, 2), *LORA, *NO_PROFILE, "--activation-checkpointing", "--save-hf", root / "lora-merged",
                  "--merge-lora"],
-        "chunked": [*split(1, 2), *FAST, "--loss-chunk-tokens", 64],
+        # --sample-every generates between steps (under FSDP on every rank): the steps must not change.
+        "chunked": [*split(1, 2), *FAST, "--loss-chunk-tokens", 64, "--sample-every", 2],
         "varlen": [*split(1, 2), *FAST, "--attn", "varlen"],
         "compiled": [*split(1, 2), *COMPILED],
     })
@@ -116,7 +118,7 @@ def ddp(tmp_path_factory, small_data):
 
 
 @pytest.fixture(scope="module")
-def fsdp(tmp_path_factory, small_data):
+def fsdp(tmp_path_factory, small_data, formats):
     """Every fsdp-ft configuration, 2 ranks, one launch. B = 4 rows as in the reference."""
     root = tmp_path_factory.mktemp("fsdp-ft")
     launch("fsdp-ft", root, small_data, {
@@ -131,9 +133,15 @@ def fsdp(tmp_path_factory, small_data):
                     "--no-reshard-after-forward", "--activation-checkpointing", "--cpu-offload",
                     "--reduce-every-micro-batch", "--eval-every", 2],
         "lora": [*split(1, 2), *LORA, *NO_PROFILE, "--save-hf", root / "lora-merged", "--merge-lora"],
-        "chunked": [*split(1, 2), *FAST, "--loss-chunk-tokens", 64],
+        # --sample-every generates between steps (under FSDP on every rank): the steps must not change.
+        "chunked": [*split(1, 2), *FAST, "--loss-chunk-tokens", 64, "--sample-every", 2],
         "varlen": [*split(1, 2), *FAST, "--attn", "varlen"],
         "compiled": [*split(1, 2), *COMPILED],
+        # The same records as parquet, ShareGPT JSON and a save_to_disk folder; a CSV under its own column names.
+        **{name: [*split(1, 2), "--steps", 2, *NO_PROFILE, "--data", formats / name]
+           for name in ("data.parquet", "sharegpt.json", "saved", "pairs.jsonl")},
+        "pairs.csv": [*split(1, 2), "--steps", 2, *NO_PROFILE, "--data", formats / "pairs.csv",
+                      "--data-columns", "prompt=question,completion=answer"],
     })
     return root
 
@@ -198,6 +206,8 @@ def test_fast_path_flags_compute_single_ft_steps(experiment, request, reference)
     assert compiled["config"]["compile"] and compiled["config"]["loss_chunk_tokens"] == 64
     # The third update too: both runs end with the same weights, evaluated through their own attention.
     assert varlen["eval_loss"] == pytest.approx(chunked["eval_loss"], rel=1e-5)
+    # --sample-every 2 on the chunked run: a completion after step 2 (rank 0 prints it), and step 3 above unchanged.
+    assert (runs / "output.txt").read_text().count("sample step 2: ") == 1
 
 
 @pytest.mark.parametrize("module", [ddp_ft, fsdp_ft], ids=["ddp", "fsdp"])
@@ -245,10 +255,22 @@ def test_save_hf_reloads_in_one_process_with_the_same_eval_loss(experiment, requ
     # Qwen3 ties the embedding and the LM head: the export must keep one matrix, not two copies.
     assert model.config.tie_word_embeddings
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    # experiments/infer.py reads the same export: its --eval-data gives the number training printed, and it answers.
+    infer = load_infer()
+    assert infer.main(["--model", runs / "hf", "--eval-data", small_data, "--seq-len", 128]) == \
+        pytest.approx(summary(runs / "1x2")["eval_loss"], rel=1e-5)
+    assert isinstance(infer.main(["--model", runs / "hf", "--prompt", "Hi", "--max-new-tokens", 4])[0], str)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # FSDP only
+
+
+def test_fsdp_trains_every_data_format(fsdp):
+    reference = read_losses(fsdp / "1x2")[:2]
+    for name in ("data.parquet", "sharegpt.json", "saved"):
+        assert read_losses(fsdp / name) == pytest.approx(reference, rel=1e-6), name
+    assert read_losses(fsdp / "pairs.csv") == pytest.approx(read_losses(fsdp / "pairs.jsonl"), rel=1e-6)
 
 
 def test_fsdp_bf16_tracks_fp32(fsdp):
@@ -330,3 +352,22 @@ def test_model_state_bytes_are_the_predicted_ones(reference, ddp, fsdp):
     for measured in offloaded["state_bytes_per_rank"]:
         assert measured == summary(fsdp / "1x2")["state_bytes_per_rank"][0]
         assert sum(measured.values()) == offloaded["predicted_cpu_bytes"] + counters
+
+
+def test_the_readme_main_command_runs_clean(tmp_path):
+    """The README's main command as a new user runs it (with --steps 3): it works, every step line ends with the
+    ETA, and nothing in its output looks like an error (Kineto's USDT and gpuGetDeviceCount lines are silenced)."""
+    import re
+    import subprocess
+
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    command = next(line for line in readme if line.startswith("uv run torchrun")).split("#")[0].split()
+    assert command[:3] == ["uv", "run", "torchrun"] and command[-1] == "experiments/fsdp-ft/train.py"
+    argv = [sys.executable, "-m", "torch.distributed.run", *command[3:], "--steps", 3, "--out-dir", tmp_path]
+    result = subprocess.run(list(map(str, argv)), cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = (result.stdout + result.stderr).splitlines()
+    assert [line for line in lines if "ERROR" in line or "USDT" in line or "Traceback" in line] == []
+    steps = [line for line in lines if line.startswith("step ")]
+    assert len(steps) == 3 and all(re.search(r" \| eta \d+m\d\ds$", line) for line in steps)
+    assert steps[-1].endswith("| eta 0m00s")

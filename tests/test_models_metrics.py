@@ -63,6 +63,8 @@ def test_step_line_has_the_contract_format():
                   tokens_per_s=5031.2, mfu=0.4123, peak_mem_gib=13.61)
     assert format_step_line(record, 50) == ("step 12/50 | loss 2.3141 | lr 3.0e-04 | grad_norm 1.02 | step_ms 812 | "
                                             "comm_ms 95 | tok/s 5,031 | mfu 0.41 | mem 13.6 GiB")
+    assert format_step_line(record, 50, eta_s=92.4).endswith("mem 13.6 GiB | eta 1m32s")
+    assert format_step_line(record, 50, eta_s=3900).endswith("| eta 1h05m")
     record.update(comm_ms=None, mfu=None)
     assert "comm_ms - |" in format_step_line(record, 50) and "mfu - |" in format_step_line(record, 50)
 
@@ -112,15 +114,19 @@ def test_state_bytes_count_each_storage_once():
 def test_summary_excludes_warmup_and_profiled_steps(tmp_path):
     logger = MetricsLogger(out_dir=tmp_path, total_steps=5, warmup_steps=2, flops_per_token=1e6,
                            device=torch.device("cpu"), world_size=2, is_main=True)
+    lines = []
     for step, step_ms in enumerate([1000.0, 500.0, 900.0, 100.0, 300.0], start=1):
         logger.log_step(step, loss=1.0 / step, lr=1e-3, grad_norm=1.0, tokens=1000, loss_tokens=500,
-                        step_ms=step_ms, comm_ms=10.0 if step == 3 else None, print_fn=lambda line: None)
+                        step_ms=step_ms, comm_ms=10.0 if step == 3 else None, print_fn=lines.append)
+    # The first line's eta is 4 steps of its own step_ms; the last has nothing left.
+    assert lines[0].endswith("| eta 0m04s") and lines[-1].endswith("| eta 0m00s")
     # Step 3 ran under the profiler (comm_ms): slower, so it is left out of the speed averages.
     summary = logger.write_summary(experiment="test", comm_timer=type("Timer", (), dict(
         profiled=[3], collectives_per_step=lambda self: {"c10d::allreduce_": 1.0},
         collective_bytes_per_step=lambda self: {"gloo:all_reduce": {"calls": 1.0, "bytes": 8.0}}))())
     assert summary["step_ms"] == pytest.approx(200.0)  # steps 4 and 5 only
-    assert summary["tokens_per_s"] == pytest.approx((10_000 + 1000 / 0.3) / 2)
+    # tokens over time, not the mean of the two steps' rates (10,000 and 3,333 tokens/s)
+    assert summary["tokens_per_s"] == pytest.approx(2000 / 0.4)
     assert summary["tokens_per_s_per_device"] == pytest.approx(summary["tokens_per_s"] / 2)
     assert summary["comm_ms"] == 10.0 and summary["mfu"] is None and summary["final_loss"] == 0.2
     assert summary["profiled_steps"] == [3] and summary["profiled_step_ms"] == 900.0

@@ -1,5 +1,6 @@
 """single-ft, the reference: batch-split invariance, packing invariance, learning, export, LoRA, CLI contract."""
 
+import io
 import json
 from collections import Counter
 from contextlib import nullcontext
@@ -12,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.data import build_data, evaluate
-from conftest import REPO_ROOT, load_experiment
+from conftest import REPO_ROOT, load_experiment, load_infer
 
 single_ft = load_experiment("single-ft")
 
@@ -106,7 +107,7 @@ def test_command_line_run_writes_the_results_contract(tmp_path, small_data):
     lines = result.stdout.splitlines()
     assert sum(line.startswith("config: {") for line in lines) == 1
     step_line = re.compile(r"^step (\d+)/3 \| loss \d+\.\d{4} \| lr \d\.\de[-+]\d\d \| grad_norm \d+\.\d\d \| "
-                           r"step_ms \d+ \| comm_ms (\d+|-) \| tok/s [\d,]+ \| mfu (\d\.\d\d|-) \| mem \d+\.\d GiB$")
+                           r"step_ms \d+ \| comm_ms (\d+|-) \| tok/s [\d,]+ \| mfu (\d\.\d\d|-) \| mem \d+\.\d GiB \| eta \d+m\d\ds$")
     assert [int(m.group(1)) for m in map(step_line.match, lines) if m] == [1, 2, 3]
     summary = json.loads((out / "summary.json").read_text())
     for key in ("experiment", "command", "config", "hardware", "model", "step_ms", "comm_ms", "tokens_per_s",
@@ -189,3 +190,90 @@ def test_the_step_reads_the_device_once(tmp_path, small_data, monkeypatch):
             per_run.append(list(calls))
         # 3 more steps, one read each, and nothing else: a .item() added to the step would show here.
         assert Counter(per_run[1]) - Counter(per_run[0]) == Counter({"tolist": 3}), (per_run, extra)
+
+
+def test_every_data_format_trains_the_same_steps(tmp_path, small_data, formats):
+    """Parquet, a ShareGPT JSON, a save_to_disk folder: the same records as small_data, so the same steps; a CSV
+    with its own column names (--data-columns): the same steps as its records written as prompt/completion JSONL."""
+    _, reference = run(tmp_path, "jsonl", small_data, "--steps", 2)
+    for name in ("data.parquet", "sharegpt.json", "saved"):
+        _, losses = run(tmp_path, name, formats / name, "--steps", 2)
+        assert losses == pytest.approx(reference, rel=1e-6), name
+    _, pairs = run(tmp_path, "pairs", formats / "pairs.jsonl", "--steps", 2)
+    _, csv = run(tmp_path, "csv", formats / "pairs.csv", "--steps", 2,
+                 "--data-columns", "prompt=question,completion=answer")
+    assert csv == pytest.approx(pairs, rel=1e-6) and pairs != pytest.approx(reference, rel=1e-3)
+
+
+def test_bad_data_sources_stop_with_one_line(tmp_path, formats):
+    with pytest.raises(SystemExit, match=r"^bad training data: .*pairs.csv: column 'query' \(--data-columns\) is not "
+                                         r"in the data; it has: question, answer$"):
+        single_ft.main(["--data", str(formats / "pairs.csv"), "--data-columns", "prompt=query,completion=answer",
+                        "--out-dir", str(tmp_path / "out")])
+
+
+
+def greedy_by_hand(folder, prompt: str, max_new_tokens: int) -> str:
+    """Greedy decoding without transformers' generate: the whole sequence through the model at every step."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    stop = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
+    new = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            token = int(model(torch.tensor([ids[0].tolist() + new])).logits[0, -1].argmax())
+            if token in stop:
+                break
+            new.append(token)
+    return tokenizer.decode(new, skip_special_tokens=True)
+
+
+def test_infer_generates_and_evaluates_every_kind_of_export(tmp_path, small_data, monkeypatch, capsys):
+    infer = load_infer()
+    base = tmp_path / "base-hf"
+    summary, _ = run(tmp_path, "base", small_data, "--steps", 30, "--save-hf", base)  # says a word
+    prompt = "Spell 'cat' backwards."
+    (reply,) = infer.main(["--model", str(base), "--prompt", prompt, "--max-new-tokens", 12])
+    assert reply == greedy_by_hand(base, prompt, 12) and reply.strip()
+    assert reply in capsys.readouterr().out  # streamed to the terminal
+    # --eval-data: the number training printed, from the export alone.
+    assert infer.main(["--model", str(base), "--eval-data", str(small_data), "--seq-len", "128"]) == \
+        pytest.approx(summary["eval_loss"], rel=1e-5)
+    # A prompts file (plain and JSON lines) gives what --prompt gives.
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"{prompt}\n\n" + json.dumps({"prompt": "Say hi."}) + "\n")
+    replies = infer.main(["--model", str(base), "--prompts", str(prompts), "--max-new-tokens", 12])
+    assert replies == [reply, infer.main(["--model", str(base), "--prompt", "Say hi.", "--max-new-tokens", 12])[0]]
+    # Interactive chat: two turns, the second sees the first; an empty line ends it.
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{prompt}\nAnd again?\n\n"))
+    chat = infer.main(["--model", str(base), "--max-new-tokens", 12])
+    assert len(chat) == 2 and chat[0] == reply
+
+    # A LoRA adapter trained on that export as its base: loaded through the base its adapter_config names.
+    adapter = tmp_path / "adapter"
+    lora, _ = run(tmp_path, "lora", small_data, "--model", base, "--steps", 3, "--lora-rank", 4, "--lr", 1e-3,
+                  "--save-hf", adapter)
+    assert (adapter / "adapter_config.json").exists() and not (adapter / "config.json").exists()
+    assert infer.main(["--model", str(adapter), "--eval-data", str(small_data), "--seq-len", "128"]) == \
+        pytest.approx(lora["eval_loss"], rel=1e-5)
+    assert infer.main(["--model", str(adapter), "--prompt", prompt, "--max-new-tokens", 4])[0] is not None
+    # An adapter whose base is a preset (random init, never saved) needs --base; a folder that is no export stops.
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "qwen3-tiny"}))
+    with pytest.raises(SystemExit, match="a LoRA adapter of qwen3-tiny, .* pass --base"):
+        infer.main(["--model", str(adapter), "--prompt", prompt])
+    assert infer.main(["--model", str(adapter), "--base", str(base), "--eval-data", str(small_data),
+                       "--seq-len", "128"]) == pytest.approx(lora["eval_loss"], rel=1e-5)
+    with pytest.raises(SystemExit, match="neither config.json .* nor adapter_config.json"):
+        infer.main(["--model", str(tmp_path), "--prompt", prompt])
+
+
+def test_sample_every_prints_a_completion_and_changes_no_step(tmp_path, small_data, capsys):
+    _, plain = run(tmp_path, "plain", small_data, "--steps", 3)
+    capsys.readouterr()
+    _, sampled = run(tmp_path, "sampled", small_data, "--steps", 3, "--sample-every", 2)
+    assert sampled == plain
+    assert len(re.findall(r"^sample step 2: '.*'$", capsys.readouterr().out, re.M)) == 1

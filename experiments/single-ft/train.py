@@ -26,8 +26,9 @@ from transformers import HfArgumentParser
 
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
-from common.data import DataError, build_data, describe, evaluate, to_device, token_loss_sum
+from common.data import DataError, build_data, describe, evaluate, sample_text, to_device, token_loss_sum
 from common.dist import all_ranks, init_distributed, print0, teardown
+from common.generate import generate, sample_prompt
 from common.loss import chunked_token_loss_sum
 from common.memory import attention_kind, estimate
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
@@ -42,7 +43,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 @dataclass
 class Config:
     model: str = "auto"  # preset (qwen3-tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b), hub id or local folder; auto: Qwen/Qwen3-0.6B-Base on GPU, qwen3-tiny on CPU
-    data: str = "assets/data/sft_en.jsonl"  # JSONL file or folder of them (relative paths: from the repo root if not found here)
+    data: str = "assets/data/sft_en.jsonl"  # JSONL file or folder, .json/.parquet/.csv/.arrow file, save_to_disk folder, or hub id (org/name); relative paths: from the repo root if not found here
+    data_split: str = "train"  # with a hub id or a saved DatasetDict: the split to train on
+    data_config: str | None = None  # with a hub id: the dataset's configuration (subset)
+    data_columns: str | None = None  # your column names for the expected ones, e.g. prompt=question,completion=answer
+    train_empty_think: bool = False  # also train the empty <think></think> block Qwen3's template puts before an answer without reasoning
+    show_sample: bool = False  # before training, print the first conversation with the text that carries loss marked
     seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny, 1024 otherwise
     micro_batch_size: int = 1  # rows per forward pass
     grad_accum: int = 1  # micro-batches per optimizer step
@@ -63,6 +69,7 @@ class Config:
     attn: Literal["auto", "sdpa", "eager", "flash", "varlen"] = "auto"  # attention implementation; auto: common/attention.py decides per device (varlen: packed documents without a mask)
     eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
     eval_every: int = 0  # also evaluate every N steps (0 = only at the end)
+    sample_every: int = 0  # every N steps print a short greedy completion of a fixed held-out prompt (0 = never)
     timing_warmup_steps: int = 2  # first steps left out of the averages in summary.json (allocator, caches, compilation)
     comm_profile_steps: int = 3  # steps profiled with torch.profiler for comm_ms (starting after the timing warm-up)
     out_dir: str | None = None  # where metrics.jsonl and summary.json go; default runs/single-ft-<UTC time>
@@ -123,10 +130,14 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = load_tokenizer(config.model)
     try:
         data = build_data(config.data, tokenizer, config.seq_len, packing=config.packing,
-                          eval_fraction=config.eval_fraction, seed=config.seed)
+                          eval_fraction=config.eval_fraction, seed=config.seed, split=config.data_split,
+                          subset=config.data_config, columns=config.data_columns,
+                          train_empty_think=config.train_empty_think)
     except DataError as error:
         raise SystemExit(f"bad training data: {error}") from None
     print0(describe(data.stats, config.seq_len, config.packing))
+    if config.show_sample:
+        print0(sample_text(data, tokenizer))
     rows_per_step = config.micro_batch_size * config.grad_accum
 
     # ---------------------------------------------------------------------------------------------------------
@@ -179,6 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
     stopwatch = Stopwatch(device)
     eval_losses = []
+    sample_messages = sample_prompt(data)  # --sample-every: the turns before the first held-out answer
     # The step count is the whole data position: step k always consumes the same rows.
     start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
     if config.resume:
@@ -237,6 +249,9 @@ def main(argv: list[str] | None = None) -> dict:
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate(model, data, config.micro_batch_size, device, autocast)))
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
+        if config.sample_every and (step + 1) % config.sample_every == 0 and sample_messages:
+            completion = generate(model, tokenizer, sample_messages, device, autocast=autocast)
+            print0(f"sample step {step + 1}: {completion!r}")
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             print0(f"checkpoint: {save_checkpoint(config.out_dir, step + 1, model, optimizer, scheduler)}")
 

@@ -41,7 +41,7 @@ from transformers import AutoModelForCausalLM, HfArgumentParser
 
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
-from common.data import DataError, build_data, describe, evaluate, token_loss_sum
+from common.data import DataError, build_data, describe, evaluate, sample_text, token_loss_sum
 from common.comm import as_backend, tp_collectives
 from common.dist import all_ranks, init_distributed, print0, teardown
 from common.memory import attention_kind, estimate
@@ -57,7 +57,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 @dataclass
 class Config:
     model: str = "auto"  # preset (qwen3-tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b), hub id or local folder; auto: Qwen/Qwen3-0.6B-Base on GPU, qwen3-tiny on CPU
-    data: str = "assets/data/sft_en.jsonl"  # JSONL file or folder of them (relative paths: from the repo root if not found here)
+    data: str = "assets/data/sft_en.jsonl"  # JSONL file or folder, .json/.parquet/.csv/.arrow file, save_to_disk folder, or hub id (org/name); relative paths: from the repo root if not found here
+    data_split: str = "train"  # with a hub id or a saved DatasetDict: the split to train on
+    data_config: str | None = None  # with a hub id: the dataset's configuration (subset)
+    data_columns: str | None = None  # your column names for the expected ones, e.g. prompt=question,completion=answer
+    train_empty_think: bool = False  # also train the empty <think></think> block Qwen3's template puts before an answer without reasoning
+    show_sample: bool = False  # before training, print the first conversation with the text that carries loss marked
     seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny, 1024 otherwise
     micro_batch_size: int = 1  # rows per forward pass
     grad_accum: int = 1  # micro-batches per optimizer step
@@ -398,10 +403,14 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = load_tokenizer(config.model)
     try:
         data = build_data(config.data, tokenizer, config.seq_len, packing=config.packing,
-                          eval_fraction=config.eval_fraction, seed=config.seed)
+                          eval_fraction=config.eval_fraction, seed=config.seed, split=config.data_split,
+                          subset=config.data_config, columns=config.data_columns,
+                          train_empty_think=config.train_empty_think)
     except DataError as error:
         raise SystemExit(f"bad training data: {error}") from None
     print0(describe(data.stats, config.seq_len, config.packing))
+    if config.show_sample:
+        print0(sample_text(data, tokenizer))
     rows_per_step = config.micro_batch_size * config.grad_accum
 
     # ---------------------------------------------------------------------------------------------------------
