@@ -374,10 +374,21 @@ class MetricsLogger:
     device: torch.device
     world_size: int
     is_main: bool
+    report_to: str = "none"  # --report-to: "tensorboard" also writes every step's metrics as TensorBoard scalars
 
     def __post_init__(self):
         self.out_dir = Path(self.out_dir)
         self.records: list[dict] = []
+        self.writer = None
+        if self.report_to not in ("none", "tensorboard"):
+            raise SystemExit(f"--report-to must be none or tensorboard, got {self.report_to!r}")
+        if self.report_to == "tensorboard" and self.is_main:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise SystemExit("--report-to tensorboard needs the tensorboard package: uv sync --group tensorboard"
+                                 ) from None
+            self.writer = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"))
         self.wall_s: list[float] = []  # wall time from one step line to the next (data loading and eval included)
         self._last_line: float | None = None
         self.peak_flops = peak_flops_per_device(device_name(self.device)) if self.device.type == "cuda" else None
@@ -401,7 +412,16 @@ class MetricsLogger:
             with open(self.out_dir / "metrics.jsonl", "a") as handle:
                 handle.write(json.dumps(record) + "\n")
             print_fn(format_step_line(record, self.total_steps, self.eta_s(step)))
+        if self.writer is not None:
+            for key in ("loss", "lr", "grad_norm", "step_ms", "comm_ms", "tokens_per_s", "mfu", "peak_mem_gib"):
+                if record[key] is not None:
+                    self.writer.add_scalar(f"train/{key}", record[key], step)
         return record
+
+    def log_eval(self, step: int, loss: float | None) -> None:
+        """The held-out loss after optimizer step `step` (TensorBoard's eval/loss; the step line prints it)."""
+        if self.writer is not None and loss is not None:
+            self.writer.add_scalar("eval/loss", loss, step)
 
     def eta_s(self, step: int) -> float:
         """Time left: the steps to go times the mean wall time per step so far, warm-up steps left out once
@@ -450,6 +470,9 @@ class MetricsLogger:
         summary["memory_measure"] = memory_label(self.device)
         if self.is_main:
             (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
         return summary
 
 

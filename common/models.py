@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -106,11 +107,64 @@ def load_model(name: str, tokenizer, attn_implementation: str, dtype: torch.dtyp
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn_implementation)
         except (OSError, ValueError) as error:
             raise _load_failure(name, "model", error) from error
-    # The vocabulary can be larger than the tokenizer's (padded for speed, or a preset's unused rows), never smaller.
+    check_vocabulary(name, tokenizer, model)
+    return model.to(device)
+
+
+def check_vocabulary(name: str, tokenizer, model) -> None:
+    """The vocabulary may be larger than the tokenizer's (padded for speed, or a preset's unused rows), not smaller."""
     if len(tokenizer) > model.config.vocab_size:
         raise SystemExit(f"tokenizer of '{name}' has {len(tokenizer)} tokens but the model only "
                          f"{model.config.vocab_size} embedding rows: the model and tokenizer do not belong together")
-    return model.to(device)
+
+
+def qlora_unavailable(merge_lora: bool = False, dtype: str | None = None) -> str | None:
+    """Why --qlora cannot run with these flags on this machine (None when it can): checked before anything starts."""
+    if merge_lora:
+        return ("--merge-lora with --qlora: merging would round the trained adapters into 4-bit weights; save the "
+                "adapter (--save-hf) and merge it into the bf16 base model with peft")
+    if dtype == "fp32":
+        return "--qlora computes in bf16 (its 4-bit weights are dequantized to bf16): drop --dtype fp32"
+    if not torch.cuda.is_available():
+        return "--qlora needs a CUDA GPU (bitsandbytes' 4-bit kernels); this machine has none, so nothing was loaded"
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return "--qlora needs bitsandbytes, which is not installed: uv sync --group qlora"
+    return None
+
+
+def load_model_4bit(name: str, tokenizer, attn_implementation: str, device: torch.device):
+    """QLoRA's base model: every linear layer of the decoder in 4-bit NF4 (bitsandbytes, double-quantized
+    constants, bf16 compute); embeddings, norms and the LM head stay in higher precision, frozen. LoRA adapters go
+    on top (peft). A preset is random init: it is built under the current seed, saved once in bf16 to a temporary
+    folder, and quantized while from_pretrained loads it, the path every real model takes."""
+    import shutil
+    import tempfile
+
+    from peft import prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=torch.bfloat16)
+    source, scratch = name, None
+    if is_preset(name):
+        scratch = tempfile.mkdtemp(prefix=f"{name}-")
+        AutoModelForCausalLM.from_config(model_config(name, tokenizer), dtype=torch.bfloat16).save_pretrained(scratch)
+        source = scratch
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, quantization_config=quantization, dtype=torch.bfloat16,
+                                                     attn_implementation=attn_implementation,
+                                                     device_map={"": device})
+    except (OSError, ValueError) as error:
+        raise _load_failure(name, "model", error) from error
+    finally:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+    if scratch:  # a preset's adapter names no base, as with load_model (the temporary folder is gone)
+        model.name_or_path = model.config.name_or_path = ""
+    check_vocabulary(name, tokenizer, model)
+    # Casts the frozen non-quantized weights to fp32 for stable norms; activation checkpointing stays with the
+    # experiment's own --activation-checkpointing.
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
 def count_parameters(config: PretrainedConfig) -> dict[str, int]:

@@ -4,7 +4,7 @@ Commands are read from README.md, blogs/*.md, devlog/*.md, experiments/*/README.
 experiments/*/train.py, common/memory.py and common/sweep.py: every line of a fenced code block (or docstring) and
 every `inline code` span, with backslash continuations joined and trailing comments dropped. A command is one that
 launches experiments/<name>/train.py (through python, uv run, torchrun or python -m torch.distributed.run),
-python -m common.memory or python -m common.sweep. Its arguments go through that script's own parser:
+experiments/infer.py, python -m common.memory or python -m common.sweep. Its arguments go through that script's own parser:
 HfArgumentParser(Config) for an experiment, loaded as tests/conftest.py's load_experiment does, and the argparse
 parsers of common.memory and common.sweep (whose grids are expanded, so every cell's flags are parsed by the
 experiment they launch). A renamed or removed flag anywhere in the docs fails here, naming the file and line.
@@ -27,10 +27,10 @@ from unittest import mock
 import pytest
 from transformers import HfArgumentParser
 
-from conftest import REPO_ROOT, load_experiment
+from conftest import REPO_ROOT, load_experiment, load_infer
 
 DOCUMENTS = ("README.md", "blogs/*.md", "devlog/*.md", "experiments/*/README.md")
-DOCSTRINGS = ("experiments/*/train.py", "common/memory.py", "common/sweep.py")
+DOCSTRINGS = ("experiments/*/train.py", "experiments/infer.py", "common/memory.py", "common/sweep.py")
 MODULES = ("common.memory", "common.sweep")
 FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
 CODE_SPAN = re.compile(r"(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.S)
@@ -122,6 +122,8 @@ def as_command(file: str, line: int, snippet: str) -> Command | None:
         script = SCRIPT.fullmatch(token)
         if script and launched:
             return Command(file, line, text, "experiment", script.group(1), tuple(tokens[index + 1:]))
+        if token in ("experiments/infer.py", "./experiments/infer.py") and launched:
+            return Command(file, line, text, "module", "infer", tuple(tokens[index + 1:]))
         if token == "-m" and index + 1 < len(tokens) and tokens[index + 1] in MODULES and launched:
             return Command(file, line, text, "module", tokens[index + 1], tuple(tokens[index + 2:]))
     return None
@@ -184,6 +186,9 @@ def parse_experiment(name: str, argv: list[str]) -> None:
 
 
 def parse_module(module_name: str, argv: list[str]) -> None:
+    if module_name == "infer":
+        load_infer().parse_args(argv)
+        return
     if module_name == "common.memory":
         from common import memory
 

@@ -277,3 +277,53 @@ def test_sample_every_prints_a_completion_and_changes_no_step(tmp_path, small_da
     _, sampled = run(tmp_path, "sampled", small_data, "--steps", 3, "--sample-every", 2)
     assert sampled == plain
     assert len(re.findall(r"^sample step 2: '.*'$", capsys.readouterr().out, re.M)) == 1
+
+
+def tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder)).Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_report_to_tensorboard_writes_the_step_metrics(tmp_path, small_data):
+    summary, losses = run(tmp_path, "tb", small_data, "--steps", 3, "--eval-every", 2, "--report-to", "tensorboard")
+    scalars = tensorboard_scalars(tmp_path / "tb" / "tensorboard")
+    assert [step for step, _ in scalars["train/loss"]] == [1, 2, 3]
+    assert [value for _, value in scalars["train/loss"]] == pytest.approx(losses, rel=1e-6)  # stored as float32
+    assert {"train/lr", "train/grad_norm", "train/step_ms", "train/tokens_per_s", "train/peak_mem_gib"} <= set(scalars)
+    assert [step for step, _ in scalars["eval/loss"]] == [2, 3]
+    assert scalars["eval/loss"][-1][1] == pytest.approx(summary["eval_loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("experiment", ["single-ft", "ddp-ft", "fsdp-ft"])
+def test_qlora_refuses_clearly_before_anything_starts(experiment, tmp_path, monkeypatch):
+    """On a machine without CUDA (this one, CI's), --qlora stops with one line before a process group, the data or
+    a model exists; --merge-lora and --dtype fp32 are refused with it anywhere; fsdp-ft does not offer it."""
+    import torch.distributed as dist
+
+    module = single_ft if experiment == "single-ft" else load_experiment(experiment)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    loaded = []
+    monkeypatch.setattr(module, "load_tokenizer", lambda *a, **k: loaded.append(a))
+    expected = {"single-ft": "--qlora needs a CUDA GPU", "ddp-ft": "--qlora needs a CUDA GPU",
+                "fsdp-ft": "--qlora is not offered by fsdp-ft"}[experiment]
+    with pytest.raises(SystemExit, match=expected) as error:
+        module.main(["--qlora", "--out-dir", str(tmp_path / "out")])
+    assert "\n" not in str(error.value) and not loaded and not dist.is_initialized()
+    if experiment != "fsdp-ft":
+        with pytest.raises(SystemExit, match="--merge-lora with --qlora: merging would round"):
+            module.main(["--qlora", "--merge-lora", "--out-dir", str(tmp_path / "out")])
+        with pytest.raises(SystemExit, match="--qlora computes in bf16"):
+            module.main(["--qlora", "--dtype", "fp32", "--out-dir", str(tmp_path / "out")])
+
+
+def test_qlora_without_bitsandbytes_names_the_group(monkeypatch):
+    import importlib.util
+
+    from common.models import qlora_unavailable
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    assert qlora_unavailable() == "--qlora needs bitsandbytes, which is not installed: uv sync --group qlora"

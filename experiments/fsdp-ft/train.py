@@ -92,6 +92,8 @@ class Config:
     checkpoint_every: int = 0  # write <out-dir>/checkpoints/step-<k>/ every N steps (0 = never)
     resume: str | None = None  # a checkpoints/step-<k> folder to continue from (same data, B and --steps; any world size)
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
+    report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: also write the step metrics as TensorBoard scalars to <out-dir>/tensorboard (uv sync --group tensorboard)
+    qlora: bool = False  # refused here (README: QLoRA); use single-ft or ddp-ft --qlora
     reshard_after_forward: bool = True  # free each layer's gathered weights after its forward and all-gather them again in backward (--no-reshard-after-forward: keep them until backward: one all-gather per layer less, but the whole gathered model alive at the end of forward)
     cpu_offload: bool = False  # keep the sharded fp32 weights, gradients and AdamW state in CPU memory; the optimizer step runs on the CPU
     reduce_every_micro_batch: bool = False  # reduce-scatter after every micro-batch: more communication, but no full-size fp32 gradient held per rank between micro-batches
@@ -188,6 +190,10 @@ def init_rope_buffers(model, device: torch.device) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     (config,) = HfArgumentParser(Config).parse_args_into_dataclasses(args=argv)
+    if config.qlora:
+        raise SystemExit("--qlora is not offered by fsdp-ft: fully_shard would have to shard bitsandbytes' packed "
+                         "4-bit weights (bnb_4bit_quant_storage=bf16), which is unverified here; use ddp-ft --qlora "
+                         "(a 4-bit Qwen3-4B fits one 24 GB GPU)")
 
     # ---------------------------------------------------------------------------------------------------------
     # Processes and device: one process per device, started by torchrun (NCCL/RCCL on GPUs, gloo on CPU).
@@ -302,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict:
     metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
                             warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
                             flops_per_token=model_flops_per_token, device=device, world_size=world_size,
-                            is_main=rank == 0)
+                            is_main=rank == 0, report_to=config.report_to)
     comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
     stopwatch = Stopwatch(device)
     eval_losses = []
@@ -389,6 +395,7 @@ def main(argv: list[str] | None = None) -> dict:
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate(model, data, config.micro_batch_size, device, nullcontext)))
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
+            metrics.log_eval(*eval_losses[-1])
         if config.sample_every and (step + 1) % config.sample_every == 0 and sample_messages:
             # Generated on every rank: each forward gathers the sharded weights; rank 0 prints.
             completion = generate(model, tokenizer, sample_messages, device, autocast=nullcontext)
@@ -402,6 +409,7 @@ def main(argv: list[str] | None = None) -> dict:
     # layers' weights, a collective all ranks must join, so they all run the same batches and get the same
     # eval_loss (sharding the batches would save compute but needs equal batch counts per rank).
     eval_loss = evaluate(model, data, config.micro_batch_size, device, nullcontext)
+    metrics.log_eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
     # common/memory.py's prediction for one device: its peak next to the measured one (comparable on a GPU, where

@@ -98,6 +98,7 @@ class Config:
     checkpoint_every: int = 0  # write <out-dir>/checkpoints/step-<k>/ every N steps (0 = never); DeepSpeed's per-layer format
     resume: str | None = None  # a checkpoints/step-<k> folder to continue from (same data, B, --steps, stages and world size)
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
+    report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: also write the step metrics as TensorBoard scalars to <out-dir>/tensorboard (uv sync --group tensorboard)
     # Pipeline
     stages: int | None = None  # pipeline stages; default: the world size (a pure pipeline); the rest of the ranks is data parallelism
     zero_stage: int | None = None  # 1 shards the optimizer state over the data-parallel replicas (ZeRO-2/3 do not combine with the pipeline); default 1 with bf16 (see resolve), 0 with fp32
@@ -476,7 +477,7 @@ def main(argv: list[str] | None = None) -> dict:
     metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
                             warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
                             flops_per_token=model_flops_per_token, device=device, world_size=world_size,
-                            is_main=dist_info.is_main)
+                            is_main=dist_info.is_main, report_to=config.report_to)
     comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
     stopwatch = Stopwatch(device)
     eval_losses = []
@@ -507,6 +508,7 @@ def main(argv: list[str] | None = None) -> dict:
             eval_losses.append((step + 1, evaluate_pipeline(engine, data, config.micro_batch_size,
                                                             tokenizer.pad_token_id)))
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
+            metrics.log_eval(*eval_losses[-1])
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             # DeepSpeed's own sharded format (its optimizer objects are opaque to torch.distributed.checkpoint),
             # published atomically by common/checkpoint.py: written to step-<k>.tmp/, renamed once all ranks are done.
@@ -521,6 +523,7 @@ def main(argv: list[str] | None = None) -> dict:
     print0(f"peak memory per rank ({memory_label(device)}): "
            + ", ".join(f"rank {r} {gib:.2f} GiB" for r, gib in enumerate(peak_mem_gib_per_rank)))
     eval_loss = evaluate_pipeline(engine, data, config.micro_batch_size, tokenizer.pad_token_id)
+    metrics.log_eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
     # The collectives each rank ran per profiled step, next to common/comm.py's formula for DeepSpeed's pipeline

@@ -98,6 +98,7 @@ class Config:
     checkpoint_every: int = 0  # write <out-dir>/checkpoints/step-<k>/ every N steps (0 = never)
     resume: str | None = None  # a checkpoints/step-<k> folder to continue from (same data, B, --steps and pipeline layout)
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
+    report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: also write the step metrics as TensorBoard scalars to <out-dir>/tensorboard (uv sync --group tensorboard)
     # Pipeline
     schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv"] = "1f1b"  # order of the micro-batches' forwards and backwards (torch.distributed.pipelining)
     stages_per_rank: int | None = None  # pipeline stages held by each rank (v); default 1, and 2 for interleaved-1f1b and zbv (zbv needs exactly 2)
@@ -675,7 +676,7 @@ def main(argv: list[str] | None = None) -> dict:
     metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
                             warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
                             flops_per_token=model_flops_per_token, device=device, world_size=world_size,
-                            is_main=rank == 0)
+                            is_main=rank == 0, report_to=config.report_to)
     comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
     stopwatch = Stopwatch(device)
     eval_losses = []
@@ -737,6 +738,7 @@ def main(argv: list[str] | None = None) -> dict:
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate_pipeline(stages, stage_rank, data, config.micro_batch_size, device)))
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
+            metrics.log_eval(*eval_losses[-1])
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             print0(f"checkpoint: {save_checkpoint(config.out_dir, step + 1, module, optimizer, scheduler)}")
 
@@ -784,6 +786,7 @@ def main(argv: list[str] | None = None) -> dict:
     print0(f"peak memory per rank ({memory_label(device)}): "
            + ", ".join(f"rank {r} {gib:.2f} GiB" for r, gib in enumerate(peak_mem_gib_per_rank)))
     eval_loss = evaluate_pipeline(stages, stage_rank, data, config.micro_batch_size, device)
+    metrics.log_eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
     summary = metrics.write_summary(

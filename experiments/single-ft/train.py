@@ -33,8 +33,8 @@ from common.loss import chunked_token_loss_sum
 from common.memory import attention_kind, estimate
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     state_bytes, summary_table
-from common.models import count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
-    resolve_model_name
+from common.models import count_parameters, flops_per_token, is_preset, load_model, load_model_4bit, \
+    load_tokenizer, qlora_unavailable, resolve_model_name
 
 EXPERIMENT = "single-ft"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -76,6 +76,8 @@ class Config:
     checkpoint_every: int = 0  # write <out-dir>/checkpoints/step-<k>/ every N steps (0 = never)
     resume: str | None = None  # a checkpoints/step-<k> folder to continue from (same data, B and --steps)
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
+    report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: also write the step metrics as TensorBoard scalars to <out-dir>/tensorboard (uv sync --group tensorboard)
+    qlora: bool = False  # QLoRA: 4-bit NF4 base weights (bitsandbytes) under LoRA adapters (rank 16 unless --lora-rank), bf16 compute; CUDA only (uv sync --group qlora)
 
 
 def resolve(config: Config) -> Config:
@@ -87,6 +89,8 @@ def resolve(config: Config) -> Config:
         config.seq_len = 256 if config.model == "qwen3-tiny" else 1024
     if config.dtype is None:
         config.dtype = "bf16" if torch.cuda.is_available() else "fp32"
+    if config.qlora:
+        config.lora_rank = config.lora_rank or 16
     if config.lr is None:
         config.lr = 1e-3 if is_preset(config.model) else (1e-4 if config.lora_rank else 2e-5)
     if config.lora_alpha is None:
@@ -112,6 +116,8 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     (config,) = HfArgumentParser(Config).parse_args_into_dataclasses(args=argv)
+    if config.qlora and (problem := qlora_unavailable(config.merge_lora, config.dtype)):
+        raise SystemExit(problem)  # before anything starts or loads
 
     # ---------------------------------------------------------------------------------------------------------
     # Process and device: a single process here; init_distributed still picks the device (cuda:0 or cpu).
@@ -142,7 +148,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Model
-    model = load_model(config.model, tokenizer, attention.impl, dtype=torch.float32, device=device)
+    if config.qlora:
+        model = load_model_4bit(config.model, tokenizer, attention.impl, device)
+    else:
+        model = load_model(config.model, tokenizer, attention.impl, dtype=torch.float32, device=device)
     if config.activation_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -186,7 +195,8 @@ def main(argv: list[str] | None = None) -> dict:
     # Training loop
     metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
                             warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
-                            flops_per_token=model_flops_per_token, device=device, world_size=1, is_main=True)
+                            flops_per_token=model_flops_per_token, device=device, world_size=1, is_main=True,
+                            report_to=config.report_to)
     comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
     stopwatch = Stopwatch(device)
     eval_losses = []
@@ -249,6 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate(model, data, config.micro_batch_size, device, autocast)))
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
+            metrics.log_eval(*eval_losses[-1])
         if config.sample_every and (step + 1) % config.sample_every == 0 and sample_messages:
             completion = generate(model, tokenizer, sample_messages, device, autocast=autocast)
             print0(f"sample step {step + 1}: {completion!r}")
@@ -258,12 +269,14 @@ def main(argv: list[str] | None = None) -> dict:
     # ---------------------------------------------------------------------------------------------------------
     # Evaluation, results, export
     eval_loss = evaluate(model, data, config.micro_batch_size, device, autocast)
+    metrics.log_eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
     # common/memory.py's prediction for this device: its peak next to the measured one (comparable on a GPU, where
     # both mean max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included),
     # its model states next to the bytes counted above.
-    prediction = estimate(
+    # (common/memory.py prices fp32 or bf16 weights, not 4-bit ones: no prediction under --qlora.)
+    prediction = None if config.qlora else estimate(
         model.config, "single", 1, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
         activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank,
         precision=config.dtype, attention=attention_kind(attention.impl, config.packing))
@@ -274,10 +287,10 @@ def main(argv: list[str] | None = None) -> dict:
         model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
                    flops_per_token=model_flops_per_token),
         t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
-        predicted_peak_mem_gib=prediction.total_gib,
+        predicted_peak_mem_gib=None if prediction is None else prediction.total_gib,
         state_bytes_per_rank=None if measured_state is None else all_ranks(measured_state),
         state_bytes_step=None if measured_state is None else state_step + 1,  # 1-based, as in metrics.jsonl
-        predicted_state_bytes=prediction.state_bytes(),
+        predicted_state_bytes=None if prediction is None else prediction.state_bytes(),
         collective_bytes_formula={},  # one process: no collective (common/comm.py)
         packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
         n_truncated=data.stats["n_truncated"], data=data.stats)

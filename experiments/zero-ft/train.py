@@ -98,6 +98,7 @@ class Config:
     checkpoint_every: int = 0  # write <out-dir>/checkpoints/step-<k>/ every N steps (0 = never); DeepSpeed's sharded format
     resume: str | None = None  # a checkpoints/step-<k> folder to continue from (same data, B, --steps, stage and world size)
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
+    report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: also write the step metrics as TensorBoard scalars to <out-dir>/tensorboard (uv sync --group tensorboard)
     zero_stage: int = 2  # ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters
     cpu_offload: bool = False  # ZeRO-Offload: keep the fp32 master partition and AdamW state in host memory and run the update on the CPU (offload_optimizer: cpu); slower, for models whose optimizer state does not fit the GPUs
 
@@ -342,7 +343,7 @@ def main(argv: list[str] | None = None) -> dict:
     metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
                             warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
                             flops_per_token=model_flops_per_token, device=device, world_size=world_size,
-                            is_main=dist_info.is_main)
+                            is_main=dist_info.is_main, report_to=config.report_to)
     comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
     stopwatch = Stopwatch(device)
     eval_losses = []
@@ -423,6 +424,7 @@ def main(argv: list[str] | None = None) -> dict:
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate(engine, data, config.micro_batch_size, device, autocast)))
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
+            metrics.log_eval(*eval_losses[-1])
         if config.sample_every and (step + 1) % config.sample_every == 0 and sample_messages:
             # Generated on every rank: at stage 3 each forward gathers the sharded weights; rank 0 prints.
             completion = generate(engine.module, tokenizer, sample_messages, device, autocast=autocast)
@@ -436,6 +438,7 @@ def main(argv: list[str] | None = None) -> dict:
     # Evaluation, results, export. Every rank evaluates the whole held-out split: under ZeRO-3 each forward is a
     # collective (all ranks gather the same layers), so they cannot split it without also splitting the gathers.
     eval_loss = evaluate(engine, data, config.micro_batch_size, device, autocast)
+    metrics.log_eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
     # The point of this experiment: what each rank held at its peak. Gathered so that rank 0 can print and store it,
