@@ -34,6 +34,19 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 # Ranks that hold different parameters (pipeline stages) would otherwise all write "optimizer.param_groups.0..."
 # for different groups; DCP keeps one rank's copy of such a key and a resume fails (KeyError 'betas' in AdamW).
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# A model with quantized (integer) weights, QLoRA's 4-bit base, saves and restores only its trainable parameters:
+# the resuming run loads the frozen base again from its source, and bitsandbytes cannot load its packed weights and
+# their quantization constants in place (set_state_dict stops on those keys).
+TRAINABLE_ONLY = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
+
+
+def _state_dicts(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
+    """The model and optimizer state to save or to fill, and the options to restore them with."""
+    if all(parameter.is_floating_point() for parameter in model.parameters()):
+        return *get_state_dict(model, optimizer, options=OPTIONS), OPTIONS
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
+    trainable = {name.removeprefix("module.") for name, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in model_state.items() if k in trainable}, optimizer_state, TRAINABLE_ONLY
 
 
 def _rank() -> int:
@@ -91,7 +104,7 @@ def _check_resumable(path: Path) -> None:
 def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, scheduler) -> Path:
     """Save after optimizer step `step` (1-based count of completed steps); returns the final folder."""
     with _published(out_dir, step) as temporary:
-        model_state, optimizer_state = get_state_dict(model, optimizer, options=OPTIONS)
+        model_state, optimizer_state, _ = _state_dicts(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary)
         torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": _rng_state()},
                    temporary / f"trainer_state_rank{_rank()}.pt")
@@ -106,11 +119,11 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> int:
     if not trainer_file.exists():
         raise SystemExit(f"{path} is not a checkpoint of this run's layout: {trainer_file.name} is missing "
                          f"(it was written with a different number of ranks, or is not a step-<k> folder)")
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=OPTIONS)
+    model_state, optimizer_state, options = _state_dicts(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=OPTIONS)
+                   options=options)
     trainer = torch.load(trainer_file, weights_only=False)  # our own file: scheduler dict and RNG tuples
     scheduler.load_state_dict(trainer["scheduler"])
     _set_rng_state(trainer["rng"])

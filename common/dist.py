@@ -53,6 +53,9 @@ def init_distributed(timeout_minutes: int = 30) -> DistInfo:
     else:
         device = torch.device("cpu")
         backend = "gloo"
+        # transformers imports DeepSpeed when it saves a model; told the accelerator, DeepSpeed does not print
+        # a warning that it is "unable to detect" a GPU this machine does not have.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if "WORLD_SIZE" not in os.environ:
         return DistInfo(rank=0, world_size=1, local_rank=0, device=device, backend=None)
     if dist.is_initialized():

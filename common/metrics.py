@@ -18,6 +18,7 @@ Definitions (the same in every experiment):
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -380,14 +381,10 @@ class MetricsLogger:
         self.out_dir = Path(self.out_dir)
         self.records: list[dict] = []
         self.writer = None
-        if self.report_to not in ("none", "tensorboard"):
-            raise SystemExit(f"--report-to must be none or tensorboard, got {self.report_to!r}")
+        self.check_report_to(self.report_to)
         if self.report_to == "tensorboard" and self.is_main:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise SystemExit("--report-to tensorboard needs the tensorboard package: uv sync --group tensorboard"
-                                 ) from None
+            from torch.utils.tensorboard import SummaryWriter
+
             self.writer = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"))
         self.wall_s: list[float] = []  # wall time from one step line to the next (data loading and eval included)
         self._last_line: float | None = None
@@ -395,6 +392,14 @@ class MetricsLogger:
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "metrics.jsonl").write_text("")
+
+    @staticmethod
+    def check_report_to(report_to: str) -> None:
+        """Stops with one line when --report-to cannot work here; each experiment calls it before anything loads."""
+        if report_to not in ("none", "tensorboard"):
+            raise SystemExit(f"--report-to must be none or tensorboard, got {report_to!r}")
+        if report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+            raise SystemExit("--report-to tensorboard needs the tensorboard package: uv sync --group tensorboard")
 
     def log_step(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, loss_tokens: int,
                  step_ms: float, comm_ms: float | None, print_fn=print) -> dict:

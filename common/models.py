@@ -13,12 +13,16 @@
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, Qwen3Config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# peft's get_peft_model asks transformers 5 for a deprecated attribute on every LoRA run; the warning is about
+# peft's code, not the user's, and nothing they can change.
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning)
 TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizer"
 DEFAULT_GPU_MODEL = "Qwen/Qwen3-0.6B-Base"
 DEFAULT_CPU_MODEL = "qwen3-tiny"
@@ -141,6 +145,7 @@ def load_model_4bit(name: str, tokenizer, attn_implementation: str, device: torc
     import tempfile
 
     from peft import prepare_model_for_kbit_training
+    from safetensors.torch import save_model
     from transformers import BitsAndBytesConfig
 
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
@@ -148,8 +153,12 @@ def load_model_4bit(name: str, tokenizer, attn_implementation: str, device: torc
     source, scratch = name, None
     if is_preset(name):
         scratch = tempfile.mkdtemp(prefix=f"{name}-")
-        AutoModelForCausalLM.from_config(model_config(name, tokenizer), dtype=torch.bfloat16).save_pretrained(scratch)
-        source = scratch
+        preset = AutoModelForCausalLM.from_config(model_config(name, tokenizer), dtype=torch.bfloat16)
+        # Written file by file: model.save_pretrained writes only on rank 0 once torch.distributed is up (ddp-ft),
+        # and each rank reads its own folder.
+        preset.config.save_pretrained(scratch)
+        save_model(preset, f"{scratch}/model.safetensors", metadata={"format": "pt"})  # the tied LM head once
+        source, preset = scratch, None
     try:
         model = AutoModelForCausalLM.from_pretrained(source, quantization_config=quantization, dtype=torch.bfloat16,
                                                      attn_implementation=attn_implementation,

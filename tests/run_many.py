@@ -1,6 +1,7 @@
 """Run one experiment's main() for several argument lists in a single torchrun launch.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/run_many.py <experiment> '<json list of argv lists>'
+    python -m torch.distributed.run ... tests/run_many.py + '<json list of [target, *argv] lists>'   # several targets
 
 A torchrun launch costs ~15 s of imports on a small CPU, so the 2-rank tests put all their configurations into
 one launch. The process group is created once here and reused by every main() (init_distributed sees it).
@@ -15,16 +16,26 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the repository root, for common.preflight
 from conftest import load_experiment  # noqa: E402
 
 
 def main() -> None:
     experiment, runs = sys.argv[1], json.loads(sys.argv[2])
-    module = load_experiment(experiment)
+    # "+": each run names its own target first: an experiment, or "preflight" for common.preflight.
+    runs = [[experiment, *argv] for argv in runs] if experiment != "+" else runs
     # Created here, not by init_distributed, so that no main() tears it down between configurations.
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    for argv in runs:
-        module.main(argv)
+    modules = {}
+    for target, *argv in runs:
+        if target == "preflight":
+            from common import preflight
+
+            preflight.main(argv)
+        else:
+            if target not in modules:
+                modules[target] = load_experiment(target)
+            modules[target].main(argv)
         dist.barrier()
     dist.destroy_process_group()
 

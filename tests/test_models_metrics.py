@@ -166,3 +166,48 @@ def test_unloadable_models_name_the_fix(tmp_path, tokenizer, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(SystemExit, match="huggingface-cli download .*qwen3-tiny"):
         load_model("no-such-org/no-such-model", tokenizer, "sdpa")
+
+
+class PackedLinear(torch.nn.Module):
+    """A stand-in for bitsandbytes' Linear4bit: a frozen integer weight whose state dict also carries its
+    quantization constants, which load_state_dict cannot take back (as with a loaded 4-bit model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randint(0, 255, (8, 1), dtype=torch.uint8), requires_grad=False)
+        self.weight.absmax = torch.ones(2)  # Params4bit answers its constants as attributes, too
+        self.adapter = torch.nn.Linear(4, 4, bias=False)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight.absmax"] = self.weight.absmax
+
+
+def test_checkpoint_of_a_quantized_model_holds_only_its_trainable_parameters(tmp_path):
+    """QLoRA's resume: the packed base is not saved (the resuming run loads it from its source); the adapters and
+    AdamW's state come back exactly."""
+    import torch.distributed.checkpoint as dcp
+
+    from common.checkpoint import load_checkpoint, save_checkpoint
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(PackedLinear())
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+    model, optimizer, scheduler = build()
+    model[0].adapter(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    folder = save_checkpoint(tmp_path, 1, model, optimizer, scheduler)
+    saved = set(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
+    assert "model.0.adapter.weight" in saved and not any(key.startswith("model.0.weight") for key in saved)
+
+    fresh, fresh_optimizer, fresh_scheduler = build()
+    base = fresh[0].weight.clone()
+    assert not torch.equal(fresh[0].adapter.weight, model[0].adapter.weight)
+    assert load_checkpoint(folder, fresh, fresh_optimizer, fresh_scheduler) == 1
+    assert torch.equal(fresh[0].adapter.weight, model[0].adapter.weight)
+    assert torch.equal(fresh[0].weight, base)
+    restored = fresh_optimizer.state[fresh[0].adapter.weight]["exp_avg_sq"]
+    assert torch.equal(restored, optimizer.state[model[0].adapter.weight]["exp_avg_sq"])

@@ -296,6 +296,19 @@ def test_report_to_tensorboard_writes_the_step_metrics(tmp_path, small_data):
     assert scalars["eval/loss"][-1][1] == pytest.approx(summary["eval_loss"], rel=1e-6)
 
 
+def test_report_to_tensorboard_without_the_package_stops_before_anything_loads(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    loaded = []
+    monkeypatch.setattr(single_ft, "load_tokenizer", lambda *a, **k: loaded.append(a))
+    with pytest.raises(SystemExit) as error:
+        single_ft.main(["--report-to", "tensorboard", "--out-dir", str(tmp_path / "out")])
+    assert str(error.value) == "--report-to tensorboard needs the tensorboard package: uv sync --group tensorboard"
+    assert not loaded and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("experiment", ["single-ft", "ddp-ft", "fsdp-ft"])
 def test_qlora_refuses_clearly_before_anything_starts(experiment, tmp_path, monkeypatch):
     """On a machine without CUDA (this one, CI's), --qlora stops with one line before a process group, the data or

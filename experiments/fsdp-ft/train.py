@@ -190,6 +190,7 @@ def init_rope_buffers(model, device: torch.device) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     (config,) = HfArgumentParser(Config).parse_args_into_dataclasses(args=argv)
+    MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
     if config.qlora:
         raise SystemExit("--qlora is not offered by fsdp-ft: fully_shard would have to shard bitsandbytes' packed "
                          "4-bit weights (bnb_4bit_quant_storage=bf16), which is unverified here; use ddp-ft --qlora "

@@ -353,6 +353,7 @@ def clip_grad_norm_across_stages(engine, max_norm: float) -> torch.Tensor:
 
 def main(argv: list[str] | None = None) -> dict:
     (config,) = HfArgumentParser(Config).parse_args_into_dataclasses(args=argv)
+    MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
 
     # ---------------------------------------------------------------------------------------------------------
     # Processes and devices: one per stage (and per data-parallel replica) under torchrun. DeepSpeed needs a process

@@ -524,6 +524,7 @@ def predicted_state_bytes_per_rank(model_config, stage_rank: list[int], config: 
 
 def main(argv: list[str] | None = None) -> dict:
     (config,) = HfArgumentParser(Config).parse_args_into_dataclasses(args=argv)
+    MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
 
     # ---------------------------------------------------------------------------------------------------------
     # Processes and devices: one rank per pipeline rank (torchrun). A plain `python train.py` gets a one-rank group,

@@ -116,6 +116,7 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     (config,) = HfArgumentParser(Config).parse_args_into_dataclasses(args=argv)
+    MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
     if config.qlora and (problem := qlora_unavailable(config.merge_lora, config.dtype)):
         raise SystemExit(problem)  # before anything starts or loads
 

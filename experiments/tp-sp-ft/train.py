@@ -391,6 +391,7 @@ def replica_drift(parameters: list[torch.nn.Parameter], tp_mesh) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     (config,) = HfArgumentParser(Config).parse_args_into_dataclasses(args=argv)
+    MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
 
     # ---------------------------------------------------------------------------------------------------------
     # Processes, device and mesh: one process per device (torchrun), all of them one TP group.

@@ -234,6 +234,7 @@ def deepspeed_state_bytes(engine) -> dict[str, int]:
 
 def main(argv: list[str] | None = None) -> dict:
     (config,) = HfArgumentParser(Config).parse_args_into_dataclasses(args=argv)
+    MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
 
     # ---------------------------------------------------------------------------------------------------------
     # Processes and devices: one per GPU (or CPU process) under torchrun. DeepSpeed needs a process group and the
