@@ -14,7 +14,7 @@ no checkpoint or a complete one.
 
 get_state_dict / set_state_dict (torch.distributed.checkpoint.state_dict) give the same keys for a plain module,
 DDP, FSDP2, DTensor tensor parallelism and pipeline stages, so a checkpoint written by one layout can be read by
-another of the same parameters.
+another of the same parameters: fsdp-ft written on 2 ranks resumes on 1, on 4, or as HSDP (tests/test_multinode.py).
 """
 
 from __future__ import annotations
@@ -117,8 +117,13 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> int:
     _check_resumable(path)
     trainer_file = path / f"trainer_state_rank{_rank()}.pt"
     if not trainer_file.exists():
-        raise SystemExit(f"{path} is not a checkpoint of this run's layout: {trainer_file.name} is missing "
-                         f"(it was written with a different number of ranks, or is not a step-<k> folder)")
+        # Written by fewer ranks (DCP reshards the model and optimizer to any layout): this rank takes rank 0's
+        # step, scheduler and RNG state. The step and the schedule are the same on every rank, and no experiment
+        # draws random numbers after initialization (step k's rows are fixed by k), so nothing else differs.
+        trainer_file = path / "trainer_state_rank0.pt"
+    if not trainer_file.exists():
+        raise SystemExit(f"{path} is not a checkpoint: trainer_state_rank0.pt is missing (expected a step-<k> folder "
+                         f"written by --checkpoint-every)")
     model_state, optimizer_state, options = _state_dicts(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=path)

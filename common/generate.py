@@ -27,11 +27,14 @@ def stop_token_ids(tokenizer) -> list[int]:
 
 @torch.no_grad()
 def generate(model, tokenizer, messages: list[dict], device: torch.device, max_new_tokens: int = 32,
-             temperature: float = 0.0, top_p: float = 1.0, streamer=None, autocast=None) -> str:
+             temperature: float = 0.0, top_p: float = 1.0, streamer=None, autocast=None,
+             synced_gpus: bool = False) -> str:
     """The assistant's next turn: greedy when temperature is 0. The model is left in the mode it was in.
 
-    Under FSDP or ZeRO-3 every rank must call this (each forward gathers the parameters collectively); greedy
-    decoding on identical inputs makes every rank take the same number of steps.
+    Under FSDP or ZeRO-3 every rank must call this (each forward gathers the parameters collectively), with
+    synced_gpus=True: greedy decoding of the same prompt with the same weights gives every rank the same tokens, but
+    one argmax tie broken differently would end one rank's answer early and leave the others waiting in a gather;
+    synced, a finished rank keeps running forwards until all have finished (one small all-reduce per token).
     """
     was_training = model.training
     model.eval()
@@ -41,7 +44,8 @@ def generate(model, tokenizer, messages: list[dict], device: torch.device, max_n
     with autocast() if autocast is not None else torch.autocast(device.type, enabled=False):
         output = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
                                 max_new_tokens=max_new_tokens, eos_token_id=stop_token_ids(tokenizer),
-                                pad_token_id=tokenizer.pad_token_id, streamer=streamer, **sampling)
+                                pad_token_id=tokenizer.pad_token_id, streamer=streamer, synced_gpus=synced_gpus,
+                                **sampling)
     model.train(was_training)
     return tokenizer.decode(output[0, prompt.shape[1]:], skip_special_tokens=True)
 

@@ -137,14 +137,17 @@ def main(argv: list[str] | None = None) -> list[str] | float:
                                     streamer=streamer, **options))
         return replies
 
-    # Interactive: the conversation grows turn by turn; an empty line, "exit" or end of input ends it.
-    print(f"chat with {args.model} (empty line, 'exit' or Ctrl-D to end)")
+    # Interactive: the conversation grows turn by turn (each answer sees the turns before it); "exit" or the end of
+    # the input (Ctrl-D) ends it, an empty line is skipped.
+    print(f"chat with {args.model} ('exit' or Ctrl-D to end)")
     messages, replies = list(system), []
     while True:
         print("> ", end="", flush=True)
         line = sys.stdin.readline()
-        if not line.strip() or line.strip() == "exit":
+        if not line or line.strip() == "exit":  # readline() gives "" only at the end of the input
             return replies
+        if not line.strip():
+            continue
         messages.append({"role": "user", "content": line.strip()})
         replies.append(generate(model, tokenizer, messages, device, streamer=streamer, **options))
         messages.append({"role": "assistant", "content": replies[-1]})

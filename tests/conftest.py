@@ -71,15 +71,30 @@ def formats(tmp_path_factory, small_data):
     return root
 
 
-def torchrun(experiment: str, runs: list[list], nproc: int = 2, timeout: int = 900):
+def torchrun(experiment: str, runs: list[list], nproc: int = 2, timeout: int = 900, nodes: int = 1):
     """Launch tests/run_many.py under torchrun with `nproc` ranks; fail with the ranks' output if it fails.
-    Returns the finished process (its stdout and stderr)."""
+    nodes > 1: that many torchrun agents (nproc / nodes ranks each) meet at a c10d rendezvous on localhost, as the
+    nodes of a multi-node job do, so LOCAL_RANK differs from RANK. Returns the finished process (stdout, stderr)."""
     import json
+    import socket
     import subprocess
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(REPO_ROOT / "tests" / "run_many.py"), experiment, json.dumps([[str(a) for a in r] for r in runs])]
-    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+    script = [str(REPO_ROOT / "tests" / "run_many.py"), experiment, json.dumps([[str(a) for a in r] for r in runs])]
+    if nodes == 1:
+        agents = [[sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                   *script]]
+    else:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        agents = [[sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={node}",
+                   f"--nproc-per-node={nproc // nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                   f"--rdzv-id={experiment}", *script] for node in range(nodes)]
+    processes = [subprocess.Popen(agent, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for agent in agents]
+    outputs = [process.communicate(timeout=timeout) for process in processes]
+    result = subprocess.CompletedProcess(agents, max(p.returncode for p in processes),
+                                         "".join(out for out, _ in outputs), "".join(err for _, err in outputs))
     if result.returncode != 0:
         raise AssertionError(f"torchrun {experiment} failed ({result.returncode}):\n{result.stdout[-5000:]}\n"
                              f"{result.stderr[-10000:]}")

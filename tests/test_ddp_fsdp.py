@@ -88,10 +88,14 @@ def reference(tmp_path_factory, small_data):
     return root
 
 
-def launch(experiment, root, small_data, runs: dict[str, list]) -> None:
-    """All `runs` (name -> extra flags) in one torchrun launch, each into root/<name>; its output in root/output.txt."""
-    result = torchrun(experiment, [["--data", small_data, *FP32, *args, "--out-dir", root / name]
-                                   for name, args in runs.items()])
+def launch(experiment, root, small_data, runs: dict[str, list], extra: tuple = ()) -> None:
+    """All `runs` (name -> extra flags) in one launch, each into root/<name>; its output in root/output.txt.
+    The launch is two torchrun agents of one rank each, meeting at a c10d rendezvous as two nodes would: every
+    comparison with single-ft below is also the multi-node test (RANK 0 and 1, LOCAL_RANK 0 on both: a script
+    that took its data shard from LOCAL_RANK would give both ranks the same rows). `extra`: more [target, *argv]
+    runs for tests/run_many.py (common.preflight)."""
+    result = torchrun("+", [[experiment, "--data", small_data, *FP32, *args, "--out-dir", root / name]
+                            for name, args in runs.items()] + list(extra), nodes=2)
     (root / "output.txt").write_text(result.stdout + result.stderr)
 
 
@@ -142,7 +146,7 @@ def fsdp(tmp_path_factory, small_data, formats):
            for name in ("data.parquet", "sharegpt.json", "saved", "pairs.jsonl")},
         "pairs.csv": [*split(1, 2), "--steps", 2, *NO_PROFILE, "--data", formats / "pairs.csv",
                       "--data-columns", "prompt=question,completion=answer"],
-    })
+    }, extra=[["preflight", "--sizes-mb", 1, "--iters", 2, "--expect-world-size", 2, "--json", root / "preflight.json"]])
     return root
 
 
@@ -371,3 +375,55 @@ def test_the_readme_main_command_runs_clean(tmp_path):
     steps = [line for line in lines if line.startswith("step ")]
     assert len(steps) == 3 and all(re.search(r" \| eta \d+m\d\ds$", line) for line in steps)
     assert steps[-1].endswith("| eta 0m00s")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Beyond one machine
+
+
+def test_the_launches_were_two_nodes_and_preflight_reports_them(fsdp):
+    """The fsdp-ft launch ran as two torchrun agents (its losses equal single-ft's above); common.preflight in the
+    same launch saw two ranks with LOCAL_RANK 0 each and timed its collectives with nccl-tests' bus bandwidth."""
+    report = json.loads((fsdp / "preflight.json").read_text())
+    assert report["world_size"] == 2 and report["problems"] == []
+    assert sorted((r["rank"], r["local_rank"], r["local_world_size"]) for r in report["ranks"]) == [(0, 0, 1),
+                                                                                                  (1, 0, 1)]
+    rows = {(r["op"], r["bytes"]): r for r in report["collectives"]}
+    assert set(rows) == {("all_reduce", 2**20), ("all_gather", 2**20)}
+    for (op, n_bytes), row in rows.items():
+        algbw = n_bytes / (row["ms"] / 1e3) / 1e9
+        assert row["algbw_gbps"] == pytest.approx(algbw)
+        assert row["busbw_gbps"] == pytest.approx(algbw * (1.0 if op == "all_reduce" else 0.5))  # 2(n-1)/n, (n-1)/n
+    assert "| all_reduce | 1 MiB |" in (fsdp / "output.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory, small_data, fsdp):
+    """One launch of 4 ranks on B = 1 x 1 x 4 = 4 rows, as the reference: HSDP (2 replicas x 2 shards), fsdp-ft's
+    2-rank checkpoint of step 3 resumed on 4 ranks, the HSDP checkpoint resumed as plain FSDP, and pp-ds-ft as 2 stages
+    x 2 data-parallel replicas (1 x 2 x 2 replicas = 4 rows)."""
+    root = tmp_path_factory.mktemp("four-ranks")
+    common = ["--data", small_data, *FP32, *NO_PROFILE, "--steps", STEPS, "--micro-batch-size", 1]
+    runs = [["fsdp-ft", *common, "--replicate-degree", 2, "--checkpoint-every", 3, "--out-dir", root / "hsdp"],
+            ["fsdp-ft", *common, "--resume", fsdp / "1x2" / "checkpoints" / "step-3", "--out-dir", root / "2-to-4"],
+            ["fsdp-ft", *common, "--resume", root / "hsdp" / "checkpoints" / "step-3", "--out-dir", root / "hsdp-to-4"],
+            ["pp-ds-ft", *common, "--stages", 2, "--grad-accum", 2, "--out-dir", root / "pp-ds-2x2"]]
+    result = torchrun("+", runs, nproc=4)
+    (root / "output.txt").write_text(result.stdout + result.stderr)
+    return root
+
+
+def test_four_ranks_hsdp_resharding_and_pipeline_replicas(four_ranks, reference):
+    expected = read_losses(reference / "full")
+    hsdp = summary(four_ranks / "hsdp")
+    assert "sharded over 2 ranks x 2 replicas (HSDP)" in (four_ranks / "output.txt").read_text()
+    assert hsdp["config"]["replicate_degree"] == 2 and hsdp["hardware"]["world_size"] == 4
+    assert read_losses(four_ranks / "hsdp") == pytest.approx(expected, rel=1e-5)
+    # A rank of HSDP holds what FSDP over its 2-rank shard group holds: half of every parameter.
+    assert hsdp["state_bytes_per_rank"][0]["weights"] == pytest.approx(hsdp["predicted_state_bytes"]["weights"],
+                                                                       rel=0.01)
+    # After step 3 of a checkpoint written by 2 ranks (or by HSDP) and read by 4 plain FSDP ranks: the same steps.
+    assert read_losses(four_ranks / "2-to-4") == pytest.approx(expected[3:], rel=1e-5)
+    assert read_losses(four_ranks / "hsdp-to-4") == pytest.approx(expected[3:], rel=1e-5)
+    # DeepSpeed's pipeline with 2 replicas of 2 stages.
+    assert read_losses(four_ranks / "pp-ds-2x2") == pytest.approx(expected, rel=1e-5)

@@ -73,13 +73,11 @@ def single(tmp_path_factory, small_data):
                 lora_summary=lora, lora_adapter=root / "lora-adapter")
 
 
-@pytest.fixture(scope="module")
-def pp(tmp_path_factory, small_data):
-    """One launch, every configuration: each schedule for 5 steps with step 3 profiled (collective calls and bytes;
+def pp_runs(root, small_data) -> list:
+    """Every pp-ft configuration: each schedule for 5 steps with step 3 profiled (collective calls and bytes;
     1f1b also checkpoints at step 3 and exports; interleaved recomputes activations; gpipe uses an uneven split), a
     resume from step 3, a bf16 run, 1-step runs without clipping that checkpoint, for the per-parameter gradients,
     and LoRA: 1f1b (checkpoint at step 2, adapter export), its resume, and zbv (merged export)."""
-    root = tmp_path_factory.mktemp("pp")
     extra = {"1f1b": ["--checkpoint-every", 3, "--save-hf", root / "hf"],
              "interleaved-1f1b": ["--activation-checkpointing"],
              "gpipe": ["--split", 1]}  # stage 0: embedding + layer 0; stage 1: layers 1-3 + head
@@ -98,17 +96,14 @@ def pp(tmp_path_factory, small_data):
                  "--resume", root / "lora-1f1b" / "checkpoints" / "step-2"])
     runs += [[*common_args(small_data, root / "varlen"), "--schedule", "zbv", "--steps", 3, "--attn", "varlen"],
              [*common_args(small_data, root / "compile"), "--steps", 2, "--compile"]]
-    torchrun("pp-ft", runs)
-    return root
+    return runs
 
 
-@pytest.fixture(scope="module")
-def pp_ds(tmp_path_factory, small_data):
-    """One launch: fp32 without ZeRO (checkpoints at step 3), its resume, ZeRO-1 with activation checkpointing (both
+def pp_ds_runs(root, small_data) -> list:
+    """pp-ds-ft: fp32 without ZeRO (checkpoints at step 3), its resume, ZeRO-1 with activation checkpointing (both
     profile step 3), and LoRA: 3 steps (checkpoint at step 2, adapter export), a resume from step 2 with activation
     checkpointing and the merged export, and 2 bf16 steps."""
-    root = tmp_path_factory.mktemp("pp_ds")
-    torchrun("pp-ds-ft", [
+    return [
         [*common_args(small_data, root / "zero0", profile_steps=1), "--steps", STEPS, "--checkpoint-every", 3],
         [*common_args(small_data, root / "resumed"), "--steps", STEPS, "--resume",
          root / "zero0" / "checkpoints" / "step-3"],
@@ -121,8 +116,26 @@ def pp_ds(tmp_path_factory, small_data):
         [*common_args(small_data, root / "lora-bf16"), "--steps", 2, *LORA, "--dtype", "bf16"],  # ZeRO-1's bf16 path
         [*common_args(small_data, root / "varlen"), "--steps", 3, "--attn", "varlen"],
         [*common_args(small_data, root / "compile"), "--steps", 2, "--compile"],
-    ])
-    return root
+    ]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, small_data):
+    """pp-ft's and pp-ds-ft's configurations in one torchrun launch (one round of imports; DeepSpeed's last)."""
+    pp_root, ds_root = tmp_path_factory.mktemp("pp"), tmp_path_factory.mktemp("pp_ds")
+    torchrun("+", [["pp-ft", *run] for run in pp_runs(pp_root, small_data)]
+             + [["pp-ds-ft", *run] for run in pp_ds_runs(ds_root, small_data)])
+    return pp_root, ds_root
+
+
+@pytest.fixture(scope="module")
+def pp(launched):
+    return launched[0]
+
+
+@pytest.fixture(scope="module")
+def pp_ds(launched):
+    return launched[1]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -5,7 +5,6 @@ import json
 from collections import Counter
 from contextlib import nullcontext
 import re
-import subprocess
 import sys
 
 import pytest
@@ -86,9 +85,13 @@ def test_lora_trains_only_adapters_and_merges(tmp_path, small_data):
     assert losses[-1] < losses[0]
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
     assert not any("lora" in name for name, _ in model.named_parameters())
-    data = build_data(small_data, AutoTokenizer.from_pretrained(export), 128, seed=0)
-    reloaded = evaluate(model, data, 1, torch.device("cpu"), nullcontext)
-    assert reloaded == pytest.approx(summary["eval_loss"], rel=1e-5)
+    # experiments/infer.py on the merged export: the eval loss training printed, and plain greedy decoding's answer.
+    infer = load_infer()
+    assert infer.main(["--model", export, "--eval-data", small_data, "--seq-len", 128]) == \
+        pytest.approx(summary["eval_loss"], rel=1e-5)
+    prompt = "Spell 'cat' backwards."
+    assert infer.main(["--model", export, "--prompt", prompt, "--max-new-tokens", 6]) == \
+        [greedy_by_hand(export, prompt, 6)]
 
 
 def test_bad_data_stops_before_training_with_file_and_line(tmp_path):
@@ -98,13 +101,12 @@ def test_bad_data_stops_before_training_with_file_and_line(tmp_path):
         single_ft.main(["--data", str(bad), "--out-dir", str(tmp_path / "out")])
 
 
-def test_command_line_run_writes_the_results_contract(tmp_path, small_data):
+def test_command_line_run_writes_the_results_contract(tmp_path, small_data, capsys):
+    """The command line's flags (underscores accepted too) and the printed contract, in this process (the README's
+    main command is run as a new user runs it in tests/test_ddp_fsdp.py)."""
     out = tmp_path / "cli"
-    result = subprocess.run([sys.executable, "experiments/single-ft/train.py", "--data", str(small_data),
-                             "--steps", "3", "--seq_len", "128", "--out-dir", str(out)],
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stdout.splitlines()
+    single_ft.main(["--data", str(small_data), "--steps", "3", "--seq_len", "128", "--out-dir", str(out)])
+    lines = capsys.readouterr().out.splitlines()
     assert sum(line.startswith("config: {") for line in lines) == 1
     step_line = re.compile(r"^step (\d+)/3 \| loss \d+\.\d{4} \| lr \d\.\de[-+]\d\d \| grad_norm \d+\.\d\d \| "
                            r"step_ms \d+ \| comm_ms (\d+|-) \| tok/s [\d,]+ \| mfu (\d\.\d\d|-) \| mem \d+\.\d GiB \| eta \d+m\d\ds$")
@@ -247,10 +249,13 @@ def test_infer_generates_and_evaluates_every_kind_of_export(tmp_path, small_data
     prompts.write_text(f"{prompt}\n\n" + json.dumps({"prompt": "Say hi."}) + "\n")
     replies = infer.main(["--model", str(base), "--prompts", str(prompts), "--max-new-tokens", 12])
     assert replies == [reply, infer.main(["--model", str(base), "--prompt", "Say hi.", "--max-new-tokens", 12])[0]]
-    # Interactive chat: two turns, the second sees the first; an empty line ends it.
-    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{prompt}\nAnd again?\n\n"))
+    # Interactive chat: two turns, the second sees the first; an empty line is skipped, the end of input ends it,
+    # and so does "exit".
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{prompt}\n\nAnd again?\n"))
     chat = infer.main(["--model", str(base), "--max-new-tokens", 12])
     assert len(chat) == 2 and chat[0] == reply
+    monkeypatch.setattr(sys, "stdin", io.StringIO("exit\nnot read\n"))
+    assert infer.main(["--model", str(base), "--max-new-tokens", 12]) == []
 
     # A LoRA adapter trained on that export as its base: loaded through the base its adapter_config names.
     adapter = tmp_path / "adapter"

@@ -64,7 +64,7 @@ def launch(tmp_path_factory, small_data):
     (torn / "mp_rank_00_model_states.pt").write_bytes(b"\x80\x02torn")
     quiet = ["--comm-profile-steps", 0]  # no profiler where comm_ms is not looked at
     profile_one = ["--comm-profile-steps", 1]  # the third step's collectives, for common/comm.py's formula
-    torchrun("zero-ft", [
+    result = torchrun("zero-ft", [
         [*data, *ZERO, "--zero-stage", 1, "--out-dir", root / "stage1"],
         [*data, *ZERO, "--zero-stage", 2, "--out-dir", root / "stage2", "--checkpoint-every", 3],
         [*data, *ZERO, "--zero-stage", 3, "--out-dir", root / "stage3", "--save-hf", root / "stage3-hf"],
@@ -76,10 +76,13 @@ def launch(tmp_path_factory, small_data):
         [*data, *ZERO, "--zero-stage", 2, "--cpu-offload", "--out-dir", root / "stage2-offload", *profile_one],
         [*data, *ZERO, "--zero-stage", 3, "--out-dir", root / "lora", "--lora-rank", 4, "--save-hf",
          root / "lora-merged", "--merge-lora", *quiet],
-        [*data, *FAST, "--zero-stage", 3, "--loss-chunk-tokens", 64, "--out-dir", root / "stage3-chunked"],
+        # --sample-every generates between steps (at stage 3 on every rank, in step): the steps must not change.
+        [*data, *FAST, "--zero-stage", 3, "--loss-chunk-tokens", 64, "--out-dir", root / "stage3-chunked",
+         "--sample-every", 2],
         [*data, *FAST, "--zero-stage", 3, "--attn", "varlen", "--out-dir", root / "stage3-varlen"],
         [*data, *COMPILED, "--zero-stage", 2, "--out-dir", root / "stage2-compiled"],
     ])
+    (root / "output.txt").write_text(result.stdout + result.stderr)
     return root, reference, lora
 
 
@@ -123,6 +126,8 @@ def test_fast_path_flags_compute_the_single_process_steps(launch):
     assert compiled["zero_stage"] == 2 and chunked["zero_stage"] == varlen["zero_stage"] == 3
     # The third update too: both runs end with the same weights, evaluated through their own attention.
     assert varlen["eval_loss"] == pytest.approx(chunked["eval_loss"], rel=1e-5)
+    # --sample-every 2 on the chunked run: a completion after step 2 (rank 0 prints it), and step 3 above unchanged.
+    assert (root / "output.txt").read_text().count("sample step 2: ") == 1
 
 
 def test_compile_is_refused_at_stage_3_with_the_reason():

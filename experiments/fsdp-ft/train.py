@@ -97,6 +97,7 @@ class Config:
     reshard_after_forward: bool = True  # free each layer's gathered weights after its forward and all-gather them again in backward (--no-reshard-after-forward: keep them until backward: one all-gather per layer less, but the whole gathered model alive at the end of forward)
     cpu_offload: bool = False  # keep the sharded fp32 weights, gradients and AdamW state in CPU memory; the optimizer step runs on the CPU
     reduce_every_micro_batch: bool = False  # reduce-scatter after every micro-batch: more communication, but no full-size fp32 gradient held per rank between micro-batches
+    replicate_degree: int = 1  # HSDP: R replicas of an FSDP group of world/R ranks (shard inside a node, replicate across nodes); 1 = plain FSDP over all ranks
 
 
 def resolve(config: Config) -> Config:
@@ -211,7 +212,15 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--cpu-offload needs a process group with a CPU backend, e.g. 'cpu:gloo,cuda:nccl'; this "
                          f"one is '{dist.get_backend_config()}' (common/dist.py creates it)")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",))
+    # HSDP (--replicate-degree R): a 2-D mesh, R replicas x world/R shards. fully_shard on it shards each parameter
+    # over the inner dimension only and keeps R copies: the all-gathers and reduce-scatters stay inside a shard
+    # group (a node's fast links), and only the gradient all-reduce crosses between groups (the slow link).
+    replicas = config.replicate_degree
+    if replicas < 1 or world_size % replicas:
+        raise SystemExit(f"--replicate-degree {replicas} must divide the world size {world_size}")
+    shard_size = world_size // replicas
+    mesh = (init_device_mesh(device.type, (replicas, shard_size), mesh_dim_names=("replicate", "shard"))
+            if replicas > 1 else init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",)))
     config = resolve(config)
     print0(f"config: {json.dumps(asdict(config))}")
     torch.manual_seed(config.seed)
@@ -285,8 +294,9 @@ def main(argv: list[str] | None = None) -> dict:
            f"{model_flops_per_token / 1e9:.3f} GFLOP/token (training) | dtype {config.dtype}")
     print0(f"batch: B = {config.micro_batch_size} x {config.grad_accum} x {world_size} ranks = {rows_per_step} rows "
            f"of {config.seq_len} -> T_eff = {rows_per_step * config.seq_len:,} token slots per optimizer step")
-    print0(f"fsdp: {n_units} units ({n_units - 1} decoder layers + root) sharded over {world_size} ranks: "
-           f"{n_params / world_size * 4 / 2**30:.2f} GiB of fp32 weights per rank"
+    print0(f"fsdp: {n_units} units ({n_units - 1} decoder layers + root) sharded over {shard_size} ranks"
+           f"{f' x {replicas} replicas (HSDP)' if replicas > 1 else ''}: "
+           f"{n_params / shard_size * 4 / 2**30:.2f} GiB of fp32 weights per rank"
            f"{' in CPU memory' if config.cpu_offload else ''} | compute in "
            f"{'bf16' if config.dtype == 'bf16' else 'fp32'}, gradients reduced in fp32 | reshard after forward: "
            f"{config.reshard_after_forward} | backend {dist.get_backend()}")
@@ -398,8 +408,9 @@ def main(argv: list[str] | None = None) -> dict:
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
             metrics.log_eval(*eval_losses[-1])
         if config.sample_every and (step + 1) % config.sample_every == 0 and sample_messages:
-            # Generated on every rank: each forward gathers the sharded weights; rank 0 prints.
-            completion = generate(model, tokenizer, sample_messages, device, autocast=nullcontext)
+            # Generated on every rank, in step (synced_gpus): each forward gathers the sharded weights; rank 0 prints.
+            completion = generate(model, tokenizer, sample_messages, device, autocast=nullcontext,
+                                  synced_gpus=world_size > 1)
             print0(f"sample step {step + 1}: {completion!r}")
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             # Collective: each rank writes its own shards of the weights and of the AdamW state.
@@ -416,8 +427,9 @@ def main(argv: list[str] | None = None) -> dict:
     # common/memory.py's prediction for one device: its peak next to the measured one (comparable on a GPU, where
     # both mean max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included),
     # its model states next to the bytes counted above.
+    # Under HSDP a rank holds what FSDP over its shard group would: the estimate takes the shard group's size.
     prediction = estimate(
-        model.config, "fsdp-offload" if config.cpu_offload else "fsdp", world_size, seq_len=config.seq_len,
+        model.config, "fsdp-offload" if config.cpu_offload else "fsdp", shard_size, seq_len=config.seq_len,
         micro_batch_size=config.micro_batch_size, activation_checkpointing=config.activation_checkpointing,
         lora_rank=config.lora_rank, precision=config.dtype, attention=attention_kind(attention.impl, config.packing),
         grad_accum=1 if config.reduce_every_micro_batch else config.grad_accum)  # micro-batches of unreduced gradients
@@ -428,7 +440,8 @@ def main(argv: list[str] | None = None) -> dict:
     in_layers = {id(p) for layer in layer_units for p in layer.parameters()}
     units = [[(tuple(p.shape), p.requires_grad) for p in model.parameters() if id(p) not in in_layers]]
     units += [[(tuple(p.shape), p.requires_grad) for p in layer.parameters()] for layer in layer_units]
-    covered = world_size > 1 and not (config.cpu_offload and device.type == "cuda")
+    # Nor HSDP, whose all-reduce between replicas the formula does not model yet.
+    covered = world_size > 1 and replicas == 1 and not (config.cpu_offload and device.type == "cuda")
     formula = None if not covered else as_backend(fsdp_collectives(
         units, world_size=world_size, grad_accum=config.grad_accum, reshard_after_forward=config.reshard_after_forward,
         reduce_every_micro_batch=config.reduce_every_micro_batch, gather_bytes=2 if config.dtype == "bf16" else 4),

@@ -427,8 +427,9 @@ def main(argv: list[str] | None = None) -> dict:
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
             metrics.log_eval(*eval_losses[-1])
         if config.sample_every and (step + 1) % config.sample_every == 0 and sample_messages:
-            # Generated on every rank: at stage 3 each forward gathers the sharded weights; rank 0 prints.
-            completion = generate(engine.module, tokenizer, sample_messages, device, autocast=autocast)
+            # Generated on every rank, in step (synced_gpus): at stage 3 each forward gathers the weights; rank 0 prints.
+            completion = generate(engine.module, tokenizer, sample_messages, device, autocast=autocast,
+                                  synced_gpus=config.zero_stage == 3 and world_size > 1)
             print0(f"sample step {step + 1}: {completion!r}")
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             # DeepSpeed's own sharded format (its optimizer objects are opaque to torch.distributed.checkpoint),
