@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+from transformers.utils import logging as transformers_logging
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -106,6 +107,7 @@ def read_prompts(path: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> list[str] | float:
     args = parse_args(argv)
+    transformers_logging.disable_progress_bar()  # a weight-loading bar between the prompt and the answer is noise
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else \
         torch.device(args.device)
     model, tokenizer = load(args.model, args.base, device)
