@@ -97,14 +97,19 @@ def parse_columns(spec: str | dict | None) -> dict[str, str]:
     return dict(pairs)
 
 
+def check_columns(columns: dict[str, str], present, where: str) -> None:
+    """Every column --data-columns names must be in the data; the error lists the columns it has."""
+    missing = [column for column in columns.values() if column not in present]
+    if missing:
+        raise DataError(f"{where}: column '{missing[0]}' (--data-columns) is not in the data; it has: "
+                        f"{', '.join(present)}")
+
+
 def map_columns(record: object, columns: dict[str, str], where: str) -> object:
     """The record with --data-columns applied: each mapped column renamed to the name this module expects."""
     if not columns or not isinstance(record, dict):
         return record
-    missing = [column for column in columns.values() if column not in record]
-    if missing:
-        raise DataError(f"{where}: column '{missing[0]}' (--data-columns) is not in the data; it has: "
-                        f"{', '.join(sorted(record))}")
+    check_columns(columns, list(record), where)
     renamed = {key: value for key, value in record.items() if key not in columns.values()}
     renamed.update({name: record[column] for name, column in columns.items()})
     return renamed
@@ -221,6 +226,11 @@ def _hub_reachable() -> bool:
         return False
 
 
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
 def _load_dataset(path: str, split: str, subset: str | None):
     """(name for messages, datasets.Dataset) for every --data that is not JSONL."""
     import datasets
@@ -232,8 +242,7 @@ def _load_dataset(path: str, split: str, subset: str | None):
         try:
             loaded = datasets.load_from_disk(str(source))
         except Exception as error:  # e.g. a saved split with no rows, which datasets cannot load back
-            raise DataError(f"{path}: datasets cannot load this save_to_disk folder ({type(error).__name__}: "
-                            f"{str(error).strip().splitlines()[0] if str(error).strip() else ''})") from None
+            raise DataError(f"{path}: datasets cannot load this save_to_disk folder ({_first_line(error)})") from None
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
                 raise DataError(f"{path}: no split '{split}' (--data-split); it has: {', '.join(loaded)}")
@@ -246,8 +255,7 @@ def _load_dataset(path: str, split: str, subset: str | None):
         except Exception as error:
             if "corresponds to no data" in str(error):  # how datasets says a file has no rows
                 raise DataError(f"{path}: the file has no rows") from None
-            detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            raise DataError(f"{path}: datasets cannot read it as {builder} ({type(error).__name__}: {detail})") from None
+            raise DataError(f"{path}: datasets cannot read it as {builder} ({_first_line(error)})") from None
     name = f"{path} ({split})"
     if not (os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE")) and not _hub_reachable():
         raise DataError(f"{path}: not a local file or folder, and the Hugging Face Hub cannot be reached from here; "
@@ -255,18 +263,14 @@ def _load_dataset(path: str, split: str, subset: str | None):
     try:
         return name, datasets.load_dataset(path, subset, split=split)
     except Exception as error:  # the hub's errors vary by version; the first line says which it was
-        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise DataError(f"{name}: could not load it from the Hugging Face Hub: {detail}") from None
+        raise DataError(f"{name}: could not load it from the Hugging Face Hub: {_first_line(error)}") from None
 
 
 def _dataset_conversations(name: str, dataset, columns: dict[str, str], split: str) -> list[Conversation]:
     if len(dataset) == 0:
         raise DataError(f"{name}: the split has no rows (--data-split {split})")
     present = dataset.column_names
-    missing = [column for column in columns.values() if column not in present]
-    if missing:
-        raise DataError(f"{name}: column '{missing[0]}' (--data-columns) is not in the data; it has: "
-                        f"{', '.join(present)}")
+    check_columns(columns, present, name)  # once for the whole dataset, before any row
     mapped = {next((n for n, c in columns.items() if c == column), column) for column in present}
     if not any(all(key in mapped for key in keys) for keys in SHAPES.values()):
         raise DataError(f"{name}: no column set this script knows: it has {', '.join(present)}; expected messages, "
@@ -339,6 +343,12 @@ def end_of_turn(tokenizer) -> tuple[str, int]:
 EMPTY_THINK = re.compile(r"<think>\s*</think>\s*")
 
 
+def render_template(tokenizer) -> str:
+    """The template conversations are rendered with, in training and in generation: the tokenizer's own, or
+    ChatML for a tokenizer that has none (a base model may come without one)."""
+    return getattr(tokenizer, "chat_template", None) or CHATML_TEMPLATE
+
+
 def assistant_spans(tokenizer, messages: list[dict], where: str, train_empty_think: bool = False
                     ) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans that carry loss: each assistant turn from where the
@@ -352,7 +362,7 @@ def assistant_spans(tokenizer, messages: list[dict], where: str, train_empty_thi
     not trained as if it were content unless `train_empty_think`.
     """
     eot, _ = end_of_turn(tokenizer)
-    template = getattr(tokenizer, "chat_template", None) or CHATML_TEMPLATE  # a base model may come without one
+    template = render_template(tokenizer)
     text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
     spans = []
     for i, message in enumerate(messages):

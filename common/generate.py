@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from common.data import end_of_turn
+from common.data import end_of_turn, render_template
 
 
 def chat_prompt(tokenizer, messages: list[dict], device: torch.device) -> torch.Tensor:
     """The conversation so far, rendered with the tokenizer's template and the assistant's generation prompt."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, chat_template=render_template(tokenizer), tokenize=False,
+                                         add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
 
 
