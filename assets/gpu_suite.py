@@ -22,14 +22,22 @@ Stages, in order of what matters most, each kept as soon as it finishes:
    datasets are installed (`--wheels` says how to bring them; otherwise noted as skipped).
 4. fsdp-ft on one rank: the wrapper's cost without communication. The lent machines have one GPU: two-rank
    comparisons cannot be measured there, and the suite does not pretend to.
-Each run is the experiment's own command line (`python3 experiments/<x>/train.py ...`), launched as a user would, with
-the repository on PYTHONPATH so that it needs nothing but torch, transformers and peft.
+
+The runs go by priority, so that a budget cut off early loses the least: the first ladder whole, the profile, TRL,
+fsdp-ft; then each other ladder's baseline and last rung (its whole gain); then the rungs between; the host syncs
+last. The entry shows them by ladder, in the order above. Each run is the experiment's own command line (`python3
+experiments/<x>/train.py ...`), launched as a user would, with the repository on PYTHONPATH so that it needs nothing
+but torch, transformers and peft.
 
 Every run that finishes is kept at once, as the devlog keeps runs: its summary.json and metrics.jsonl go to
 devlog/data/<date>-gpu-suite-<device>/<run>/, and devlog/<date>-gpu-suite-<device>.md is (re)written with generated
-regions (assets/make_posts.py) over what is kept so far. A suite cut off by its time budget (--budget-min, default 20)
+regions (assets/make_posts.py) over what is kept so far. A suite cut off by its time budget (--budget-min, default 9)
 or by the machine going away therefore leaves a usable partial entry; runs the budget would overrun are skipped with a
-note. Each rung carries its prediction, written here before any GPU run: the entry prints it beside the measurement.
+note; a later call, on the same or another machine of the same kind, adds them to the same entry: `python3
+assets/gpu_suite.py --date <the entry's date> --only '<names or patterns>'` (with the entry's devlog/data/ folder in
+the checkout). The whole plan takes about 20 minutes on an H200, most of it starting processes and compiling; a lent
+machine's one command runs 10 minutes at most, hence the default budget of 9. Each rung carries its prediction,
+written here before any GPU run: the entry prints it beside the measurement.
 
 From a fresh GPU machine to the committed entry:
 1. Bring the checkout (and .whl/ from `--wheels` for the TRL comparison) to the machine; no uv, lock or network is
@@ -43,6 +51,7 @@ From a fresh GPU machine to the committed entry:
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import re
@@ -57,15 +66,16 @@ from datetime import date
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT / "assets") not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT / "assets"))
+for folder in (REPO_ROOT / "assets", REPO_ROOT):  # make_plots and run_series; common (no install on a lent machine)
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 from make_plots import load_run  # noqa: E402  (after the path set-up above)
 from run_series import keep  # noqa: E402
 
 BF16_TOLERANCE = 2e-2  # largest relative per-step loss difference from the baseline rung, first 5 steps, bf16
 FIRST_STEPS = 5
-RUN_ESTIMATE_S = 120  # what one run is assumed to take when deciding whether the budget allows it
+RUN_ESTIMATE_S = {False: 45, True: 90}  # a run without / with --compile, until one of its kind has been timed
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,7 @@ class Rung:
     nproc: int = 1
     syncs: bool = False  # run under torch.cuda.set_sync_debug_mode to count host syncs (not timed, not kept)
     profile: bool = False  # profile the fastest rung of its ladder so far (its args are chosen when it runs)
+    priority: int = 0  # runs go in this order (stable), so that a budget cut off early loses the least
 
 
 @dataclass
@@ -93,7 +104,7 @@ class Plan:
     compile: bool = True  # the dry run leaves torch.compile out (tests/test_loss.py checks it; on CPU it only costs)
 
 
-GPU_PLAN = Plan(model="qwen3-0.6b", dtype="bf16", steps=30, warmup=5, chunk=1024,
+GPU_PLAN = Plan(model="qwen3-0.6b", dtype="bf16", steps=20, warmup=5, chunk=1024,
                 ladders=[("s1024-full", 1024, 0, (4, 8)), ("s1024-lora16", 1024, 16, (4, 8)),
                          ("s4096-full", 4096, 0, (2,)), ("s4096-lora16", 4096, 16, (2,))],
                 fsdp_seq=1024)
@@ -107,52 +118,59 @@ def rungs(plan: Plan) -> list[Rung]:
     common = ("--model", plan.model, "--dtype", plan.dtype, "--steps", str(plan.steps), "--eval-fraction", "0",
               "--timing-warmup-steps", str(plan.warmup), "--comm-profile-steps", "0")
     out = []
+    first = plan.ladders[0][0]
     for label, seq, lora, micros in plan.ladders:
+        # The first ladder whole, then the profile, TRL and FSDP; then each other ladder's baseline and its last
+        # rung (the whole gain), then the rungs between them; the host-sync count last.
+        ends, middle = (0, 0) if label == first else (4, 5)
         base = (*common, "--seq-len", str(seq), *(("--lora-rank", str(lora)) if lora else ()), "--attn", "sdpa")
         varlen = (*base[:-1], "varlen")
         chunked = (*varlen, "--loss-chunk-tokens", str(plan.chunk))
         compiled = (*chunked, "--compile") if plan.compile else chunked
         out += [
-            Rung(f"single-ft-{label}-1-baseline", "single-ft", base, ladder=label, prediction=(
+            Rung(f"single-ft-{label}-1-baseline", "single-ft", base, ladder=label, priority=ends, prediction=(
                 "the reference: SDPA over packed rows with a block-diagonal [seq x seq] mask, eager, micro-batch 1")),
-            Rung(f"single-ft-{label}-2-varlen", "single-ft", varlen, ladder=label, prediction=(
+            Rung(f"single-ft-{label}-2-varlen", "single-ft", varlen, ladder=label, priority=middle, prediction=(
                 "same losses; a variable-length kernel skips the masked-out blocks between documents and needs no "
                 "mask nor repeated K/V: attention is a small share of a 0.6B model's FLOPs at seq 1024 (the "
                 "attention term of common/models.py), so 5-15% more tokens/s there and 20-40% at seq 4096, "
                 "where the mask alone is 16M entries per layer call")),
-            Rung(f"single-ft-{label}-3-chunked-loss", "single-ft", chunked, ladder=label, prediction=(
+            Rung(f"single-ft-{label}-3-chunked-loss", "single-ft", chunked, ladder=label, priority=middle,
+                 prediction=(
                 "same losses; peak memory lower by about the logits and their gradient (tokens x 151,936 vocab in "
                 "bf16 and fp32), which matters most at seq 4096; tokens/s up by 0-10%: the LM head runs on loss "
                 "tokens only (about half the positions of this data) at 4/3 of its cost per token (recomputed)")),
         ]
         if plan.compile:
-            out.append(Rung(f"single-ft-{label}-4-compile", "single-ft", compiled, ladder=label, prediction=(
+            out.append(Rung(f"single-ft-{label}-4-compile", "single-ft", compiled, ladder=label,
+                            priority=middle if micros else ends, prediction=(
                 "same losses; 10-30% more tokens/s from fused norms, activations and rotary embeddings in each "
                 "compiled decoder layer; the first steps slower (compilation, left out of the averages)")))
         out += [Rung(f"single-ft-{label}-5-micro{micro}", "single-ft", (*compiled, "--micro-batch-size", str(micro)),
-                     ladder=label, prediction=(
+                     ladder=label, priority=ends if micro == micros[-1] else middle, prediction=(
                          f"{micro}x the tokens per step; more tokens/s while micro-batch 1 leaves the GPU "
                          f"under-occupied (most at seq 1024), until memory runs out"))
                 for micro in micros]
         if label == plan.ladders[0][0]:
             # Right after the first ladder, its compile rung's step again, with every host sync counted.
             out.append(Rung(f"syncs-{label}", "single-ft", (*compiled, "--steps", str(plan.warmup + 3)),
-                            ladder="syncs", syncs=True, prediction=(
+                            ladder="syncs", syncs=True, priority=6, prediction=(
                 "one synchronisation per optimizer step from train.py (the step line's loss and gradient norm "
                 "together), plus one per forward in transformers' packed-row detection "
                 "(find_packed_sequence_indices reads a flag on the device)")))
-            out.append(Rung(f"profile-{label}", "single-ft", (), ladder=label, profile=True, prediction=(
+            out.append(Rung(f"profile-{label}", "single-ft", (), ladder=label, profile=True, priority=1, prediction=(
                 "the fastest rung's step by kernel: matmuls the largest share, attention second at seq 1024, "
                 "the optimizer a few percent (fused AdamW), idle gaps small once compiled")))
             # Then TRL's SFTTrainer beside single-ft on the same weights, data and batch, when its wheels are here.
             out.append(Rung(f"peer-{label}", "peer", (
                 "--model", plan.model, "--dtype", plan.dtype, "--steps", str(plan.steps), "--seq-len", str(seq),
                 "--micro-batch-size", str(plan.peer_micro), "--grad-accum", "1", "--attn", "sdpa",
-                "--timing-warmup-steps", str(plan.warmup)), ladder="peer", prediction=(
+                "--timing-warmup-steps", str(plan.warmup)), ladder="peer", priority=2, prediction=(
                 "both with SDPA and eager: within 20% of each other (the same model code and kernels; TRL packs "
                 "best-fit into one padding-free row); single-ft's own fast path is the ladder above")))
     out.append(Rung(f"fsdp-ft-s{plan.fsdp_seq}-full-1rank", "fsdp-ft",
-                    (*common, "--seq-len", str(plan.fsdp_seq), "--attn", "varlen"), ladder="fsdp", prediction=(
+                    (*common, "--seq-len", str(plan.fsdp_seq), "--attn", "varlen"), ladder="fsdp", priority=3,
+                    prediction=(
                         "FSDP2 on one rank: nothing to shard or communicate, so the cost of its wrapping alone; "
                         "within 5% of single-ft's varlen rung at the same sequence length")))
     return out
@@ -260,7 +278,7 @@ def count_syncs(log: str, skip_steps: int) -> dict:
 PROFILE_STEPS = 3
 KERNEL_CATEGORIES = (  # first match wins; names of CUDA kernels (or CPU ops in a dry run), lower case
     ("attention", ("flash", "fmha", "attention", "attn", "sdpa", "varlen", "softmax_warp")),
-    ("loss", ("cross_entropy", "log_softmax", "nll_loss", "logsumexp")),
+    ("loss", ("cross_entropy", "softmax", "nll_loss", "logsumexp")),  # cunn_SoftMax*: the loss's log-softmax
     ("optimizer", ("adam", "multi_tensor", "foreach", "fused_adam")),
     ("matmul", ("gemm", "matmul", "cutlass", "xmma", "cublas", "nvjet", "linear", "addmm", "mm")),
 )
@@ -283,8 +301,11 @@ def profile_child(argv: list[str]) -> None:
     spans = []
 
     def summarize(prof) -> None:
+        # Kernels only: a record_function span (ProfilerStep, Optimizer.step#AdamW.step) also gets device time, that
+        # of the kernels inside it, which would count them twice.
         events = [e for e in prof.key_averages()
-                  if (e.device_type.name == "CUDA") == cuda and not e.key.startswith("ProfilerStep")]
+                  if (e.device_type.name == "CUDA") == cuda and not e.key.startswith("ProfilerStep")
+                  and not getattr(e, "is_user_annotation", False)]
         time_of = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
         busy = sum(time_of(e) for e in events) / 1e3 / PROFILE_STEPS  # ms per step
         step_ms = (spans[-1] - spans[0]) / PROFILE_STEPS * 1e3 if len(spans) > 1 else None
@@ -348,7 +369,7 @@ def fastest(rung: Rung, all_rungs: list[Rung], kept: Path) -> Rung:
     warmup = int(args[args.index("--timing-warmup-steps") + 1])
     args[args.index("--steps") + 1] = str(warmup + PROFILE_STEPS + 1)
     return Rung(rung.name, rung.experiment, tuple(args), rung.prediction + f" (profiled: {best.name})", rung.ladder,
-                profile=True)
+                profile=True, priority=rung.priority)
 
 
 def peer_installed() -> bool:
@@ -434,9 +455,10 @@ def write_entry(root: Path, entry: Path, series: str, plan: Plan, done: dict[str
             sides = [f"{data}/{rung.name}-{side}" for rung in members for side in ("single-ft", "trl-sft")
                      if (root / data / f"{rung.name}-{side}" / "summary.json").exists()]
             if sides:
-                lines += [f"<!-- generated:table runs={','.join(sides)} cols=run,seq,micro,t_eff,step_ms,tok_s,"
-                          f"rel:tok_s,mfu,peak_mem ref={sides[0]} -->", "<!-- /generated -->", ""]
-            lines += [f"- `{rung.name}` ({done.get(rung.name, 'not run')}): {rung.prediction}." for rung in members]
+                lines += [f"<!-- generated:table runs={','.join(sides)} cols=run,seq,micro,t_eff,step_ms,"
+                          f"step_ms_median,step_ms_max,tok_s,tok_s_median,rel:tok_s,mfu,peak_mem ref={sides[0]} -->", "<!-- /generated -->", ""]
+            lines += [f"- `{rung.name}` ({done.get(rung.name, 'measured' if sides else 'not run')}): "
+                      f"{rung.prediction}." for rung in members]
             lines.append("")
             continue
         if ladder == "syncs":
@@ -452,8 +474,8 @@ def write_entry(root: Path, entry: Path, series: str, plan: Plan, done: dict[str
         if measured:
             names = ",".join(f"{data}/{rung.name}" for rung in measured)
             ref = f" ref={data}/{measured[0].name}" if measured[0] is members[0] else ""
-            columns = "run,seq,micro,lora,t_eff,step_ms,tok_s" + (",rel:tok_s" if ref else "") + \
-                ",mfu,peak_mem,predicted_peak"
+            columns = "run,seq,micro,lora,t_eff,step_ms,step_ms_median,step_ms_max,tok_s,tok_s_median" + \
+                (",rel:tok_s" if ref else "") + ",mfu,peak_mem,predicted_peak"
             lines += [f"<!-- generated:table runs={names} cols={columns}{ref} -->", "<!-- /generated -->", ""]
             twins = [rung for rung in measured[1:] if ref and parity(root / data / rung.name,
                                                                       root / data / members[0].name) is not None]
@@ -474,7 +496,8 @@ def write_entry(root: Path, entry: Path, series: str, plan: Plan, done: dict[str
                       for row in profiled["top"][:10]] + [""]
         lines += ["Predicted before the runs:", ""]
         for rung in members:
-            status = done.get(rung.name, "not run")
+            earlier = rung.name in kept or (rung.profile and profile_file.exists())  # by an earlier call (--only)
+            status = done.get(rung.name, "measured" if earlier else "not run")
             lines.append(f"- `{rung.name}` ({status}): {rung.prediction}.")
         lines.append("")
     entry.parent.mkdir(parents=True, exist_ok=True)
@@ -496,11 +519,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="print the runs, commands and predictions; run nothing")
     parser.add_argument("--wheels", action="store_true",
                         help="print which wheels the TRL comparison needs on an offline machine, and how to bring them")
-    parser.add_argument("--budget-min", type=float, default=20.0, help="stop starting runs after this many minutes")
+    parser.add_argument("--budget-min", type=float, default=9.0, help="stop starting runs after this many minutes")
     parser.add_argument("--root", type=Path, default=REPO_ROOT,
                         help="where devlog/ and runs/ are written (the repository by default; tests use a scratch "
                              "folder)")
     parser.add_argument("--date", default=date.today().isoformat())
+    parser.add_argument("--only", default=None, help="comma-separated run names or patterns (fnmatch) to run, e.g. "
+                        "'peer-*,fsdp-*': a later call adds to an entry whose earlier runs are in devlog/data")
     args = parser.parse_args(argv)
     plan = DRY_PLAN if args.dry_run else GPU_PLAN
     all_rungs = rungs(plan)
@@ -533,9 +558,12 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         if not row["ok"]:
             failures.append(f"kernel {row['kernel']}")
-    for index, rung in enumerate(all_rungs, start=1):
-        elapsed = time.perf_counter() - clock
-        if elapsed + RUN_ESTIMATE_S > args.budget_min * 60 and not args.dry_run:
+    taken: dict[bool, float] = {}  # the longest run so far, without / with --compile
+    for index, rung in enumerate(sorted(all_rungs, key=lambda r: r.priority), start=1):
+        elapsed, compiled = time.perf_counter() - clock, "--compile" in rung.args or rung.profile
+        if args.only and not any(fnmatch.fnmatch(rung.name, p) for p in args.only.split(",")):
+            continue
+        if elapsed + taken.get(compiled, RUN_ESTIMATE_S[compiled]) > args.budget_min * 60 and not args.dry_run:
             done[rung.name] = "skipped: time budget"
             print(f"[{index}/{len(all_rungs)}] {rung.name}: skipped, {elapsed / 60:.1f} of {args.budget_min} min used",
                   flush=True)
@@ -560,6 +588,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(out / "train.log", "w") as log:
             code = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
         seconds = time.perf_counter() - run_start
+        if rung.experiment != "peer":  # two trainings in one: not what the next run will take
+            taken[compiled] = max(taken.get(compiled, 0.0), seconds)
         if rung.syncs and code == 0:
             counts = count_syncs((out / "train.log").read_text(), skip_steps=plan.warmup)
             (kept / "host-syncs.json").write_text(json.dumps(counts, indent=1) + "\n")

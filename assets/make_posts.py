@@ -125,6 +125,7 @@ import io
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -669,6 +670,16 @@ def peak_mem_header(runs: list[Run]) -> str:
     return "peak mem GiB"
 
 
+def measured_steps(run: Run, field: str) -> list[float]:
+    """One metrics.jsonl field over the steps the averages count (after --timing-warmup-steps)."""
+    warmup = run.config.get("timing_warmup_steps", 0)
+    return [step[field] for step in run.steps if step.get("step", 0) > warmup and step.get(field) is not None]
+
+
+def median_of(field: str):
+    return lambda run: statistics.median(values) if (values := measured_steps(run, field)) else None
+
+
 COLUMNS: dict[str, Column] = {
     "run": Column("run", lambda run: run.name),  # the row label (label= formats it)
     "experiment": Column("experiment", summary_field("experiment")),
@@ -689,6 +700,10 @@ COLUMNS: dict[str, Column] = {
     "comm_ms": Column("comm ms", summary_field("comm_ms"), ",.0f"),
     "comm_share": Column("comm share", comm_share, ".0%"),
     "tok_s": Column("tok/s", summary_field("tokens_per_s"), ",.0f"),
+    # The averages above are total tokens over total time: one slow step weighs in full. The median step shows it.
+    "step_ms_median": Column("median step ms", median_of("step_ms"), ",.0f"),
+    "step_ms_max": Column("slowest step ms", lambda run: max(measured_steps(run, "step_ms"), default=None), ",.0f"),
+    "tok_s_median": Column("tok/s, median step", median_of("tokens_per_s"), ",.0f"),
     "tok_s_device": Column("tok/s per device", summary_field("tokens_per_s_per_device"), ",.0f"),
     "peak_mem": Column("peak GiB", summary_field("peak_mem_gib"), ".2f"),  # header names the measure
     "peak_mem_ranks": Column("peak GiB per rank", summary_field("peak_mem_gib_per_rank"), ".2f"),

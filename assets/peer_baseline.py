@@ -162,16 +162,16 @@ def run_trl(config: Config, model_dir: Path, out_dir: Path, expected_real_tokens
     records = [{"messages": conversation.messages} for conversation in read_conversations(config.data)]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attention.impl)
 
+    # TRL turns checkpointing on by default; here it follows the flag, as in single-ft. transformers renamed the
+    # argument (transformers 5.17 knows only gradient_checkpointing, later ones activation_checkpointing too).
+    name = next(n for n in ("activation_checkpointing", "gradient_checkpointing") if n in SFTConfig.__dataclass_fields__)
+    checkpointing = {name: config.activation_checkpointing, f"{name}_kwargs": {"use_reentrant": False}}
     arguments = SFTConfig(
-        output_dir=str(out_dir), max_steps=config.steps, per_device_train_batch_size=config.micro_batch_size,
+        **checkpointing, output_dir=str(out_dir), max_steps=config.steps, per_device_train_batch_size=config.micro_batch_size,
         gradient_accumulation_steps=config.grad_accum, learning_rate=config.lr, lr_scheduler_type="cosine",
         warmup_steps=config.warmup_steps, weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm,
         optim="adamw_torch_fused" if device.type == "cuda" else "adamw_torch", seed=config.seed, data_seed=config.seed,
         bf16=config.dtype == "bf16", fp16=False, use_cpu=device.type == "cpu",
-        # TRL turns checkpointing on by default (as `gradient_checkpointing`, the old name of this argument); here
-        # it follows the flag, as in single-ft.
-        activation_checkpointing=config.activation_checkpointing,
-        activation_checkpointing_kwargs={"use_reentrant": False},
         max_length=config.seq_len, packing=True, packing_strategy="bfd", assistant_only_loss=True,
         include_num_input_tokens_seen="non_padding", logging_steps=1, save_strategy="no", eval_strategy="no",
         report_to="none", dataloader_num_workers=0, disable_tqdm=True)

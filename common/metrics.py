@@ -18,6 +18,7 @@ Definitions (the same in every experiment):
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import math
@@ -389,9 +390,21 @@ class MetricsLogger:
         self.wall_s: list[float] = []  # wall time from one step line to the next (data loading and eval included)
         self._last_line: float | None = None
         self.peak_flops = peak_flops_per_device(device_name(self.device)) if self.device.type == "cuda" else None
+        # Python's garbage collector runs when it decides to: a full collection scans every object of a process that
+        # holds torch and transformers. Its time between two step lines goes into the record (gc_ms), so that a
+        # slow step can be told apart from a slow kernel.
+        self._gc_s, self._gc_started = 0.0, None
+        gc.callbacks.append(self._time_gc)
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "metrics.jsonl").write_text("")
+
+    def _time_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif self._gc_started is not None:
+            self._gc_s += time.perf_counter() - self._gc_started
+            self._gc_started = None
 
     @staticmethod
     def check_report_to(report_to: str) -> None:
@@ -408,7 +421,9 @@ class MetricsLogger:
         record = dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=tokens, loss_tokens=loss_tokens,
                       step_ms=step_ms, comm_ms=comm_ms, tokens_per_s=tokens_per_s,
                       peak_mem_gib=peak_memory_gib(self.device),
-                      mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_flops, self.world_size))
+                      mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_flops, self.world_size),
+                      gc_ms=self._gc_s * 1000.0)
+        self._gc_s = 0.0
         self.records.append(record)
         now = time.perf_counter()
         self.wall_s.append(step_ms / 1000.0 if self._last_line is None else now - self._last_line)

@@ -34,6 +34,14 @@ def test_every_gpu_rung_is_a_valid_command_line_of_its_experiment():
     first_ladder = gpu_suite.GPU_PLAN.ladders[0][0]
     after = [rung.name for rung in plan][len([r for r in plan if r.ladder == first_ladder and not r.profile]):][:3]
     assert after == [f"syncs-{first_ladder}", f"profile-{first_ladder}", f"peer-{first_ladder}"]
+    # They run by priority: the first ladder whole, then the profile, TRL and FSDP, then the other ladders' ends
+    # (baseline and last rung) before anything between them, the host-sync count last.
+    order = [rung.name for rung in sorted(plan, key=lambda r: r.priority)]
+    whole = [rung.name for rung in plan if rung.ladder == first_ladder and not rung.profile]
+    assert order[:len(whole) + 3] == [*whole, f"profile-{first_ladder}", f"peer-{first_ladder}",
+                                      "fsdp-ft-s1024-full-1rank"]
+    ends = [[r.name for r in plan if r.ladder == label][i] for label, *_ in gpu_suite.GPU_PLAN.ladders[1:] for i in (0, -1)]
+    assert sorted(order[len(whole) + 3:][:len(ends)]) == sorted(ends) and order[-1] == f"syncs-{first_ladder}"
 
 
 def test_dry_run_keeps_each_run_and_writes_the_entry_with_parity(tmp_path, capsys, monkeypatch):

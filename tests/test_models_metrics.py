@@ -1,5 +1,6 @@
 """common/models.py and common/metrics.py: parameter and FLOP counts, MFU, the step line, comm time, load errors."""
 
+import gc
 import json
 import tempfile
 
@@ -116,6 +117,8 @@ def test_summary_excludes_warmup_and_profiled_steps(tmp_path):
                            device=torch.device("cpu"), world_size=2, is_main=True)
     lines = []
     for step, step_ms in enumerate([1000.0, 500.0, 900.0, 100.0, 300.0], start=1):
+        if step == 2:
+            gc.collect()  # a full collection between step lines 1 and 2 is timed into step 2's record
         logger.log_step(step, loss=1.0 / step, lr=1e-3, grad_norm=1.0, tokens=1000, loss_tokens=500,
                         step_ms=step_ms, comm_ms=10.0 if step == 3 else None, print_fn=lines.append)
     # The first line's eta is 4 steps of its own step_ms; the last has nothing left.
@@ -136,7 +139,8 @@ def test_summary_excludes_warmup_and_profiled_steps(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     assert set(records[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "loss_tokens", "step_ms", "comm_ms",
-                               "tokens_per_s", "peak_mem_gib", "mfu"}
+                               "tokens_per_s", "peak_mem_gib", "mfu", "gc_ms"}
+    assert records[1]["gc_ms"] > 0 and records[1]["gc_ms"] > records[2]["gc_ms"]  # counted once, then reset
     # A run too short to have unprofiled measured steps averages what it has.
     short = MetricsLogger(out_dir=tmp_path / "short", total_steps=2, warmup_steps=1, flops_per_token=1e6,
                           device=torch.device("cpu"), world_size=1, is_main=False)
