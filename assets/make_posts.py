@@ -54,7 +54,8 @@ table runs=RUNS [cols=C1,C2,...] [sort=[-]COL] [label=FORMAT] [ref=RUN]
              ref=devlog/data/2026-11-23-workload/single-ft sort=-tok_s -->
     Columns: run (the row label), experiment, strategy (what sets the run apart: ZeRO stage, schedule, split,
     bucket size, checkpointing, LoRA...), model, params, trainable, seq, micro, ga, ckpt, dtype, lora, ranks, steps,
-    t_eff, step_ms, comm_ms, comm_share (comm_ms over the profiled steps' time), tok_s, tok_s_device, peak_mem (its
+    t_eff, step_ms, step_ms_median, step_ms_max (the median and slowest measured step), comm_ms, comm_share (comm_ms
+    over the profiled steps' time), tok_s, tok_s_median (tokens/s of the median step), tok_s_device, peak_mem (its
     header names the measure: peak RSS on CPU), peak_mem_ranks, predicted_peak, mfu, final_loss, eval_loss,
     packing, collectives (calls per step, compact), coll_mib (MiB handed to collectives per step, rank 0),
     wire_mib (what rank 0 sends, ring algorithms), state_mib, weights_mib, grads_mib, optimizer_mib, master_mib

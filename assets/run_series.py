@@ -137,6 +137,15 @@ SERIES: dict[str, list[Run] | Tool] = {
           + [Run(f"pp-ds-ft-m{m}", "pp-ds-ft", 2, (*SHORT, "--grad-accum", str(m))) for m in (2, 4, 8)]
           + [Run("pp-ft-1f1b-m8-split3", "pp-ft", 2, (*SHORT, "--grad-accum", "8", "--schedule", "1f1b",
                                                      "--split", "3"))],
+    # The layouts for more than one node, on 4 ranks (2 "nodes" x 2), doing the workload's B = 4 rows per step: the
+    # same optimizer steps as workload/single-ft. Data parallel 4 x 1 row; HSDP 2 replicas x 2 shards x 1 row; FSDP x TP
+    # 2 dp rows x 2 tp ranks, GA 2; pipelines 2 stages x 2 replicas, GA 2 (m = 2 micro-batches each).
+    "four-ranks": [Run("ddp-ft-4", "ddp-ft", 4, WORKLOAD), Run("fsdp-ft-4", "fsdp-ft", 4, WORKLOAD),
+                   Run("fsdp-ft-hsdp-2x2", "fsdp-ft", 4, (*WORKLOAD, "--replicate-degree", "2")),
+                   Run("fsdp-tp-ft-2x2", "fsdp-tp-ft", 4, (*WORKLOAD, "--tp-degree", "2", "--grad-accum", "2")),
+                   Run("pp-ft-2x2", "pp-ft", 4, (*WORKLOAD, "--stages", "2", "--grad-accum", "2", "--schedule",
+                                                 "1f1b")),
+                   Run("pp-ds-ft-2x2", "pp-ds-ft", 4, (*WORKLOAD, "--stages", "2", "--grad-accum", "2"))],
     "sweep": Tool(("uv", "run", "python", "-m", "common.sweep", "--strategies", "fsdp-ft", "pp-ds-ft",
                    "--micro-batch-sizes", "1", "2", "--grad-accums", "2", "4", "--checkpointing", "off", "on",
                    "--dtypes", "fp32", "--model", "qwen3-tiny", "--seq-len", "256", "--steps", "12", "--out", "{out}"),

@@ -23,7 +23,7 @@ gradients of activations inside one layer's backward, the input ids and labels.
      For Psi = 7.5e9 and N_d = 64 that is 120 GB, 31.4 GB, 16.6 GB and 1.9 GB (GB = 1e9 bytes), the paper's numbers.
    - BF16_RULE_OF_THUMB: bf16 weights 2 + bf16 gradients 2 + fp32 AdamW moments 8 = 12 bytes per parameter, no
      master copy (the usual back-of-envelope figure: a 7B model needs 84 GB before activations).
-   - PROJECT_BF16: what single, ddp, tp, tp-sp, pp and fsdp do under `--dtype bf16`: the weights stay fp32 and
+   - PROJECT_BF16: what single, ddp, tp, tp-sp, pp, fsdp and fsdp-tp do under `--dtype bf16`: the weights stay fp32 and
      are the master copy (4), fp32 gradients (4), fp32 AdamW m and v (8): 16 bytes per parameter. The bf16 copies
      the matrix multiplies read are made by torch.autocast (single, ddp, tp, pp), which caches the cast of every
      trainable weight for the whole forward, or by FSDP2's MixedPrecisionPolicy(param_dtype=bf16,
@@ -111,6 +111,11 @@ gradients of activations inside one layer's backward, the input ids and labels.
    Tensor parallelism shards the decoder layers' linear weights and, as tp-ft and tp-sp-ft do, the embedding and
    the LM head over the vocabulary (tied or not: each rank holds V/t rows); the norms are replicated. With loss
    parallel (their default) each rank computes and keeps only its V/t columns of the logits.
+   FSDP x TP (fsdp-tp, fsdp-tp-ft: a 2-D mesh of dp = N / t rows of t tensor-parallel ranks; estimate() takes t as
+   `tensor_parallel`): each rank holds tp's slice, sharded again by FSDP over the dp ranks. The sharded parts, the
+   split weights, their gradients and AdamW state, are divided by dp x t = N; the norms, replicated over t, by dp.
+   The buffers are fsdp's (gathered root + 2 layers, unsharded gradients), of the TP slice; activations and logits
+   are tp's.
    Pipeline parallelism (1F1B, at least as many micro-batches as stages) splits the layers evenly, puts the
    embedding on the first stage and the final norm and LM head on the last (a tied head becomes a second copy
    there, frozen under LoRA like the embedding); stage k keeps p - k micro-batches of activations in flight, so
@@ -182,6 +187,9 @@ DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000  # stage3_max_reuse_distance, in pa
 
 STRATEGIES = ("single", "ddp", "zero-1", "zero-2", "zero-3", "fsdp", "tp", "tp-sp", "pp",
               "zero-2-offload", "zero-3-offload", "fsdp-offload")
+# Layouts on a 2-D mesh, which take a tensor-parallel degree beside the world size: estimate() prices them, the
+# table and recommend() do not list them (they compare the strategies of one GPU count, one dimension).
+MESH_STRATEGIES = ("fsdp-tp",)
 # Which model states a strategy divides by the data-parallel world size: (weights, gradients, optimizer + master).
 DATA_PARALLEL_SHARDING = {
     "single": (False, False, False), "ddp": (False, False, False),
@@ -189,10 +197,11 @@ DATA_PARALLEL_SHARDING = {
     "zero-3": (True, True, True), "zero-3-offload": (True, True, True),
     "fsdp": (True, True, True), "fsdp-offload": (True, True, True),
     "tp": (False, False, False), "tp-sp": (False, False, False), "pp": (False, False, False),
+    "fsdp-tp": (True, True, True),  # divided by dp = world / t, on top of the tensor-parallel split by t
 }
 DEEPSPEED_STRATEGIES = ("zero-1", "zero-2", "zero-3", "zero-2-offload", "zero-3-offload")  # zero-ft
 ZERO3_STRATEGIES = ("zero-3", "zero-3-offload")  # DeepSpeed gathers each module's parameters as it runs
-FSDP_STRATEGIES = ("fsdp", "fsdp-offload")  # FSDP2 gathers one unit (decoder layer, root) at a time
+FSDP_STRATEGIES = ("fsdp", "fsdp-offload", "fsdp-tp")  # FSDP2 gathers one unit (decoder layer, root) at a time
 UNIT_SHARDED = ZERO3_STRATEGIES + FSDP_STRATEGIES  # weights sharded, gathered in the compute dtype to run
 # The model states each offloading strategy keeps in host memory instead of on the GPU.
 OFFLOADED_STATES = {"zero-2-offload": ("grads", "optimizer", "master"),
@@ -209,6 +218,7 @@ RUN_WITH = {
     "zero-2-offload": "experiments/zero-ft/train.py --zero-stage 2 --cpu-offload",
     "zero-3-offload": "experiments/zero-ft/train.py --zero-stage 3 --cpu-offload",
     "fsdp-offload": "experiments/fsdp-ft/train.py --cpu-offload",
+    "fsdp-tp": "experiments/fsdp-tp-ft/train.py",
 }
 
 
@@ -549,8 +559,10 @@ class DeviceSlice:
         return self.layers * self.layer_frozen + self.root_frozen
 
 
-def device_slices(shape: ModelShape, strategy: str, world_size: int, lora_rank: int) -> list[DeviceSlice]:
-    """What one device holds and runs (before data-parallel sharding); one slice per stage for pp."""
+def device_slices(shape: ModelShape, strategy: str, world_size: int, lora_rank: int,
+                  tensor_parallel: int = 1) -> list[DeviceSlice]:
+    """What one device holds and runs (before data-parallel sharding); one slice per stage for pp. fsdp-tp: tp's
+    slice over `tensor_parallel` ranks (model_state_bytes then shards it over the world / t data-parallel ranks)."""
     layer_norms = shape.layer_norm_parameters
     layer_linears = shape.layer_parameters - layer_norms
     adapters = shape.lora_parameters(lora_rank) / shape.layers
@@ -565,17 +577,18 @@ def device_slices(shape: ModelShape, strategy: str, world_size: int, lora_rank: 
         return DeviceSlice(layers, trainable, frozen, linears + layer_adapters, root_trainable, root_frozen,
                            root_matmul, **kwargs)
 
-    if strategy in ("tp", "tp-sp"):
-        if shape.heads % world_size or shape.kv_heads % world_size:
-            raise ValueError(f"tensor parallelism over {world_size} needs the {shape.heads} heads and "
-                             f"{shape.kv_heads} KV heads to divide by {world_size}")
-        # tp-ft's plan: every projection of a layer is split (LoRA adapters counted as split with it, they are
-        # tiny), the embedding and the LM head are split over the vocabulary (V/t rows each; one tensor when
-        # tied), the norms are replicated; loss parallel keeps each rank's V/t columns of the logits.
+    if strategy in ("tp", "tp-sp", "fsdp-tp"):
+        t = tensor_parallel if strategy == "fsdp-tp" else world_size
+        if shape.heads % t or shape.kv_heads % t:
+            raise ValueError(f"tensor parallelism over {t} needs the {shape.heads} heads and "
+                             f"{shape.kv_heads} KV heads to divide by {t}")
+        # tp-ft's plan (fsdp-tp-ft's too): every projection of a layer is split (LoRA adapters counted as split
+        # with it, they are tiny), the embedding and the LM head are split over the vocabulary (V/t rows each; one
+        # tensor when tied), the norms are replicated; loss parallel keeps each rank's V/t columns of the logits.
         replicated_norms = shape.root_parameters - shape.embedding_parameters * (1 if shape.tied_embeddings else 2)
-        root = (shape.root_parameters - replicated_norms) / world_size + replicated_norms
-        return [piece(shape.layers, root, lm_head / world_size, linear_share=1 / world_size,
-                      tensor_parallel=world_size, sequence_parallel=strategy == "tp-sp", vocab_share=1 / world_size)]
+        root = (shape.root_parameters - replicated_norms) / t + replicated_norms
+        return [piece(shape.layers, root, lm_head / t, linear_share=1 / t,
+                      tensor_parallel=t, sequence_parallel=strategy == "tp-sp", vocab_share=1 / t)]
     if strategy == "pp":
         if world_size > shape.layers:
             raise ValueError(f"{world_size} pipeline stages for {shape.layers} layers")
@@ -640,24 +653,29 @@ class MemoryEstimate:
 
 def estimate(config_like, strategy: str, world_size: int = 1, *, seq_len: int = 1024, micro_batch_size: int = 1,
              activation_checkpointing: bool = False, lora_rank: int = 0, precision: BytesPerParam | str = "bf16",
-             attention: str = "sdpa-packed", grad_accum: int = 1) -> MemoryEstimate:
+             attention: str = "sdpa-packed", grad_accum: int = 1, tensor_parallel: int = 2) -> MemoryEstimate:
     """Peak memory of one device (for pp: of the fullest stage), broken down as in the module docstring.
     `precision`: the experiments' --dtype ("bf16", "fp32"), priced as each strategy's experiment keeps it
     (strategy_precision), or one BytesPerParam for every strategy. `grad_accum`: micro-batches per optimizer step
-    whose gradients are accumulated before they are reduced (it only changes fsdp, see section 4)."""
+    whose gradients are accumulated before they are reduced (it only changes fsdp, see section 4).
+    `tensor_parallel`: fsdp-tp's t (fsdp-tp-ft's --tp-degree) among the `world_size` ranks; ignored otherwise."""
     stages = estimate_stages(config_like, strategy, world_size, seq_len=seq_len, micro_batch_size=micro_batch_size,
                              activation_checkpointing=activation_checkpointing, lora_rank=lora_rank,
-                             precision=precision, attention=attention, grad_accum=grad_accum)
+                             precision=precision, attention=attention, grad_accum=grad_accum,
+                             tensor_parallel=tensor_parallel)
     return max(stages, key=lambda stage: stage.total_bytes)
 
 
 def estimate_stages(config_like, strategy: str, world_size: int = 1, *, seq_len: int = 1024,
                     micro_batch_size: int = 1, activation_checkpointing: bool = False, lora_rank: int = 0,
                     precision: BytesPerParam | str = "bf16", attention: str = "sdpa-packed",
-                    grad_accum: int = 1) -> list[MemoryEstimate]:
+                    grad_accum: int = 1, tensor_parallel: int = 2) -> list[MemoryEstimate]:
     """The estimate of every distinct device: one per pipeline stage for pp (stage k on rank k), else one for all."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
+    if strategy not in STRATEGIES + MESH_STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES + MESH_STRATEGIES)}")
+    if strategy == "fsdp-tp" and (tensor_parallel < 1 or world_size % tensor_parallel):
+        raise ValueError(f"fsdp-tp: the tensor-parallel degree {tensor_parallel} must divide the world size "
+                         f"{world_size}")
     if strategy == "single" and world_size != 1:
         raise ValueError("single runs on one device")
     if grad_accum < 1:
@@ -666,7 +684,7 @@ def estimate_stages(config_like, strategy: str, world_size: int = 1, *, seq_len:
     precision = resolve_precision(strategy, precision)
     return [_estimate_slice(shape, piece, strategy, world_size, micro_batch_size, seq_len, activation_checkpointing,
                             lora_rank, precision, attention, grad_accum)
-            for piece in device_slices(shape, strategy, world_size, lora_rank)]
+            for piece in device_slices(shape, strategy, world_size, lora_rank, tensor_parallel)]
 
 
 def uses_autocast(strategy: str, precision: BytesPerParam) -> bool:
@@ -685,7 +703,9 @@ def uses_bf16_optimizer(strategy: str, precision: BytesPerParam) -> bool:
 def _estimate_slice(shape: ModelShape, piece: DeviceSlice, strategy: str, world_size: int, micro_batch_size: int,
                     seq_len: int, activation_checkpointing: bool, lora_rank: int, precision: BytesPerParam,
                     attention: str, grad_accum: int) -> MemoryEstimate:
-    states = model_state_bytes(piece.trainable, piece.frozen, precision, strategy, world_size)
+    # fsdp-tp: FSDP shards the tensor-parallel slice over the data-parallel ranks only, world / t of them.
+    data_parallel = world_size // piece.tensor_parallel if strategy == "fsdp-tp" else world_size
+    states = model_state_bytes(piece.trainable, piece.frozen, precision, strategy, data_parallel)
     c, tokens = precision.compute, micro_batch_size * seq_len
     autocast = uses_autocast(strategy, precision)
 

@@ -17,7 +17,8 @@ and sweep.csv there.
 
 Tokens per optimizer step: T_eff = seq_len x micro_batch_size x grad_accum x data-parallel ranks (the seed
 document's definition). Only ddp-ft, fsdp-ft and zero-ft give each rank its own rows; tensor- and
-pipeline-parallel ranks work on the same rows, so for them T_eff does not grow with --nproc. Grids can give a
+pipeline-parallel ranks work on the same rows, so for them T_eff does not grow with --nproc. fsdp-tp-ft is in
+between: its --nproc / tp rows of the mesh each read their own rows (tp: --tp-degree in --extra-args, else 2). Grids can give a
 target T_eff (--tokens-per-step) instead of --grad-accums: each cell then gets the grad-accum that reaches it
 for its own number of data-parallel ranks, so a 1-rank and a 2-rank cell do the same optimizer step.
 
@@ -51,6 +52,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 STRATEGY_FLAGS = {"zero-ft": "--zero-stage", "pp-ft": "--schedule"}
 # Experiments whose ranks each take their own rows of the step (data parallel); the others split the model.
 DATA_PARALLEL = {"ddp-ft", "fsdp-ft", "zero-ft"}
+# Experiments whose ranks share rows in groups of this many (the default tensor-parallel degree; a --tp-degree in
+# the cell's extra args overrides it): each group reads its own rows.
+TENSOR_PARALLEL_DEGREE = {"fsdp-tp-ft": 2}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -77,6 +81,11 @@ class Cell:
 
     @property
     def data_parallel_ranks(self) -> int:
+        if self.experiment in TENSOR_PARALLEL_DEGREE:
+            args = list(self.extra_args)
+            tp = int(args[args.index("--tp-degree") + 1]) if "--tp-degree" in args[:-1] \
+                else TENSOR_PARALLEL_DEGREE[self.experiment]
+            return max(1, self.nproc // tp)
         return self.nproc if self.experiment in DATA_PARALLEL else 1
 
     @property

@@ -400,13 +400,16 @@ def test_the_launches_were_two_nodes_and_preflight_reports_them(fsdp):
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory, small_data, fsdp):
     """One launch of 4 ranks on B = 1 x 1 x 4 = 4 rows, as the reference: HSDP (2 replicas x 2 shards), fsdp-ft's
-    2-rank checkpoint of step 3 resumed on 4 ranks, the HSDP checkpoint resumed as plain FSDP, and pp-ds-ft as 2 stages
-    x 2 data-parallel replicas (1 x 2 x 2 replicas = 4 rows)."""
+    2-rank checkpoint of step 3 resumed on 4 ranks, the HSDP checkpoint resumed as plain FSDP, fsdp-tp-ft on a 2 x 2
+    mesh (2 dp rows x 2 tp ranks: 1 x 2 x 2 rows = 4), and pp-ft and pp-ds-ft as 2 stages x 2 data-parallel replicas
+    (1 x 2 x 2 replicas = 4 rows)."""
     root = tmp_path_factory.mktemp("four-ranks")
     common = ["--data", small_data, *FP32, *NO_PROFILE, "--steps", STEPS, "--micro-batch-size", 1]
     runs = [["fsdp-ft", *common, "--replicate-degree", 2, "--checkpoint-every", 3, "--out-dir", root / "hsdp"],
             ["fsdp-ft", *common, "--resume", fsdp / "1x2" / "checkpoints" / "step-3", "--out-dir", root / "2-to-4"],
             ["fsdp-ft", *common, "--resume", root / "hsdp" / "checkpoints" / "step-3", "--out-dir", root / "hsdp-to-4"],
+            ["fsdp-tp-ft", *common, "--tp-degree", 2, "--grad-accum", 2, "--out-dir", root / "fsdp-tp-2x2"],
+            ["pp-ft", *common, "--stages", 2, "--grad-accum", 2, "--out-dir", root / "pp-2x2"],
             ["pp-ds-ft", *common, "--stages", 2, "--grad-accum", 2, "--out-dir", root / "pp-ds-2x2"]]
     result = torchrun("+", runs, nproc=4)
     (root / "output.txt").write_text(result.stdout + result.stderr)
@@ -427,3 +430,27 @@ def test_four_ranks_hsdp_resharding_and_pipeline_replicas(four_ranks, reference)
     assert read_losses(four_ranks / "hsdp-to-4") == pytest.approx(expected[3:], rel=1e-5)
     # DeepSpeed's pipeline with 2 replicas of 2 stages.
     assert read_losses(four_ranks / "pp-ds-2x2") == pytest.approx(expected, rel=1e-5)
+
+
+def test_four_ranks_fsdp_x_tp_and_pipeline_x_data_parallel(four_ranks, reference):
+    expected = read_losses(reference / "full")
+    # FSDP x TP on a ("dp", "tp") mesh of 2 x 2: each dp row reads its own 2 rows, the tp ranks of a row the same ones.
+    assert read_losses(four_ranks / "fsdp-tp-2x2") == pytest.approx(expected, rel=1e-5)
+    run = summary(four_ranks / "fsdp-tp-2x2")
+    assert run["hardware"]["world_size"] == 4 and (run["data_parallel"], run["tensor_parallel"]) == (2, 2)
+    # q_norm/k_norm's partial gradients summed over each row: the replicated weights stay equal across its tp ranks.
+    assert run["replica_drift"] == 0.0
+    # Every rank holds 1/4 of each split weight (projections, tied embedding) and 1/2 of each norm, with their
+    # gradients and AdamW moments: common/memory.py's fsdp-tp layout, plus AdamW's 4-byte step counter per tensor.
+    counters = 4 * len(tiny_parameters())
+    predicted = run["predicted_state_bytes"]
+    assert len(run["state_bytes_per_rank"]) == 4
+    for measured in run["state_bytes_per_rank"]:
+        assert measured == {**predicted, "optimizer": predicted["optimizer"] + counters}
+    psi = sum(math.prod(shape) for _, shape in tiny_parameters())
+    norms = sum(math.prod(shape) for name, shape in tiny_parameters() if "norm" in name)
+    assert predicted["weights"] == 4 * ((psi - norms) // 4 + norms // 2)  # fp32
+    # pp-ft (torch.distributed.pipelining) with 2 replicas of 2 stages: DDP per stage over the "dp" dimension.
+    assert read_losses(four_ranks / "pp-2x2") == pytest.approx(expected, rel=1e-5)
+    pipeline = summary(four_ranks / "pp-2x2")["pipeline"]
+    assert (pipeline["ranks"], pipeline["replicas"], pipeline["stage_layers"]) == (2, 2, [[0, 2], [2, 4]])

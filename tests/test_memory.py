@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,26 @@ def test_pipeline_stages_under_lora_train_only_their_adapters():
 def test_tensor_parallel_degree_must_divide_the_heads():
     with pytest.raises(ValueError, match="divide"):
         estimate("qwen3-0.6b", "tp", 3)
+
+
+def test_fsdp_tp_shards_the_tp_slice_over_the_data_parallel_ranks():
+    # fsdp-tp-ft on 8 ranks as 4 dp rows x 2 tp ranks: the split weights (projections, tied embedding) are divided
+    # by dp x t = 8, the norms, replicated over t, by dp = 4; gradients and AdamW's moments likewise.
+    shape = model_shape("qwen3-4b")
+    norms = shape.layers * shape.layer_norm_parameters + shape.hidden
+    fsdp_tp = estimate(shape, "fsdp-tp", 8, tensor_parallel=2)
+    split = (QWEN3_4B_PARAMETERS - norms) / 8 + norms / 4
+    assert (fsdp_tp.weights_bytes, fsdp_tp.grads_bytes, fsdp_tp.optimizer_bytes, fsdp_tp.master_bytes) == (
+        split * 4, split * 4, split * 8, 0)
+    # tp's activations and logits (each rank computes 1/t of every layer and of the vocabulary), FSDP's units
+    # gathered in bf16 without autocast copies; t = 1 is plain FSDP.
+    tp = estimate(shape, "tp", 2)
+    assert fsdp_tp.logits_bytes == tp.logits_bytes and fsdp_tp.compute_copy_bytes == 0
+    assert fsdp_tp.activations_bytes < tp.activations_bytes  # no autocast: a bf16 residual stream, not fp32
+    assert estimate(shape, "fsdp-tp", 8, tensor_parallel=1) == replace(estimate(shape, "fsdp", 8), strategy="fsdp-tp")
+    with pytest.raises(ValueError, match="must divide the world size"):
+        estimate(shape, "fsdp-tp", 6, tensor_parallel=4)
+    assert "fsdp-tp" not in STRATEGIES  # priced on request, not a row of the one-dimensional table
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -101,7 +101,7 @@ def test_multi_rank_commands_go_through_torchrun_with_the_strategy_flag(tmp_path
 
 
 @pytest.mark.parametrize("strategy", ["single-ft", "ddp-ft", "fsdp-ft", "zero-ft:2", "tp-ft", "tp-sp-ft",
-                                      "pp-ft:1f1b", "pp-ds-ft"])
+                                      "fsdp-tp-ft", "pp-ft:1f1b", "pp-ds-ft"])
 def test_every_flag_the_sweep_passes_is_one_the_script_accepts(strategy, tmp_path):
     c = cell(strategy, nproc=1 if strategy == "single-ft" else 2, micro=2, accum=3, checkpointing=True,
              dtype="bf16", extra_args=("--lr", "1e-4"))
@@ -115,6 +115,13 @@ def test_every_flag_the_sweep_passes_is_one_the_script_accepts(strategy, tmp_pat
         assert config.zero_stage == 2
     if strategy == "pp-ft:1f1b":
         assert config.schedule == "1f1b"
+
+
+def test_fsdp_tp_reads_one_share_of_rows_per_row_of_its_mesh():
+    # 4 ranks at the default --tp-degree 2: 2 rows of the mesh, each with its own rows (its 2 tp ranks share them)
+    assert cell("fsdp-tp-ft", nproc=4).data_parallel_ranks == 2
+    assert cell("fsdp-tp-ft", nproc=4, micro=1, accum=2).tokens_per_step == 128 * 1 * 2 * 2
+    assert cell("fsdp-tp-ft", nproc=8, extra_args=("--tp-degree", "4")).data_parallel_ranks == 2
 
 
 def test_bad_strategy_specs_are_refused():

@@ -5,6 +5,7 @@
     uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8 --schedule zbv        # zero-bubble V
     uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --model Qwen/Qwen3-0.6B-Base --grad-accum 16 --split 18
     uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8 --lora-rank 16 --save-hf runs/lora  # LoRA adapter
+    uv run torchrun --nproc_per_node=4 experiments/pp-ft/train.py --grad-accum 8 --stages 2         # 2 stages x 2 replicas
     uv run python experiments/pp-ft/train.py --grad-accum 4                    # one process: a one-stage pipeline
     uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --schedule 1f1b --grad-accum 4 --steps 5 --seq-len 128  # CPU smoke run
 
@@ -16,8 +17,12 @@ micro-batches are alive per stage; interleaved 1F1B: v smaller stages per rank; 
 and weight halves, stages placed in a V). While it waits for its first activation or its last gradient a rank is
 idle: the bubble, measured here per rank and compared with the textbook fraction (see `bubble_textbook`).
 
-One optimizer step consumes B = micro_batch_size x grad_accum rows (common/data.py), the same rows as single-ft's
-micro x accum on that B, and computes the same step: the loss is token-weighted (see `loss_fn`), the tied
+With fewer stages than ranks (--stages S, S / v ranks per pipeline), the ranks form a 2-D mesh ("dp", "pp"): world /
+(S / v) replicas of the whole pipeline, each on its own share of the rows, and each stage's gradients all-reduced
+over the replicas that hold that stage (DistributedDataParallel on the stage, over the mesh's "dp" dimension).
+
+One optimizer step consumes B = micro_batch_size x grad_accum x replicas rows (common/data.py), the same rows as
+single-ft's on that B, and computes the same step: the loss is token-weighted (see `loss_fn`), the tied
 embedding / LM head gets the sum of its two gradients (see `sum_tied_gradients`), and the gradient norm is the norm
 of the whole model's gradient (see `clip_grad_norm_across_stages`). With --lora-rank the adapters are single-ft's
 (peft is applied to the whole model before it is cut into stages), and the frozen embedding / LM head need no
@@ -43,8 +48,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, \
     ScheduleZBVZeroBubble
+from torch.nn.parallel import DistributedDataParallel
 from transformers import HfArgumentParser
 from transformers.masking_utils import create_causal_mask
 
@@ -103,6 +110,7 @@ class Config:
     schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv"] = "1f1b"  # order of the micro-batches' forwards and backwards (torch.distributed.pipelining)
     stages_per_rank: int | None = None  # pipeline stages held by each rank (v); default 1, and 2 for interleaved-1f1b and zbv (zbv needs exactly 2)
     split: str | None = None  # first decoder layer of every stage but the first, e.g. "14" (2 stages) or "7,14,21" (4); default: even split
+    stages: int | None = None  # pipeline stages in all (S = p ranks per pipeline x v stages each); default: one pipeline over every rank (world x v); fewer: world / p data-parallel replicas of the pipeline
 
 
 def resolve(config: Config) -> Config:
@@ -260,7 +268,8 @@ def sum_tied_gradients(embedding: nn.Parameter | None, lm_head: nn.Parameter | N
     In the unsplit model one tensor is used twice (lookup on the way in, matmul on the way out) and autograd adds the
     two contributions. Here each copy received only its own, on its own rank; an all-reduce (sum) over the two ranks
     that hold them restores the total on both, so AdamW applies the same update to both and they stay identical.
-    When one rank holds both ends (zbv, or a one-process pipeline) the sum is local.
+    When one rank holds both ends (zbv, or a one-process pipeline) the sum is local. With data-parallel replicas each
+    replica has its own pair of ranks, and its own group.
     """
     if embedding is not None and lm_head is not None:
         total = embedding.grad + lm_head.grad
@@ -271,15 +280,18 @@ def sum_tied_gradients(embedding: nn.Parameter | None, lm_head: nn.Parameter | N
 
 
 def clip_grad_norm_across_stages(params_for_norm: list[nn.Parameter], params: list[nn.Parameter],
-                                 max_norm: float) -> torch.Tensor:
-    """The whole model's gradient norm from the stages' parts (sum of squares over ranks), then clip every rank's grads.
+                                 max_norm: float, pp_group) -> torch.Tensor:
+    """The whole model's gradient norm from the stages' parts (sum of squares over the ranks of one pipeline), then
+    clip every rank's grads.
 
     `params_for_norm` leaves out the LM head copy: after sum_tied_gradients it equals the embedding's gradient, which
     the first stage already counts once, as the unsplit model does. Same maths as torch.nn.utils.clip_grad_norm_.
+    The sum runs over `pp_group` only: data-parallel replicas hold the same (already all-reduced) gradients, and
+    summing them too would count the model once per replica.
     """
     local_norm = torch.nn.utils.get_total_norm([p.grad for p in params_for_norm if p.grad is not None])
     squared = local_norm.pow(2)
-    dist.all_reduce(squared)
+    dist.all_reduce(squared, group=pp_group)
     total_norm = squared.sqrt()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
@@ -396,16 +408,17 @@ def bubble_textbook(schedule: str, n_ranks: int, n_microbatches: int, stages_per
 
 @torch.no_grad()
 def evaluate_pipeline(stages: dict[int, Qwen3Stage], stage_rank: list[int], data, micro_batch_size: int,
-                      device: torch.device) -> float | None:
+                      device: torch.device, pp_group) -> float | None:
     """Token-weighted loss over the held-out split, forward only, one micro-batch at a time through all stages.
 
     Plain send/recv rather than schedule.eval(): a forward-only pass has no backward to overlap with, and in this
     PyTorch version schedule.eval() fails when two adjacent stages share a rank (ZBV's V), in get_local_bwd_output.
+    Ranks are numbered inside `pp_group`, this rank's pipeline; data-parallel replicas each run the whole split.
     """
     batches = data.eval_batches(micro_batch_size)
     if not batches:
         return None
-    rank = dist.get_rank()
+    rank = dist.get_rank(pp_group)
     for stage in stages.values():
         stage.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -424,34 +437,39 @@ def evaluate_pipeline(stages: dict[int, Qwen3Stage], stage_rank: list[int], data
                 # Hidden states are fp32 even under bf16 autocast: the residual stream adds bf16 outputs to the fp32
                 # embedding, which promotes to fp32.
                 inputs = torch.empty(*batch["input_ids"].shape, stages[s].config.hidden_size, device=device)
-                dist.recv(inputs, src=stage_rank[s - 1])
+                dist.recv(inputs, group=pp_group, group_src=stage_rank[s - 1])
             hidden = stages[s](inputs, position_ids=batch["position_ids"])
             if s == len(stage_rank) - 1:
                 total += token_loss_sum(hidden, batch["labels"]).double()
             elif stage_rank[s + 1] != rank:
-                dist.send(hidden.contiguous(), dst=stage_rank[s + 1])
+                dist.send(hidden.contiguous(), group=pp_group, group_dst=stage_rank[s + 1])
         count += int((batch["labels"] != IGNORE_INDEX).sum())
     for stage in stages.values():
         stage.train()
-    dist.broadcast(total, src=stage_rank[-1])
+    dist.broadcast(total, group=pp_group, group_src=stage_rank[-1])
     return float(total) / count
 
 
-def save_hf_sharded(save_dir: Path, module: nn.Module, model_config, tokenizer) -> None:
-    """Write an HF sharded checkpoint: each rank writes its stages' weights as one safetensors shard, under their
-    original names; rank 0 writes the index that maps every name to its shard, the config and the tokenizer.
+def save_hf_sharded(save_dir: Path, module: nn.Module, model_config, tokenizer, pp_group, writes: bool) -> None:
+    """Write an HF sharded checkpoint: each rank of a pipeline writes its stages' weights as one safetensors shard,
+    under their original names; its first rank writes the index that maps every name to its shard, the config and
+    the tokenizer. Only the pipeline with `writes` (replica 0) writes: the replicas hold the same weights.
 
     No rank ever holds the whole model. The LM head copy is not written: the config says the head is tied, so
     from_pretrained rebuilds it from model.embed_tokens.weight (the copies are identical, see sum_tied_gradients).
     """
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if not writes:
+        dist.barrier()
+        return
+    rank, world_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
     save_dir.mkdir(parents=True, exist_ok=True)
     shard = f"model-{rank + 1:05d}-of-{world_size:05d}.safetensors"
     tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in module.state_dict().items()
                if name != "lm_head.weight"}
     save_file(tensors, save_dir / shard, metadata={"format": "pt"})
     shards = [None] * world_size
-    dist.all_gather_object(shards, (shard, {name: t.numel() * t.element_size() for name, t in tensors.items()}))
+    dist.all_gather_object(shards, (shard, {name: t.numel() * t.element_size() for name, t in tensors.items()}),
+                           group=pp_group)
     if rank == 0:
         weight_map = {name: file for file, sizes in shards for name in sizes}
         total_size = sum(size for _, sizes in shards for size in sizes.values())
@@ -499,9 +517,10 @@ def save_lora_adapter(save_dir: Path, module: nn.Module, lora_config, base_model
 # Predictions to set beside the measurements
 
 
-def predicted_state_bytes_per_rank(model_config, stage_rank: list[int], config: Config) -> list[dict] | None:
+def predicted_state_bytes_per_rank(model_config, stage_rank: list[int], config: Config,
+                                   replicas: int = 1) -> list[dict] | None:
     """common/memory.py's model-state bytes of every rank: the sum of its stages' estimates (weights, gradients,
-    AdamW's moments, master copy), in rank order, in state_bytes' keys.
+    AdamW's moments, master copy), in (global) rank order, in state_bytes' keys; each replica's ranks hold the same.
 
     estimate_stages splits the layers over the stages as pipeline_layout's even split does (the remainder to the
     first stages) and gives the last stage its own copy of the tied LM head, as Qwen3Stage does, so the sum holds
@@ -519,7 +538,7 @@ def predicted_state_bytes_per_rank(model_config, stage_rank: list[int], config: 
     for estimate, rank in zip(estimates, stage_rank):
         for key, value in estimate.state_bytes().items():
             per_rank[rank][key] += value
-    return per_rank
+    return per_rank * replicas  # global rank = replica x pipeline ranks + rank in the pipeline
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -527,8 +546,8 @@ def main(argv: list[str] | None = None) -> dict:
     MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
 
     # ---------------------------------------------------------------------------------------------------------
-    # Processes and devices: one rank per pipeline rank (torchrun). A plain `python train.py` gets a one-rank group,
-    # so the same pipeline code runs as a one-stage pipeline (a HashStore: no port, no other process).
+    # Processes and devices: one process per device (torchrun). A plain `python train.py` gets a one-rank group, so
+    # the same pipeline code runs as a one-stage pipeline (a HashStore: no port, no other process).
     dist_info = init_distributed()
     device = dist_info.device
     config = resolve(config)
@@ -536,7 +555,28 @@ def main(argv: list[str] | None = None) -> dict:
     if own_group:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    world_size = dist.get_world_size()
+    # The mesh ("dp", "pp"): pp_size ranks per pipeline (its stages, v per rank), world / pp_size replicas of it.
+    # Row-major, so the ranks of one pipeline are consecutive (one node's GPUs when p <= GPUs per node: the
+    # activations stay on its links) and only the replicas' gradient all-reduce crosses between rows.
+    v = config.stages_per_rank
+    if config.stages is None:
+        config.stages = world_size * v
+    if config.stages < 1 or config.stages % v or world_size % (config.stages // v):
+        raise SystemExit(f"--stages {config.stages} must be a multiple of --stages-per-rank {v} whose quotient (ranks "
+                         f"per pipeline) divides the number of processes ({world_size}): run torchrun "
+                         f"--nproc_per_node=<a multiple of {max(1, config.stages // v)}>")
+    pp_size = config.stages // v
+    replicas = world_size // pp_size
+    mesh = init_device_mesh(device.type, (replicas, pp_size), mesh_dim_names=("dp", "pp"))
+    pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+    # `rank` is this rank's place in its pipeline (what stage_rank below refers to); `replica` which rows it reads.
+    rank, replica = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    if replicas > 1 and config.schedule == "zbv":
+        raise SystemExit("--schedule zbv does not combine with data-parallel replicas here: DDP reduces a stage's "
+                         "gradients from autograd hooks that ZBV's separate weight-gradient pass (torch.autograd.grad) "
+                         "does not fire, so the steps come out wrong without an error; use 1f1b, gpipe or "
+                         "interleaved-1f1b")
     print0(f"config: {json.dumps(asdict(config))}")
     torch.manual_seed(config.seed)
     attention = setup_attention(device, config.attn, print_fn=print0)
@@ -546,7 +586,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Data: every rank builds the same rows; the first stage reads input_ids, the last labels, all of them
-    # position_ids (for the masks and rotary embeddings).
+    # position_ids (for the masks and rotary embeddings). Each replica takes its own slice of every step's rows
+    # (its "dp" coordinate, never the global rank); the ranks of one pipeline read the same slice.
     tokenizer = load_tokenizer(config.model)
     try:
         data = build_data(config.data, tokenizer, config.seq_len, packing=config.packing,
@@ -558,7 +599,7 @@ def main(argv: list[str] | None = None) -> dict:
     print0(describe(data.stats, config.seq_len, config.packing))
     if config.show_sample:
         print0(sample_text(data, tokenizer))
-    rows_per_step = config.micro_batch_size * config.grad_accum
+    rows_per_step = config.micro_batch_size * config.grad_accum * replicas
 
     # ---------------------------------------------------------------------------------------------------------
     # Model, then this rank's stages. Every rank builds the whole model on the CPU under the same seed (so the
@@ -582,7 +623,7 @@ def main(argv: list[str] | None = None) -> dict:
     base_model_class = type(model)
     model_config = model.config
     n_layers = model_config.num_hidden_layers
-    layers, stage_rank = pipeline_layout(n_layers, world_size, config.stages_per_rank, config.schedule, config.split)
+    layers, stage_rank = pipeline_layout(n_layers, pp_size, config.stages_per_rank, config.schedule, config.split)
     n_stages = len(layers)
     stages = {s: Qwen3Stage(model, layers[s], is_first=s == 0, is_last=s == n_stages - 1,
                             autocast_dtype=autocast_dtype).to(device)
@@ -597,17 +638,22 @@ def main(argv: list[str] | None = None) -> dict:
     module.train()
     first_rank, last_rank = stage_rank[0], stage_rank[-1]
     # The tied weight's two copies get their gradients summed (sum_tied_gradients), unless they are frozen (LoRA).
-    # The two ranks holding them form a group; every rank takes part in creating it (a collective).
+    # The two ranks holding them form a group, one per replica (global ranks from the mesh); every rank takes part in
+    # creating all of them (a collective).
     tied_trainable = not config.lora_rank
-    tie_group = dist.new_group([first_rank, last_rank]) if tied_trainable and first_rank != last_rank else None
+    tie_group = None
+    if tied_trainable and first_rank != last_rank:
+        tie_group, _ = dist.new_subgroups_by_enumeration([[row[first_rank], row[last_rank]]
+                                                          for row in mesh.mesh.tolist()])
     embedding = stages[0].model.embed_tokens.weight if tied_trainable and 0 in stages else None
     lm_head = stages[n_stages - 1].lm_head.weight if tied_trainable and n_stages - 1 in stages else None
 
     n_params = count_parameters(model_config)["total"]
     params = [p for p in module.parameters() if p.requires_grad]  # all of them, or the LoRA adapters
     params_for_norm = [p for p in params if p is not lm_head]
+    # Per rank of one pipeline (replica 0 = global ranks 0 .. pp_size - 1; the other replicas hold the same).
     held, trainable_held = map(list, zip(*all_ranks((sum(p.numel() for p in module.parameters()),
-                                                     sum(p.numel() for p in params_for_norm)))))
+                                                     sum(p.numel() for p in params_for_norm)))[:pp_size]))
     n_trainable = sum(trainable_held)  # the LM head copy left out: it is the embedding's twin
     model_flops_per_token = flops_per_token(model_config, config.seq_len)
     print0(f"model: {config.model} | {n_params:,} parameters ({sum(held):,} held by the stages, the LM head copy "
@@ -618,11 +664,15 @@ def main(argv: list[str] | None = None) -> dict:
         parts = (["embedding"] if s == 0 else []) + [block] + (["norm + LM head"] if s == n_stages - 1 else [])
         print0(f"stage {s} on rank {stage_rank[s]}: {', '.join(parts)}")
     print0(f"parameters held per rank: {', '.join(f'rank {r}: {n:,}' for r, n in enumerate(held))}")
-    textbook, formula = bubble_textbook(config.schedule, world_size, config.grad_accum, config.stages_per_rank)
-    print0(f"pipeline: {config.schedule}, p = {world_size} ranks x v = {config.stages_per_rank} stages each, "
-           f"m = {config.grad_accum} micro-batches | textbook bubble {formula} = {textbook:.1%}")
-    print0(f"batch: B = {config.micro_batch_size} x {config.grad_accum} = {rows_per_step} rows of {config.seq_len} "
-           f"-> T_eff = {rows_per_step * config.seq_len:,} token slots per optimizer step")
+    textbook, formula = bubble_textbook(config.schedule, pp_size, config.grad_accum, config.stages_per_rank)
+    print0(f"pipeline: {config.schedule}, p = {pp_size} ranks x v = {config.stages_per_rank} stages each, "
+           f"m = {config.grad_accum} micro-batches | textbook bubble {formula} = {textbook:.1%}"
+           + (f" | {replicas} data-parallel replicas of it (mesh {replicas} x {pp_size}), each stage's gradients "
+              f"all-reduced over its {replicas} copies" if replicas > 1 else ""))
+    print0(f"batch: B = {config.micro_batch_size} x {config.grad_accum}"
+           + (f" x {replicas} replicas" if replicas > 1 else "")
+           + f" = {rows_per_step} rows of {config.seq_len} -> T_eff = {rows_per_step * config.seq_len:,} token slots "
+           f"per optimizer step")
     if world_size == 1:
         print0(f"one process: all {n_stages} stage(s) on one rank, no parallelism; run under torchrun "
                f"--nproc_per_node=2 (or more) to spread them")
@@ -634,13 +684,31 @@ def main(argv: list[str] | None = None) -> dict:
     # of the m micro-batch losses, and of their gradients, exactly the token-weighted step loss and its gradient.
     # The schedules would also divide the gradients by m (scale_grads=True, made for a loss_fn that returns a
     # per-micro-batch mean); scale_grads=False turns that off, so nothing needs undoing.
+    # With replicas, each one's micro-batches are its share of the step's rows and the denominator is still the whole
+    # step's (all replicas): the gradient we want is the sum over replicas. DDP averages (all-reduce, / replicas), so
+    # the loss is scaled by `replicas` to make that average the sum, as ddp-ft does (exact for a power of two).
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor, step_loss_tokens: int) -> torch.Tensor:
-        return token_loss_sum(logits, labels) / step_loss_tokens
+        return token_loss_sum(logits, labels) / step_loss_tokens * replicas
 
     busy = BusyTimer(device)
     pipeline_stages = []
     for s, stage_module in stages.items():
-        stage = PipelineStage(stage_module, stage_index=s, num_stages=n_stages, device=device)
+        if replicas > 1:
+            # Data parallelism per stage: DDP over the mesh's "dp" dimension, i.e. the replicas' copies of this stage.
+            # PipelineStage knows DDP: it runs every forward and every backward but the step's last one under
+            # no_sync(), so the gradients accumulate locally and DDP's bucketed all-reduce runs once per step,
+            # overlapping the last backward. The Qwen3Stage itself (its parameter names) stays what the optimizer,
+            # checkpoints and export see. No buffer needs broadcasting (RoPE's inv_freq never changes).
+            # find_unused_parameters=True although every parameter is used: it turns off DDP's one-time rebuild of its
+            # buckets after the first step, which under PipelineStage counts a gradient-ready event per parameter and
+            # micro-batch and stops step 2 (torch 2.15: "rebuilt parameter indices size is not same as original model
+            # parameters size ... 23 versus ... 46" with 2 micro-batches). The price: one walk of the autograd graph
+            # per step, from the last micro-batch's output.
+            stage_module = DistributedDataParallel(stage_module, process_group=dp_group, broadcast_buffers=False,
+                                                   find_unused_parameters=True, gradient_as_bucket_view=True,
+                                                   device_ids=[device.index] if device.type == "cuda" else None)
+        # Stage indices and peer ranks are numbered inside this rank's pipeline (pp_group).
+        stage = PipelineStage(stage_module, stage_index=s, num_stages=n_stages, device=device, group=pp_group)
         # Instance attributes shadow the methods the schedule calls, so every compute action is timed, with its
         # stage and micro-batch. backward_one_chunk is the full backward, or under ZBV its input-gradient half.
         for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")):
@@ -677,7 +745,7 @@ def main(argv: list[str] | None = None) -> dict:
     metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
                             warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
                             flops_per_token=model_flops_per_token, device=device, world_size=world_size,
-                            is_main=rank == 0, report_to=config.report_to)
+                            is_main=dist.get_rank() == 0, report_to=config.report_to)
     comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
     stopwatch = Stopwatch(device)
     eval_losses = []
@@ -696,8 +764,9 @@ def main(argv: list[str] | None = None) -> dict:
     measured_state = None
     for step in range(start_step, config.steps):
         micro_batches = [{key: value.to(device, non_blocking=True) for key, value in batch.items()}
-                         for batch in data.micro_batches(step, config.micro_batch_size, config.grad_accum)]
-        loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step
+                         for batch in data.micro_batches(step, config.micro_batch_size, config.grad_accum, replica,
+                                                         replicas)]
+        loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step, all replicas
         labels = [batch["labels"] for batch in micro_batches] if n_stages - 1 in stages else None
         microbatch_of_labels.clear()
         microbatch_of_labels.update({id(tensor): i for i, tensor in enumerate(labels or [])})
@@ -717,9 +786,11 @@ def main(argv: list[str] | None = None) -> dict:
         bubble_records.append((busy_ms(actions), (time.perf_counter() - pipeline_start) * 1000.0))
         if step == trace_step:
             traced_actions, traced_schedule_ms = actions, bubble_records[-1][1]
-        # The tied weight's gradient first, then the norm: the norm must see the summed gradient.
+        # With replicas, DDP has all-reduced every stage's gradients during the last backward (inside the schedule).
+        # The tied weight's gradient next (both sums are linear, so their order does not matter), then the norm: the
+        # norm must see the summed gradient.
         sum_tied_gradients(embedding, lm_head, tie_group)
-        grad_norm = clip_grad_norm_across_stages(params_for_norm, params, config.max_grad_norm)
+        grad_norm = clip_grad_norm_across_stages(params_for_norm, params, config.max_grad_norm, pp_group)
         if step == state_step:
             # Every parameter this rank holds (frozen ones and the LM head copy included), its gradients, AdamW's state.
             measured_state = state_bytes(module.parameters(), optimizer)
@@ -727,8 +798,12 @@ def main(argv: list[str] | None = None) -> dict:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         # Only the last stage has the loss; rank 0 prints it, so it is broadcast (a tiny collective, every step).
-        step_loss = torch.stack(micro_losses).sum().detach() if micro_losses else torch.zeros((), device=device)
-        dist.broadcast(step_loss, src=last_rank)
+        # With replicas, each last stage holds its replica's share (scaled by `replicas`, see loss_fn): summed first.
+        step_loss = torch.stack(micro_losses).sum().detach() / replicas if micro_losses \
+            else torch.zeros((), device=device)
+        if replicas > 1:
+            dist.all_reduce(step_loss, group=dp_group)
+        dist.broadcast(step_loss, group=pp_group, group_src=last_rank)
         # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together.
         step_loss_value, grad_norm_value = torch.stack([step_loss, grad_norm.float()]).tolist()
         step_ms = stopwatch.elapsed_ms()
@@ -737,7 +812,8 @@ def main(argv: list[str] | None = None) -> dict:
         metrics.log_step(step + 1, step_loss_value, lr, grad_norm_value, data.step_real_tokens(step, rows_per_step),
                          loss_tokens, step_ms, comm_ms, print_fn=print0)
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
-            eval_losses.append((step + 1, evaluate_pipeline(stages, stage_rank, data, config.micro_batch_size, device)))
+            eval_losses.append((step + 1, evaluate_pipeline(stages, stage_rank, data, config.micro_batch_size, device,
+                                                            pp_group)))
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
             metrics.log_eval(*eval_losses[-1])
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
@@ -769,9 +845,10 @@ def main(argv: list[str] | None = None) -> dict:
     # ---------------------------------------------------------------------------------------------------------
     # What each rank holds and sends, measured, next to what common/memory.py and common/comm.py predict.
     state_bytes_per_rank = all_ranks(measured_state)
-    predicted_state = predicted_state_bytes_per_rank(model_config, stage_rank, config)
+    predicted_state = predicted_state_bytes_per_rank(model_config, stage_rank, config, replicas)
     collective_bytes_per_rank = all_ranks(comm_timer.collective_bytes_per_step())
-    collective_formula_per_rank = [
+    # common/comm.py models one pipeline; with replicas DDP's bucketed gradient all-reduce comes on top, not modelled.
+    collective_formula_per_rank = None if replicas > 1 else [
         as_backend(pipeline_collectives(stage_rank, r, microbatches=config.grad_accum,
                                         micro_batch_size=config.micro_batch_size, seq_len=config.seq_len,
                                         hidden=model_config.hidden_size, vocab=model_config.vocab_size,
@@ -786,7 +863,7 @@ def main(argv: list[str] | None = None) -> dict:
     dist.all_gather_object(peak_mem_gib_per_rank, peak_memory_gib(device))
     print0(f"peak memory per rank ({memory_label(device)}): "
            + ", ".join(f"rank {r} {gib:.2f} GiB" for r, gib in enumerate(peak_mem_gib_per_rank)))
-    eval_loss = evaluate_pipeline(stages, stage_rank, data, config.micro_batch_size, device)
+    eval_loss = evaluate_pipeline(stages, stage_rank, data, config.micro_batch_size, device, pp_group)
     metrics.log_eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
@@ -802,14 +879,14 @@ def main(argv: list[str] | None = None) -> dict:
         # models 1F1B with one stage per rank and an even split (p - s micro-batches in flight on stage s); GPipe
         # keeps all m in flight, and --split or interleaving move memory between ranks.
         predicted_peak_mem_gib=predict_peak_gib(
-            model_config, "pp", world_size, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
+            model_config, "pp", pp_size, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
             activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank, dtype=config.dtype,
             attention=attention_kind(attention.impl, config.packing)),
         packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
         n_truncated=data.stats["n_truncated"], data=data.stats, peak_mem_gib_per_rank=peak_mem_gib_per_rank,
-        pipeline=dict(schedule=config.schedule, ranks=world_size, stages_per_rank=config.stages_per_rank,
+        pipeline=dict(schedule=config.schedule, ranks=pp_size, stages_per_rank=config.stages_per_rank,
                       microbatches=config.grad_accum, stage_layers=[[r.start, r.stop] for r in layers],
-                      stage_rank=stage_rank),
+                      stage_rank=stage_rank, replicas=replicas),
         bubble_fraction=bubble_fraction, bubble_fraction_per_rank=bubble_per_rank,
         busy_ms_per_rank=[b for b, _ in per_rank], schedule_ms_per_rank=[t for _, t in per_rank],
         bubble_fraction_textbook=textbook, bubble_formula=formula, schedule_trace=trace,
@@ -827,8 +904,8 @@ def main(argv: list[str] | None = None) -> dict:
     elif config.save_hf:
         if config.lora_rank:
             merge_lora_adapters(module)
-        save_hf_sharded(Path(config.save_hf), module, model_config, tokenizer)
-        print0(f"saved model to {config.save_hf} ({world_size} shard(s), one per rank)")
+        save_hf_sharded(Path(config.save_hf), module, model_config, tokenizer, pp_group, writes=replica == 0)
+        print0(f"saved model to {config.save_hf} ({pp_size} shard(s), one per rank of a pipeline)")
     if own_group:
         dist.destroy_process_group()
     teardown()
