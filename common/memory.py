@@ -944,6 +944,59 @@ def recommend(config_like, gpus: int, gpu_mem_gb: float, *, seq_len: int = 1024,
                           dtype, grad_accum)
 
 
+@dataclass
+class NodeLayout:
+    name: str
+    estimate: MemoryEstimate | None  # None: the layout does not apply (heads that do not divide by the node's GPUs)
+    flags: str  # the experiment and its flags
+    why: str
+
+
+def multi_node_layouts(config_like, nodes: int, gpus_per_node: int, **settings) -> list[NodeLayout]:
+    """The decision map's rung for more than one node, in the order to try them; the first that fits wins:
+    1. HSDP (fsdp-ft --replicate-degree <nodes>): FSDP over one node's G GPUs, replicated on every node. The per-layer
+       all-gathers and reduce-scatters stay on a node's fast links; only the all-reduce of each rank's gradient shard
+       (1/G of the model) crosses nodes, once per step. Its memory is fsdp's over G ranks.
+    2. FSDP over all N x G GPUs: 1/(N G) of the model states per GPU, but every layer's all-gather and
+       reduce-scatter crosses the nodes' link.
+    3. FSDP x TP (fsdp-tp-ft --tp-degree G): a layer is split over the node's GPUs, so a layer too large for one GPU
+       (its weights gathered, its activations) fits; TP's per-layer all-reduces stay in the node, FSDP's collectives
+       cross nodes on G times fewer bytes.
+    (Where one replica fits a GPU, ddp-ft is simpler still: its one all-reduce per step crosses the nodes too.)
+    `settings`: estimate()'s keyword arguments."""
+    world = nodes * gpus_per_node
+
+    def attempt(strategy: str, world_size: int, **extra) -> MemoryEstimate | None:
+        try:
+            return estimate(config_like, strategy, world_size, **settings, **extra)
+        except ValueError:
+            return None
+
+    return [
+        NodeLayout("hsdp", attempt("fsdp", gpus_per_node), f"experiments/fsdp-ft/train.py --replicate-degree {nodes}",
+                   f"FSDP inside each node, {nodes} replicas: only one gradient all-reduce per step crosses nodes"),
+        NodeLayout("fsdp", attempt("fsdp", world), "experiments/fsdp-ft/train.py",
+                   "FSDP over every GPU: the least memory per GPU, every layer's collectives cross nodes"),
+        NodeLayout("fsdp-tp", attempt("fsdp-tp", world, tensor_parallel=gpus_per_node),
+                   f"experiments/fsdp-tp-ft/train.py --tp-degree {gpus_per_node}",
+                   "TP inside each node, FSDP across: for layers too large for one GPU"),
+    ]
+
+
+def format_multi_node(layouts: list[NodeLayout], nodes: int, gpus_per_node: int, gpu_mem_gb: float) -> str:
+    lines = [f"across {nodes} nodes x {gpus_per_node} GPUs (torchrun --nnodes={nodes} "
+             f"--nproc-per-node={gpus_per_node}), GiB per GPU:"]
+    for layout in layouts:
+        size = "n/a" if layout.estimate is None else f"{layout.estimate.total_gib:.2f}"
+        fits = "-" if layout.estimate is None else ("yes" if layout.estimate.fits(gpu_mem_gb) else "no")
+        lines.append(f"  {layout.name:<8}{size:>8}  {fits:<4} {layout.why}")
+    chosen = next((layout for layout in layouts if layout.estimate and layout.estimate.fits(gpu_mem_gb)), None)
+    lines.append(f"on {nodes} nodes: {chosen.name}: uv run torchrun --nnodes={nodes} --nproc-per-node={gpus_per_node} "
+                 f"--rdzv-backend=c10d --rdzv-endpoint=HOST:29500 {chosen.flags}" if chosen else
+                 f"on {nodes} nodes: none of these fits; try --activation-checkpointing or --lora-rank")
+    return "\n".join(lines)
+
+
 def _label(e: MemoryEstimate) -> str:
     return (e.strategy + (" + activation checkpointing" if e.activation_checkpointing else "")
             + (f" + LoRA r{e.lora_rank}" if e.lora_rank else ""))
@@ -1062,6 +1115,9 @@ def main(argv: list[str] | None = None) -> None:
                              "rows; flash: flash_attention_2")
     parser.add_argument("--interconnect", choices=("pcie", "nvlink"), default="pcie",
                         help="links between the GPUs: decides TP before PP (nvlink) or PP before TP (pcie)")
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="nodes the --gpus are spread over (evenly): also print the multi-node layouts (HSDP, "
+                             "FSDP over all, FSDP x TP) and which to take")
     parser.add_argument("--zero-paper", action="store_true", help="print the ZeRO paper's Figure 1 and exit")
     args = parser.parse_args(argv)
 
@@ -1113,6 +1169,15 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print(f"recommendation: {_label(advice.choice)}. {advice.reason[0].upper()}{advice.reason[1:]}.")
         print(f"run: {advice.command()}")
+    if args.nodes > 1:
+        if args.gpus % args.nodes:
+            parser.error(f"--gpus {args.gpus} must divide evenly over --nodes {args.nodes}")
+        layouts = multi_node_layouts(shape, args.nodes, args.gpus // args.nodes, seq_len=args.seq_len,
+                                     micro_batch_size=args.micro_batch_size, lora_rank=args.lora_rank,
+                                     activation_checkpointing=args.activation_checkpointing, precision=precision,
+                                     attention=args.attention, grad_accum=args.grad_accum)
+        print()
+        print(format_multi_node(layouts, args.nodes, args.gpus // args.nodes, args.gpu_mem_gb))
 
 
 if __name__ == "__main__":

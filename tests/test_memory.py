@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from common.memory import (BF16_RULE_OF_THUMB, DEEPSPEED_BF16, DEEPSPEED_FP32, DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD,
                            DEEPSPEED_REDUCE_BUCKET_ELEMENTS, GB, GIB, PROJECT_BF16, PROJECT_FP32, STRATEGIES,
                            ZERO_PAPER, device_slices, estimate, estimate_stages, largest_trainable_parameter,
-                           layer_activation_terms, leaf_modules, main, model_shape, model_state_bytes,
+                           layer_activation_terms, leaf_modules, main, model_shape, model_state_bytes, multi_node_layouts,
                            outside_layers_bytes_per_token, predict_peak_gib, recommend, strategy_precision,
                            zero3_gathered_elements, zero3_persistent_parameters, zero_paper_figure1)
 from common.models import PRESET_COMMON, PRESETS, model_config
@@ -739,6 +739,26 @@ def test_cli_prints_the_table_and_the_recommendation(capsys):
     main(["--zero-paper"])
     out = capsys.readouterr().out
     assert "31.406" in out and "1.875" in out
+
+
+def test_multi_node_layouts_shard_inside_a_node_first(capsys):
+    layouts = multi_node_layouts("qwen3-4b", 2, 8, seq_len=1024)
+    assert [layout.name for layout in layouts] == ["hsdp", "fsdp", "fsdp-tp"]
+    hsdp, fsdp, fsdp_tp = (layout.estimate for layout in layouts)
+    # HSDP holds what FSDP over one node's 8 GPUs holds; FSDP over all 16 less; TP inside a node splits the layers too.
+    assert hsdp.total_bytes == estimate("qwen3-4b", "fsdp", 8, seq_len=1024).total_bytes
+    assert fsdp.world_size == 16 and fsdp.model_states_bytes < hsdp.model_states_bytes
+    assert fsdp_tp.total_bytes == estimate("qwen3-4b", "fsdp-tp", 16, seq_len=1024, tensor_parallel=8).total_bytes
+    assert fsdp_tp.activations_bytes < fsdp.activations_bytes
+    main(["--model", "qwen3-4b", "--gpus", "16", "--nodes", "2", "--gpu-mem-gb", "24"])
+    out = capsys.readouterr().out
+    assert "on 2 nodes: hsdp: uv run torchrun --nnodes=2 --nproc-per-node=8" in out
+    assert "experiments/fsdp-ft/train.py --replicate-degree 2" in out
+    # On 20 GB GPUs HSDP's copy per node no longer fits, FSDP over every GPU does.
+    main(["--model", "qwen3-4b", "--gpus", "16", "--nodes", "2", "--gpu-mem-gb", "20"])
+    assert "on 2 nodes: fsdp: " in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--model", "qwen3-4b", "--gpus", "6", "--nodes", "4"])
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["census"]:
