@@ -480,6 +480,8 @@ class MetricsLogger:
     def write_summary(self, comm_timer: CollectiveTimer | None = None, **fields) -> dict:
         """Writes summary.json: the caller's fields (experiment, command, config, model, ...) plus the averages, and
         from `comm_timer` the collectives per step (counts by op, calls and bytes by backend collective)."""
+        if self._time_gc in gc.callbacks:  # the steps are over; several runs in one process must not pile up timers
+            gc.callbacks.remove(self._time_gc)
         summary = dict(fields)
         profiled = comm_timer.profiled if comm_timer else []
         if comm_timer is not None:

@@ -136,6 +136,7 @@ def test_summary_excludes_warmup_and_profiled_steps(tmp_path):
     assert (summary["measured_steps"], summary["timed_steps"], summary["warmup_steps_excluded"]) == (3, 2, 2)
     assert summary["collective_bytes_per_step"] == {"gloo:all_reduce": {"calls": 1.0, "bytes": 8.0}}
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    assert logger._time_gc not in gc.callbacks  # the garbage-collection timer ends with the run
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     assert set(records[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "loss_tokens", "step_ms", "comm_ms",
