@@ -334,7 +334,10 @@ def chat_template_for(tokenizer) -> str:
 
 def end_of_turn(tokenizer) -> tuple[str, int]:
     """The token that closes an assistant turn: <|im_end|> in ChatML (Qwen3), else the tokenizer's eos."""
-    token = "<|im_end|>" if "<|im_end|>" in tokenizer.get_vocab() else tokenizer.eos_token
+    # One token lookup, not `in tokenizer.get_vocab()`: that builds the whole vocabulary as a dict (151k entries for
+    # Qwen3), and this runs once per conversation. An absent token comes back as the unknown token's id (or None).
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    token = "<|im_end|>" if im_end is not None and im_end != tokenizer.unk_token_id else tokenizer.eos_token
     if token is None:
         raise DataError("the tokenizer has neither <|im_end|> nor an eos token: no way to learn where a turn ends")
     return token, tokenizer.convert_tokens_to_ids(token)

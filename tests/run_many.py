@@ -9,7 +9,9 @@ Each configuration writes its own --out-dir; the pytest side reads metrics.jsonl
 """
 
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -27,7 +29,9 @@ def main() -> None:
     # Created here, not by init_distributed, so that no main() tears it down between configurations.
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     modules = {}
+    timings = os.environ.get("RUN_MANY_TIMINGS")  # a file: each configuration's wall time, appended by rank 0
     for target, *argv in runs:
+        start = time.perf_counter()
         if target == "preflight":
             from common import preflight
 
@@ -37,6 +41,9 @@ def main() -> None:
                 modules[target] = load_experiment(target)
             modules[target].main(argv)
         dist.barrier()
+        if timings and dist.get_rank() == 0:
+            with open(timings, "a") as f:
+                f.write(f"{time.perf_counter() - start:7.1f} s  {target} {' '.join(map(str, argv))}\n")
     dist.destroy_process_group()
 
 
