@@ -359,7 +359,9 @@ def format_step_line(record: dict, total_steps: int, eta_s: float | None = None)
     def optional(value, fmt):
         return "-" if value is None else format(value, fmt)
 
-    line = (f"step {record['step']}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.1e} | "
+    # A mixture of experts: the router's load-balancing loss (already inside `loss`, times its coefficient) after it.
+    aux = f" | aux {record['aux_loss']:.4f}" if record.get("aux_loss") is not None else ""
+    line = (f"step {record['step']}/{total_steps} | loss {record['loss']:.4f}{aux} | lr {record['lr']:.1e} | "
             f"grad_norm {record['grad_norm']:.2f} | step_ms {record['step_ms']:.0f} | "
             f"comm_ms {optional(record['comm_ms'], '.0f')} | tok/s {record['tokens_per_s']:,.0f} | "
             f"mfu {optional(record['mfu'], '.2f')} | mem {record['peak_mem_gib']:.1f} GiB")
@@ -415,14 +417,15 @@ class MetricsLogger:
             raise SystemExit("--report-to tensorboard needs the tensorboard package: uv sync --group tensorboard")
 
     def log_step(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, loss_tokens: int,
-                 step_ms: float, comm_ms: float | None, print_fn=print) -> dict:
-        """`tokens` are the real tokens of the whole step on all ranks. Returns the record."""
+                 step_ms: float, comm_ms: float | None, print_fn=print, extra: dict | None = None) -> dict:
+        """`tokens` are the real tokens of the whole step on all ranks. `extra`: more fields for the record (a
+        mixture of experts: aux_loss, expert_tokens). Returns the record."""
         tokens_per_s = tokens / (step_ms / 1000.0)
         record = dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=tokens, loss_tokens=loss_tokens,
                       step_ms=step_ms, comm_ms=comm_ms, tokens_per_s=tokens_per_s,
                       peak_mem_gib=peak_memory_gib(self.device),
                       mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_flops, self.world_size),
-                      gc_ms=self._gc_s * 1000.0)
+                      gc_ms=self._gc_s * 1000.0, **(extra or {}))
         self._gc_s = 0.0
         self.records.append(record)
         now = time.perf_counter()

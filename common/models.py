@@ -4,7 +4,9 @@
 - a preset: `qwen3-tiny`, `qwen3-0.6b`, `qwen3-1.7b`, `qwen3-4b`. The three real sizes use the published Qwen3
   geometry (hidden size, layers, heads, KV heads, head_dim, MLP width, vocabulary, tied embeddings, RoPE base) with
   random weights, so throughput and memory are those of the real model without downloading it; `qwen3-tiny` is
-  the same architecture at ~5M parameters for CPU runs and tests. Presets use the byte-level BPE tokenizer in
+  the same architecture at ~5M parameters for CPU runs and tests. The mixture-of-experts presets build
+  transformers' Qwen3-MoE model: `qwen3-30b-a3b` (the published geometry: 128 experts, 8 per token) and
+  `qwen3-moe-tiny` (8 experts, 2 per token, ~9M parameters, for CPU runs and tests). Presets use the byte-level BPE tokenizer in
   assets/tokenizer/ (8k tokens; the larger embedding tables of the real sizes simply have unused rows).
 - a hub id such as `Qwen/Qwen3-0.6B-Base` (downloaded by transformers, or read from its cache when offline);
 - a local folder written by `save_pretrained` (or by any experiment's `--save-hf`).
@@ -17,7 +19,8 @@ import warnings
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, Qwen3Config
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, Qwen3Config, \
+    Qwen3MoeConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # peft's get_peft_model asks transformers 5 for a deprecated attribute on every LoRA run; the warning is about
@@ -39,6 +42,21 @@ PRESETS: dict[str, dict] = {
     "qwen3-4b": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128, intermediate_size=9728, vocab_size=151936),
 }
+# Qwen3-MoE (the config.json of Qwen/Qwen3-30B-A3B-Base): every layer's MLP is a sparse block of `num_experts` SwiGLU
+# experts of width moe_intermediate_size, `num_experts_per_tok` of them per token, chosen by a linear router whose
+# top-k probabilities are renormalised (norm_topk_prob); the embedding and the LM head are not tied.
+# intermediate_size only sizes dense MLP layers, which these geometries do not have (mlp_only_layers is empty).
+MOE_PRESETS: dict[str, dict] = {
+    "qwen3-moe-tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                           head_dim=32, intermediate_size=768, moe_intermediate_size=128, num_experts=8,
+                           num_experts_per_tok=2, vocab_size=8192),
+    "qwen3-30b-a3b": dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                          num_experts_per_tok=8, vocab_size=151936),
+}
+MOE_COMMON = dict(tie_word_embeddings=False, norm_topk_prob=True, router_aux_loss_coef=0.001, decoder_sparse_step=1,
+                  mlp_only_layers=[])
+TINY_PRESETS = ("qwen3-tiny", "qwen3-moe-tiny")  # the CPU-sized presets (default --seq-len 256)
 PRESET_COMMON = dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
                      rms_norm_eps=1e-6, max_position_embeddings=40960, hidden_act="silu", attention_bias=False)
 
@@ -54,7 +72,21 @@ def resolve_model_name(name: str) -> tuple[str, str | None]:
 
 
 def is_preset(name: str) -> bool:
-    return name in PRESETS
+    return name in PRESETS or name in MOE_PRESETS
+
+
+def is_moe(config: PretrainedConfig) -> bool:
+    """A mixture-of-experts model: its MLPs are routed experts (Qwen3-MoE and its relatives have `num_experts`)."""
+    return bool(getattr(config, "num_experts", 0))
+
+
+def refuse_moe(config: PretrainedConfig) -> None:
+    """The dense strategies do not know the router's auxiliary loss, nor that an expert a step does not route to
+    gets no gradient: a mixture of experts runs in single-ft or ep-ft, and elsewhere stops before training."""
+    if is_moe(config):
+        raise SystemExit(f"this experiment trains dense models; {config.name_or_path or config.model_type} is a "
+                         f"mixture of experts ({config.num_experts} experts): use experiments/single-ft or "
+                         f"experiments/ep-ft")
 
 
 def _load_failure(name: str, what: str, error: Exception) -> SystemExit:
@@ -65,7 +97,7 @@ def _load_failure(name: str, what: str, error: Exception) -> SystemExit:
     else:
         fix = (f"if this machine is offline, download it first on one that is online "
                f"(`huggingface-cli download {name}`, then copy ~/.cache/huggingface) or pass a local folder; "
-               f"for a run without downloads use a preset: {', '.join(PRESETS)}")
+               f"for a run without downloads use a preset: {', '.join([*PRESETS, *MOE_PRESETS])}")
     return SystemExit(f"could not load the {what} of '{name}': {type(error).__name__}: {error}\nfix: {fix}")
 
 
@@ -76,6 +108,8 @@ def model_config(name: str, tokenizer=None) -> PretrainedConfig:
         if tokenizer is not None:
             special = dict(bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
                            pad_token_id=tokenizer.pad_token_id)
+        if name in MOE_PRESETS:
+            return Qwen3MoeConfig(**MOE_PRESETS[name], **{**PRESET_COMMON, **MOE_COMMON}, **special)
         return Qwen3Config(**PRESETS[name], **PRESET_COMMON, **special)
     try:
         return AutoConfig.from_pretrained(name)
@@ -97,8 +131,10 @@ def load_tokenizer(name: str):
 
 
 def load_model(name: str, tokenizer, attn_implementation: str, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu"):
+               device: torch.device | str = "cpu", allow_moe: bool = False):
     """Presets are built with random init under the current torch seed; other names go through from_pretrained.
+    A mixture of experts loads only where the caller trains one (`allow_moe`: single-ft, ep-ft); elsewhere it stops
+    with the reason (refuse_moe).
 
     Weights are kept in `dtype` (fp32 for training with mixed precision: the master weights stay fp32 and only
     the compute runs in bf16 under autocast).
@@ -112,6 +148,8 @@ def load_model(name: str, tokenizer, attn_implementation: str, dtype: torch.dtyp
         except (OSError, ValueError) as error:
             raise _load_failure(name, "model", error) from error
     check_vocabulary(name, tokenizer, model)
+    if not allow_moe:
+        refuse_moe(model.config)
     return model.to(device)
 
 
@@ -181,21 +219,33 @@ def count_parameters(config: PretrainedConfig) -> dict[str, int]:
 
     per layer = attention  d*(H*hd) [q] + 2*d*(KV*hd) [k, v] + (H*hd)*d [o] + 2*hd [q_norm, k_norm]
               + MLP        3*d*I [gate, up, down]
+                           or, a mixture of experts: E*3*d*I_moe [E SwiGLU experts] + d*E [router]
               + norms      2*d
     total     = V*d [embedding] + L*per_layer + d [final norm] + (V*d if the LM head is not tied)
+    A mixture of experts also reports `experts` (all experts' weights, the part expert parallelism splits) and
+    `active_per_layer` (what one token multiplies: its k experts, the router and the rest of the layer).
     """
     d, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
     H, KV = config.num_attention_heads, config.num_key_value_heads
     hd = getattr(config, "head_dim", None) or d // H
-    I = config.intermediate_size
     attention = d * H * hd + 2 * d * KV * hd + H * hd * d + 2 * hd
     if getattr(config, "attention_bias", False):
         attention += H * hd + 2 * KV * hd + d
-    per_layer = attention + 3 * d * I + 2 * d
+    experts = active_experts = 0
+    if is_moe(config):
+        E, k, I = config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size
+        experts, active_experts = E * 3 * d * I, k * 3 * d * I
+        mlp = experts + d * E
+    else:
+        mlp = 3 * d * config.intermediate_size
+    per_layer = attention + mlp + 2 * d
     embedding = V * d
     lm_head = 0 if config.tie_word_embeddings else V * d
-    return dict(total=embedding + L * per_layer + d + lm_head, embedding=embedding, per_layer=per_layer,
-                layers=L * per_layer, lm_head_untied=lm_head)
+    counts = dict(total=embedding + L * per_layer + d + lm_head, embedding=embedding, per_layer=per_layer,
+                  layers=L * per_layer, lm_head_untied=lm_head)
+    if is_moe(config):
+        counts.update(experts=L * experts, active_per_layer=per_layer - experts + active_experts)
+    return counts
 
 
 def flops_per_token(config: PretrainedConfig, seq_len: int) -> float:
@@ -211,7 +261,9 @@ def flops_per_token(config: PretrainedConfig, seq_len: int) -> float:
       S is --seq-len; with packing the true attention span is each conversation, so this is an upper bound.
     """
     counts = count_parameters(config)
-    n_matmul = counts["layers"] + config.vocab_size * config.hidden_size
+    # A mixture of experts multiplies each token by its k experts only: the active weights, not all of them.
+    layers = config.num_hidden_layers * counts["active_per_layer"] if is_moe(config) else counts["layers"]
+    n_matmul = layers + config.vocab_size * config.hidden_size
     H = config.num_attention_heads
     hd = getattr(config, "head_dim", None) or config.hidden_size // H
     return 6.0 * n_matmul + 12.0 * config.num_hidden_layers * H * hd * seq_len

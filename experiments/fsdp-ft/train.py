@@ -50,7 +50,7 @@ from common.memory import attention_kind, estimate
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     state_bytes, summary_table
 from common.models import count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, model_config, \
-    resolve_model_name
+    refuse_moe, resolve_model_name
 
 EXPERIMENT = "fsdp-ft"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -144,6 +144,7 @@ def build_model(config: Config, tokenizer, attn_implementation: str, on_meta: bo
                                                      attn_implementation=attn_implementation)
     else:
         model = load_model(config.model, tokenizer, attn_implementation, dtype=torch.float32, device="cpu")
+    refuse_moe(model.config)  # on every rank (the meta-device ones too), before any collective
     if config.lora_rank:
         from peft import LoraConfig, get_peft_model
 

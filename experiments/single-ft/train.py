@@ -5,10 +5,13 @@
     uv run python experiments/single-ft/train.py --lora-rank 16 --save-hf runs/lora --merge-lora
     uv run python experiments/single-ft/train.py --steps 3 --seq-len 128            # smoke run
     uv run python experiments/single-ft/train.py --model Qwen/Qwen3-0.6B-Base --loss-chunk-tokens 1024 --compile
+    uv run python experiments/single-ft/train.py --model qwen3-moe-tiny              # a mixture of experts (CPU)
 
 One optimizer step consumes B = micro_batch_size x grad_accum packed rows (common/data.py). The loss of a step
 is the sum of token losses over all its loss tokens divided by their number, so the split of B into micro-batches
 does not change the step; every parallel experiment is tested against this script on the same B.
+A mixture of experts (Qwen3-MoE) adds the router's load-balancing loss, router_aux_loss_coef x its mean over the
+step's micro-batches (common/moe.py), and logs aux_loss and the tokens each expert received.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ from common.loss import chunked_token_loss_sum
 from common.memory import attention_kind, estimate
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     state_bytes, summary_table
-from common.models import count_parameters, flops_per_token, is_preset, load_model, load_model_4bit, \
-    load_tokenizer, qlora_unavailable, resolve_model_name
+from common.models import TINY_PRESETS, count_parameters, flops_per_token, is_moe, is_preset, load_model, \
+    load_model_4bit, load_tokenizer, qlora_unavailable, resolve_model_name
+from common.moe import RouterStats, load_summary
 
 EXPERIMENT = "single-ft"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -42,14 +46,14 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 @dataclass
 class Config:
-    model: str = "auto"  # preset (qwen3-tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b), hub id or local folder; auto: Qwen/Qwen3-0.6B-Base on GPU, qwen3-tiny on CPU
+    model: str = "auto"  # preset (qwen3-tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b; mixtures of experts: qwen3-moe-tiny, qwen3-30b-a3b), hub id or local folder; auto: Qwen/Qwen3-0.6B-Base on GPU, qwen3-tiny on CPU
     data: str = "assets/data/sft_en.jsonl"  # JSONL file or folder, .json/.parquet/.csv/.arrow file, save_to_disk folder, or hub id (org/name); relative paths: from the repo root if not found here
     data_split: str = "train"  # with a hub id or a saved DatasetDict: the split to train on
     data_config: str | None = None  # with a hub id: the dataset's configuration (subset)
     data_columns: str | None = None  # your column names for the expected ones, e.g. prompt=question,completion=answer
     train_empty_think: bool = False  # also train the empty <think></think> block Qwen3's template puts before an answer without reasoning
     show_sample: bool = False  # before training, print the first conversation with the text that carries loss marked
-    seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny, 1024 otherwise
+    seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny and qwen3-moe-tiny, 1024 otherwise
     micro_batch_size: int = 1  # rows per forward pass
     grad_accum: int = 1  # micro-batches per optimizer step
     steps: int = 300  # optimizer steps (0 = only evaluate / export); 300 is sized for a CPU run of qwen3-tiny (a minute or two on 2 cores)
@@ -86,7 +90,7 @@ def resolve(config: Config) -> Config:
     if notice:
         print0(notice)
     if config.seq_len is None:
-        config.seq_len = 256 if config.model == "qwen3-tiny" else 1024
+        config.seq_len = 256 if config.model in TINY_PRESETS else 1024
     if config.dtype is None:
         config.dtype = "bf16" if torch.cuda.is_available() else "fp32"
     if config.qlora:
@@ -152,7 +156,8 @@ def main(argv: list[str] | None = None) -> dict:
     if config.qlora:
         model = load_model_4bit(config.model, tokenizer, attention.impl, device)
     else:
-        model = load_model(config.model, tokenizer, attention.impl, dtype=torch.float32, device=device)
+        model = load_model(config.model, tokenizer, attention.impl, dtype=torch.float32, device=device,
+                           allow_moe=True)
     if config.activation_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -170,6 +175,11 @@ def main(argv: list[str] | None = None) -> dict:
             layer.compile()
     # --loss-chunk-tokens runs the decoder body (no LM head) and applies the head itself; these work with peft too.
     decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
+    # A mixture of experts: hooks on the routers give each forward's load-balancing loss and expert load.
+    moe = RouterStats(model, model.config.num_experts, model.config.num_experts_per_tok) if is_moe(model.config) \
+        else None
+    aux_coef = model.config.router_aux_loss_coef if moe else 0.0
+    run_load = None  # [layers, experts] tokens routed over the whole run
     model.train()
     n_params = count_parameters(model.config)["total"]
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -221,9 +231,12 @@ def main(argv: list[str] | None = None) -> dict:
         # overlap the compute queued before them instead of waiting in the loop.
         batches = [to_device(host_batch, device) for host_batch in micro_batches]
         step_loss = torch.zeros((), device=device)
+        step_aux = torch.zeros((), device=device)
         for host_batch, batch in zip(micro_batches, batches):
             # --attn varlen: the documents' boundaries, from the host copy of position_ids ({} otherwise).
             packed = attention.forward_kwargs(host_batch["position_ids"], device)
+            if moe:
+                moe.begin()
             with autocast():
                 # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
                 # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen needs none).
@@ -241,6 +254,12 @@ def main(argv: list[str] | None = None) -> dict:
             # Divide by the whole step's loss tokens, not this micro-batch's: summing the micro-batch gradients
             # then gives exactly the gradient of the token-weighted step loss.
             loss = loss_sum / loss_tokens
+            if moe:
+                # The load-balancing loss of this micro-batch (every layer's routing), averaged over the step's
+                # micro-batches: the mean the step optimises, with the model's coefficient.
+                aux = moe.end() / len(micro_batches)
+                loss = loss + aux_coef * aux
+                step_aux += aux.detach()
             loss.backward()
             step_loss += loss.detach()
         if step == state_step:
@@ -251,12 +270,22 @@ def main(argv: list[str] | None = None) -> dict:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together.
-        step_loss_value, grad_norm_value = torch.stack([step_loss, grad_norm.float()]).tolist()
+        # (A mixture of experts adds its aux loss and the expert load to the same read.)
+        values = torch.stack([step_loss, grad_norm.float(), step_aux])
+        load = moe.take_load() if moe else None
+        values = (torch.cat([values, load.flatten()]) if moe else values).tolist()
+        step_loss_value, grad_norm_value, aux_value = values[:3]
         step_ms = stopwatch.elapsed_ms()
         comm_ms = comm_timer.stop(step)
 
+        extra = None
+        if moe:
+            step_load = [values[3 + i * load.shape[1]:3 + (i + 1) * load.shape[1]] for i in range(load.shape[0])]
+            run_load = step_load if run_load is None else [[a + b for a, b in zip(x, y)]
+                                                           for x, y in zip(run_load, step_load)]
+            extra = dict(aux_loss=aux_value, expert_tokens=step_load)
         metrics.log_step(step + 1, step_loss_value, lr, grad_norm_value, data.step_real_tokens(step, rows_per_step),
-                         loss_tokens, step_ms, comm_ms, print_fn=print0)
+                         loss_tokens, step_ms, comm_ms, print_fn=print0, extra=extra)
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate(model, data, config.micro_batch_size, device, autocast)))
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
@@ -294,7 +323,8 @@ def main(argv: list[str] | None = None) -> dict:
         predicted_state_bytes=None if prediction is None else prediction.state_bytes(),
         collective_bytes_formula={},  # one process: no collective (common/comm.py)
         packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
-        n_truncated=data.stats["n_truncated"], data=data.stats)
+        n_truncated=data.stats["n_truncated"], data=data.stats,
+        expert_load=load_summary(run_load) if run_load else None)  # a mixture of experts: tokens per expert, imbalance
     print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
            f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
 

@@ -1,0 +1,90 @@
+"""Mixture of experts: the router's load-balancing loss and the tokens each expert receives, per layer.
+
+Qwen3-MoE (transformers' Qwen3MoeForCausalLM) replaces every MLP with a sparse block: a linear router scores the
+E experts for each token, the top k are kept (their probabilities renormalised), and the token's output is the
+weighted sum of those k experts' SwiGLU outputs. Two things come with it that a dense model does not have:
+
+- the auxiliary load-balancing loss (Switch Transformer, eq. 4-6; transformers' `load_balancing_loss_func`):
+  E x sum_i f_i P_i, with f_i the share of the routed (token, slot) pairs that went to expert i and P_i the mean
+  router probability of expert i, both over every layer's tokens of one forward. It is smallest when the load is
+  even; the model adds `router_aux_loss_coef` (0.001 for Qwen3-MoE) times it to the loss. It is computed per
+  forward (per micro-batch), so unlike the token loss it depends on how B is split: the experiments here define
+  the step's aux loss as the mean over the step's micro-batches, which equals across strategies that run the same
+  micro-batches (single-ft with grad_accum G x W and ep-ft on W ranks with grad_accum G, same micro-batch size).
+- the load: how many tokens each expert of each layer received, the number expert parallelism's all-to-all and
+  the experts' matmuls are sized by.
+
+RouterStats reads both from forward hooks on the routers, so the model's code is untouched and single-ft and ep-ft
+count the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+
+def routers(model: nn.Module) -> list[nn.Module]:
+    """The router of every sparse layer, in layer order (Qwen3-MoE: `layers.i.mlp.gate`, a Qwen3MoeTopKRouter)."""
+    return [module for module in model.modules() if type(module).__name__.endswith("TopKRouter")]
+
+
+class RouterStats:
+    """Per forward: the routers' logits (for the aux loss) and the experts each token was sent to (the load).
+
+    begin() before a forward, end() after it. A forward hook fires whenever a router runs, which includes the
+    recomputation of activation checkpointing during backward and the evaluation's forwards: begin() drops whatever
+    was recorded since the last end(), so only the training forwards count, each once.
+    """
+
+    def __init__(self, model: nn.Module, num_experts: int, top_k: int):
+        self.num_experts, self.top_k = num_experts, top_k
+        self.layers = routers(model)
+        if not self.layers:
+            raise ValueError("no router found: RouterStats is for mixture-of-experts models")
+        self.logits: list[torch.Tensor] = []
+        self.indices: list[torch.Tensor] = []
+        self.load: torch.Tensor | None = None  # [layers, experts] routed (token, slot) pairs since take_load()
+        self.handles = [router.register_forward_hook(self._record) for router in self.layers]
+
+    def _record(self, module, inputs, output) -> None:
+        logits, _, indices = output  # (router_logits, top-k weights, top-k expert ids), each [tokens, ...]
+        self.logits.append(logits)
+        self.indices.append(indices)
+
+    def begin(self) -> None:
+        self.logits, self.indices = [], []
+
+    def end(self) -> torch.Tensor:
+        """The aux loss of the forward that just ran (a scalar with its graph), and adds its load to the count."""
+        if len(self.logits) != len(self.layers):
+            raise RuntimeError(f"expected one routing per sparse layer ({len(self.layers)}), got {len(self.logits)}")
+        aux = load_balancing_loss_func(tuple(self.logits), self.num_experts, self.top_k)
+        # scatter_add into a fixed-size tensor: no device-to-host read (bincount would need one to size its output).
+        load = torch.stack([torch.zeros(self.num_experts, device=ids.device).scatter_add_(
+            0, ids.reshape(-1), torch.ones(ids.numel(), device=ids.device)) for ids in self.indices])
+        self.load = load if self.load is None else self.load + load
+        self.begin()
+        return aux
+
+    def take_load(self) -> torch.Tensor:
+        """The [layers, experts] count since the last call (a device tensor; read it with the step's other values)."""
+        load, self.load = self.load, None
+        return load if load is not None else torch.zeros(len(self.layers), self.num_experts)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def load_summary(load: list[list[float]]) -> dict:
+    """Imbalance of a [layers, experts] token count: per layer the busiest expert's count over the mean (1.0 is a
+    perfectly even load; an expert-parallel step waits for the rank of the busiest experts)."""
+    per_layer = []
+    for counts in load:
+        mean = sum(counts) / len(counts)
+        per_layer.append(max(counts) / mean if mean else None)
+    known = [value for value in per_layer if value is not None]
+    return dict(imbalance_per_layer=per_layer, imbalance_mean=sum(known) / len(known) if known else None,
+                imbalance_max=max(known) if known else None, tokens_per_expert=load)

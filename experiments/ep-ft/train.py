@@ -1,0 +1,477 @@
+"""ep-ft: fine-tune a Qwen3 mixture of experts with expert parallelism: each rank holds E / W of every layer's
+experts, the rest of the model is replicated, and tokens travel to their experts' rank and back (all-to-all).
+
+    uv run torchrun --nproc_per_node=2 experiments/ep-ft/train.py                       # CPU: qwen3-moe-tiny (gloo)
+    uv run torchrun --nproc_per_node=2 experiments/ep-ft/train.py --steps 3 --seq-len 128    # CPU smoke run
+    uv run torchrun --nproc_per_node=2 experiments/ep-ft/train.py --model Qwen/Qwen3-30B-A3B-Base  # see README
+
+One optimizer step consumes B = micro_batch_size x grad_accum x world_size packed rows, rank r runs the r-th slice,
+as in ddp-ft. In every sparse layer the router and everything around the experts run on the rank's own tokens
+(data parallel); each token's k chosen experts live on some rank, so each layer's expert block does:
+
+    dispatch   sort the (token, expert) pairs by expert; all-to-all the counts, then the tokens (each rank sends
+               every other rank the rows for its experts: variable sizes, known only after routing)
+    compute    the rank's own experts on the rows it received, one grouped matrix product per projection
+    combine    all-to-all the results back the same way, weight by the router's probabilities, sum per token
+
+Backward runs the same two all-to-alls in reverse (autograd through torch.distributed.nn.functional). An expert's
+gradient is complete on its owner, since every token routed to it passed through it there: it is never reduced.
+The replicated (dense) gradients are summed over the ranks once per step, as ddp-ft does. Expert weights are
+DTensors sharded on dim 0 of a 1-D "ep" mesh, so torch.distributed.checkpoint saves and resumes them like FSDP2's.
+No token is dropped (no capacity factor): with fp32 every step equals single-ft's on the same B and micro-batch
+size, the router's load-balancing loss included (tests/test_ep_ft.py).
+
+Strategy flags: --dense-bucket-mb (size of the all-reduce buckets of the dense gradients).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+from torch.distributed.tensor import DTensor, Shard
+from transformers import HfArgumentParser
+
+from common.attention import setup_attention
+from common.checkpoint import load_checkpoint, save_checkpoint
+from common.data import DataError, build_data, describe, evaluate, sample_text, token_loss_sum
+from common.dist import all_ranks, init_distributed, print0, teardown
+from common.generate import generate, sample_prompt
+from common.loss import chunked_token_loss_sum
+from common.memory import attention_kind, estimate
+from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
+    state_bytes, summary_table
+from common.models import TINY_PRESETS, count_parameters, flops_per_token, is_moe, is_preset, load_model, \
+    load_tokenizer, model_config
+from common.moe import RouterStats, load_summary
+
+EXPERIMENT = "ep-ft"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Config:
+    model: str = "qwen3-moe-tiny"  # a mixture of experts: preset (qwen3-moe-tiny, qwen3-30b-a3b), hub id (Qwen/Qwen3-30B-A3B-Base) or local folder
+    data: str = "assets/data/sft_en.jsonl"  # JSONL file or folder, .json/.parquet/.csv/.arrow file, save_to_disk folder, or hub id (org/name); relative paths: from the repo root if not found here
+    data_split: str = "train"  # with a hub id or a saved DatasetDict: the split to train on
+    data_config: str | None = None  # with a hub id: the dataset's configuration (subset)
+    data_columns: str | None = None  # your column names for the expected ones, e.g. prompt=question,completion=answer
+    train_empty_think: bool = False  # also train the empty <think></think> block Qwen3's template puts before an answer without reasoning
+    show_sample: bool = False  # before training, print the first conversation with the text that carries loss marked
+    seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-moe-tiny, 1024 otherwise
+    micro_batch_size: int = 1  # rows per forward pass, per rank
+    grad_accum: int = 1  # micro-batches per optimizer step, per rank
+    steps: int = 300  # optimizer steps (0 = only evaluate / export); 300 is sized for a CPU run of qwen3-tiny (a minute or two on 2 cores)
+    lr: float | None = None  # peak learning rate; default 1e-3 for presets (random init), 2e-5 for pretrained models (1e-4 with LoRA)
+    warmup_steps: int = 10  # linear warm-up steps, then cosine decay to 0 at the last step
+    weight_decay: float = 0.01  # AdamW decoupled weight decay on matrices (not on norms)
+    max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = no clipping; the norm is still logged)
+    seed: int = 0  # one seed for init, data order and held-out split
+    dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 compute with fp32 master weights and AdamW state; default bf16 on GPU, fp32 on CPU
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of storing its activations
+    loss_chunk_tokens: int = 0  # 0 = plain loss over the full logits; N = LM head + cross-entropy on loss tokens only, N at a time, never holding the [tokens x vocab] logits (common/loss.py); meant for GPUs and a 152k vocabulary, e.g. 1024 (untuned)
+    compile: bool = False  # torch.compile each decoder layer (GPU speed; on CPU it only costs compile time)
+    packing: bool = True  # pack conversations into rows (--no-packing: one padded conversation per row)
+    lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
+    lora_alpha: float | None = None  # LoRA scaling numerator; default 2 x rank
+    merge_lora: bool = False  # with --save-hf and LoRA: write the merged full model instead of the adapter
+    attn: Literal["auto", "sdpa", "eager", "flash", "varlen"] = "auto"  # attention implementation; auto: common/attention.py decides per device (varlen: packed documents without a mask)
+    eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
+    eval_every: int = 0  # also evaluate every N steps (0 = only at the end)
+    sample_every: int = 0  # every N steps print a short greedy completion of a fixed held-out prompt (0 = never)
+    timing_warmup_steps: int = 2  # first steps left out of the averages in summary.json (allocator, caches, compilation)
+    comm_profile_steps: int = 3  # steps profiled with torch.profiler for comm_ms (starting after the timing warm-up)
+    out_dir: str | None = None  # where metrics.jsonl and summary.json go; default runs/ep-ft-<UTC time>
+    checkpoint_every: int = 0  # write <out-dir>/checkpoints/step-<k>/ every N steps (0 = never)
+    resume: str | None = None  # a checkpoints/step-<k> folder to continue from (same data, B, --steps and world size)
+    save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
+    report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: also write the step metrics as TensorBoard scalars to <out-dir>/tensorboard (uv sync --group tensorboard)
+    qlora: bool = False  # QLoRA: 4-bit NF4 base weights (bitsandbytes) under LoRA adapters (rank 16 unless --lora-rank), bf16 compute; CUDA only (uv sync --group qlora)
+    dense_bucket_mb: float = 25.0  # MiB of dense (replicated) gradients per all-reduce call at the end of the step
+
+
+def resolve(config: Config) -> Config:
+    """Fill the defaults that depend on the machine or the model; every other default lives in Config."""
+    if config.seq_len is None:
+        config.seq_len = 256 if config.model in TINY_PRESETS else 1024
+    if config.dtype is None:
+        config.dtype = "bf16" if torch.cuda.is_available() else "fp32"
+    if config.lr is None:
+        config.lr = 1e-3 if is_preset(config.model) else 2e-5
+    data = Path(config.data)
+    if not data.exists() and not data.is_absolute() and (REPO_ROOT / data).exists():
+        config.data = str(REPO_ROOT / data)
+    if config.out_dir is None:
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        config.out_dir = str(REPO_ROOT / "runs" / f"{EXPERIMENT}-{stamp}")
+    if config.micro_batch_size < 1 or config.grad_accum < 1 or config.steps < 0 or config.loss_chunk_tokens < 0:
+        raise SystemExit("--micro-batch-size and --grad-accum must be >= 1, --steps and --loss-chunk-tokens >= 0")
+    return config
+
+
+def dense_refusal(model: str) -> str:
+    return f"ep-ft splits the experts of a mixture of experts; {model} is dense: use ddp-ft or fsdp-ft"
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
+    """Linear warm-up to the peak over `warmup_steps`, then cosine decay to 0 at the last step."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The expert-parallel block: this rank's experts, and the two all-to-alls around them
+
+
+def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """rows [n, in] grouped by expert (counts[e] rows for expert e), weight [experts, out, in] -> [n, out].
+    torch.nn.functional.grouped_mm (torch >= 2.10, CUDA sm80+ and CPU) multiplies every expert's rows by its
+    weight in one call, as the model's own "grouped_mm" experts path does; older torch loops over the experts."""
+    if hasattr(F, "grouped_mm"):
+        return F.grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
+    return torch.cat([chunk @ w.T for chunk, w in zip(rows.split(counts), weight)])
+
+
+class ExpertParallelExperts(nn.Module):
+    """Stands in for one sparse layer's `mlp.experts` (transformers' Qwen3MoeExperts, all E experts as two 3-D
+    weights) with this rank's E / W of them. Same parameter names and layout (gate_up_proj [E, 2 I, d], down_proj
+    [E, d, I]), now DTensors sharded on the expert dimension: checkpoints and exports keep the model's keys."""
+
+    def __init__(self, experts: nn.Module, mesh, group):
+        super().__init__()
+        self.group, self.world, self.rank = group, mesh.size(), mesh.get_local_rank()
+        self.num_experts = experts.num_experts
+        self.local_experts = self.num_experts // self.world
+        self.act_fn = experts.act_fn
+        first = self.rank * self.local_experts
+
+        def shard(weight: torch.Tensor) -> nn.Parameter:
+            # Every rank built the whole model from the same seed (the same weights as single-ft) and keeps its rows.
+            local = weight.detach()[first:first + self.local_experts].clone()
+            return nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
+
+        self.gate_up_proj = shard(experts.gate_up_proj)
+        self.down_proj = shard(experts.down_proj)
+        self.rows_sent = [0] * self.world  # (token, expert) rows this rank dispatched to each rank, whole run
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        tokens, k = top_k_index.shape
+        W, L = self.world, self.local_experts
+
+        # 1. Dispatch. Sort the rank's (token, slot) pairs by expert: the rows for rank r's experts are one block.
+        expert_ids = top_k_index.reshape(-1)
+        order = torch.argsort(expert_ids, stable=True)
+        rows = hidden_states[order // k]
+        per_expert = torch.bincount(expert_ids, minlength=self.num_experts)  # [E] = W blocks of L
+        # Every rank tells every other how many rows it sends to each of that rank's experts...
+        incoming = torch.empty_like(per_expert)
+        dist.all_to_all_single(incoming, per_expert, group=self.group)  # [W blocks of L]: block s = from rank s
+        # ...on the host, since they size the exchange: the one device-to-host read of the layer.
+        per_expert_out, per_expert_in = torch.stack([per_expert, incoming]).tolist()
+        send = [sum(per_expert_out[r * L:(r + 1) * L]) for r in range(W)]
+        receive = [sum(per_expert_in[s * L:(s + 1) * L]) for s in range(W)]
+        for r in range(W):
+            self.rows_sent[r] += send[r]
+        # ...then the rows themselves, in variable blocks. The functional all-to-all is differentiable: its
+        # backward sends the rows' gradients back the same way (torch's own autograd collective, as torchtitan uses).
+        received = wait_tensor(all_to_all_single_autograd(rows, receive, send, self.group))
+
+        # 2. Compute. The received rows come by source rank, then by expert: regroup them by local expert.
+        local_id = torch.arange(L, device=rows.device).repeat(W).repeat_interleave(
+            torch.tensor(per_expert_in, device=rows.device))
+        regroup = torch.argsort(local_id, stable=True)
+        counts = [sum(per_expert_in[s * L + e] for s in range(W)) for e in range(L)]
+        offsets = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
+        x = received[regroup]
+        gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()
+        if torch.is_autocast_enabled(x.device.type):  # grouped_mm is not autocast-aware: cast as autocast would
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
+        gate, up = grouped_linear(x, gate_up, offsets, counts).chunk(2, dim=-1)
+        out = grouped_linear(self.act_fn(gate) * up, down, offsets, counts)
+        out = out[torch.argsort(regroup)]  # back in the order the rows arrived
+
+        # 3. Combine. The results go back along the reverse routes, get the router's weights, sum per token.
+        back = wait_tensor(all_to_all_single_autograd(out, send, receive, self.group))
+        weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(back.dtype)
+        return torch.zeros_like(hidden_states).index_add(0, order // k, weighted.to(hidden_states.dtype))
+
+
+def shard_experts(model: nn.Module, mesh) -> list[ExpertParallelExperts]:
+    """Replace every sparse layer's experts with this rank's slice; returns the new modules in layer order."""
+    group, sharded = mesh.get_group("ep"), []
+    for layer in model.get_decoder().layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None:  # a dense layer (mlp_only_layers): replicated like attention
+            continue
+        if experts.num_experts % mesh.size():
+            raise SystemExit(f"{experts.num_experts} experts do not split evenly over {mesh.size()} ranks")
+        layer.mlp.experts = ExpertParallelExperts(experts, mesh, group)
+        sharded.append(layer.mlp.experts)
+    return sharded
+
+
+def all_reduce_dense(grads: list[torch.Tensor], group, bucket_bytes: int) -> None:
+    """Sum the replicated parameters' gradients over the ranks, a few large calls instead of one per tensor.
+    DDP would do this with overlap, but it reduces every parameter it wraps and averages: the experts' gradients,
+    already complete on their owner, must be left alone, and the step needs sums (see the loss below)."""
+    bucket, size = [], 0
+    for grad in [*grads, None]:
+        if grad is not None:
+            bucket.append(grad)
+            size += grad.numel() * grad.element_size()
+        if bucket and (grad is None or size >= bucket_bytes):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, group=group)
+            for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+                g.copy_(part.view_as(g))
+            bucket, size = [], 0
+
+
+def main(argv: list[str] | None = None) -> dict:
+    (config,) = HfArgumentParser(Config).parse_args_into_dataclasses(args=argv)
+    MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
+    # What ep-ft does not train stops the run before anything starts (a hub model is checked once loaded).
+    if config.lora_rank or config.qlora:
+        raise SystemExit("ep-ft trains every parameter: LoRA adapters on the experts' 3-D weights are not supported "
+                         "here (single-ft --lora-rank puts adapters on the attention projections of a MoE model)")
+    if is_preset(config.model) and not is_moe(model_config(config.model)):
+        raise SystemExit(dense_refusal(config.model))
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Processes and device: one process per device, started by torchrun (NCCL/RCCL on GPUs, gloo on CPU).
+    dist_info = init_distributed()
+    device = dist_info.device
+    own_group = dist_info.backend is None
+    if own_group:  # a plain `python train.py`: a group of one rank, which holds every expert
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    config = resolve(config)
+    print0(f"config: {json.dumps(asdict(config))}")
+    torch.manual_seed(config.seed)
+    attention = setup_attention(device, config.attn, print_fn=print0)
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if config.dtype == "bf16" else nullcontext
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Data: every rank builds the same rows and takes its own slice of each step (as ddp-ft).
+    tokenizer = load_tokenizer(config.model)
+    try:
+        data = build_data(config.data, tokenizer, config.seq_len, packing=config.packing,
+                          eval_fraction=config.eval_fraction, seed=config.seed, split=config.data_split,
+                          subset=config.data_config, columns=config.data_columns,
+                          train_empty_think=config.train_empty_think)
+    except DataError as error:
+        raise SystemExit(f"bad training data: {error}") from None
+    print0(describe(data.stats, config.seq_len, config.packing))
+    if config.show_sample:
+        print0(sample_text(data, tokenizer))
+    rows_per_step = config.micro_batch_size * config.grad_accum * world_size
+    micro_batches_per_step = config.grad_accum * world_size  # the aux loss is their mean
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Model: every rank builds the whole model (same seed: single-ft's weights), then keeps 1/W of the experts.
+    model = load_model(config.model, tokenizer, attention.impl, dtype=torch.float32, device=device,
+                           allow_moe=True)
+    if not is_moe(model.config):
+        raise SystemExit(dense_refusal(config.model))
+    n_params = count_parameters(model.config)["total"]
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("ep",))
+    ep_layers = shard_experts(model, mesh)
+    moe = RouterStats(model, model.config.num_experts, model.config.num_experts_per_tok)
+    aux_coef = model.config.router_aux_loss_coef
+    if config.activation_checkpointing:
+        # The recomputed forward runs the layer's all-to-alls again, in backward, on every rank in the same order.
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if config.compile:
+        # Per decoder layer; the expert block's host read of the split sizes is a graph break inside it.
+        for layer in model.get_decoder().layers:
+            layer.compile()
+    decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
+    model.train()
+    experts = [p for module in ep_layers for p in module.parameters()]
+    expert_ids = {id(p) for p in experts}
+    dense = [p for p in model.parameters() if id(p) not in expert_ids]
+    local_expert_params = sum(p.to_local().numel() for p in experts)
+    model_flops_per_token = flops_per_token(model.config, config.seq_len)
+    print0(f"model: {config.model} | {n_params:,} parameters: {sum(p.numel() for p in dense):,} dense (replicated), "
+           f"{sum(p.numel() for p in experts):,} in {model.config.num_experts} experts x {len(ep_layers)} layers | "
+           f"{model_flops_per_token / 1e9:.3f} GFLOP/token (training, {model.config.num_experts_per_tok} experts "
+           f"per token) | dtype {config.dtype}")
+    print0(f"ep: {world_size} ranks | rank r holds experts [r x {ep_layers[0].local_experts}, "
+           f"(r + 1) x {ep_layers[0].local_experts}) of every layer: {local_expert_params:,} expert parameters "
+           f"per rank | tokens to experts and back: 2 all-to-alls per layer forward, 2 backward | backend "
+           f"{dist.get_backend()}")
+    print0(f"batch: B = {config.micro_batch_size} x {config.grad_accum} x {world_size} ranks = {rows_per_step} rows "
+           f"of {config.seq_len} -> T_eff = {rows_per_step * config.seq_len:,} token slots per optimizer step")
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Optimizer: AdamW; no weight decay on norms. The experts are a group of their own: their DTensors do not
+    # mix with plain tensors in one foreach/fused update (each rank updates its shard, as FSDP2's ranks do).
+    groups = [{"params": [p for p in dense if p.ndim >= 2], "weight_decay": config.weight_decay},
+              {"params": [p for p in dense if p.ndim < 2], "weight_decay": 0.0},
+              {"params": experts, "weight_decay": config.weight_decay}]
+    optimizer = torch.optim.AdamW([group for group in groups if group["params"]], lr=config.lr,
+                                  fused=device.type == "cuda")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, config.warmup_steps, config.steps))
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Training loop
+    metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
+                            warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
+                            flops_per_token=model_flops_per_token, device=device, world_size=world_size,
+                            is_main=rank == 0, report_to=config.report_to)
+    comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
+    stopwatch = Stopwatch(device)
+    eval_losses = []
+    sample_messages = sample_prompt(data)
+    # DCP reads every rank's expert shards and the replicated tensors (rank 0 wrote those once).
+    start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
+    if config.resume:
+        print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
+    state_step = min(start_step + 1, config.steps - 1)
+    measured_state = None
+    run_load = None
+    max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
+    for step in range(start_step, config.steps):
+        micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum, rank, world_size)
+        loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the whole step's, on every rank (as ddp-ft)
+        lr = scheduler.get_last_lr()[0]
+
+        stopwatch.reset()
+        comm_timer.start(step)
+        step_loss = torch.zeros((), device=device)
+        step_aux = torch.zeros((), device=device)
+        for host_batch in micro_batches:
+            batch = {key: value.to(device, non_blocking=True) for key, value in host_batch.items()}
+            packed = attention.forward_kwargs(host_batch["position_ids"], device)
+            moe.begin()
+            with autocast():
+                # Packed rows: attention_mask=None + restarted position_ids + use_cache=False, as in single-ft.
+                if config.loss_chunk_tokens:
+                    hidden = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                     attention_mask=None, use_cache=False, **packed).last_hidden_state
+                    loss_sum = chunked_token_loss_sum(hidden, lm_head.weight, host_batch["labels"],
+                                                      config.loss_chunk_tokens)
+                else:
+                    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                   attention_mask=None, use_cache=False, **packed).logits
+                    loss_sum = token_loss_sum(logits, batch["labels"])
+            # The token loss over the whole step's loss tokens (all ranks), plus this micro-batch's share of the
+            # mean load-balancing loss over all the step's micro-batches. Summed over ranks, the gradients are the
+            # gradient of single-ft's step loss: so the dense gradients are summed (not averaged) below, and the
+            # experts' ones, which the all-to-all's backward already summed from every rank's tokens, are final.
+            aux = moe.end() / micro_batches_per_step
+            loss = loss_sum / loss_tokens + aux_coef * aux
+            loss.backward()
+            step_loss += loss.detach()
+            step_aux += aux.detach()
+        # The dense gradients: one sum over the ranks per step (after the last micro-batch, as ddp-ft's no_sync).
+        all_reduce_dense([p.grad for p in dense if p.grad is not None], dist.group.WORLD,
+                         int(config.dense_bucket_mb * 2**20))
+        if step == state_step:
+            measured_state = state_bytes(model.parameters(), optimizer)  # dense whole, experts their shard
+        # The global gradient norm: the dense part is the same on every rank; the experts' squares are summed over
+        # the ranks that own them. Then every gradient is scaled as clip_grad_norm_ would (it cannot take plain
+        # tensors and DTensors in one list).
+        expert_grads = [p.grad.to_local() for p in experts if p.grad is not None]
+        dense_grads = [p.grad for p in dense if p.grad is not None]
+        expert_sq = torch.nn.utils.get_total_norm(expert_grads).square() if expert_grads else \
+            torch.zeros((), device=device)
+        dist.all_reduce(expert_sq)
+        grad_norm = (torch.nn.utils.get_total_norm(dense_grads).square() + expert_sq).sqrt()
+        clip = torch.clamp(max_norm / (grad_norm + 1e-6), max=1.0)
+        for grad in [*dense_grads, *expert_grads]:
+            grad.mul_(clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        # For the log line: the step's loss, aux loss and expert load, summed over the ranks in one call.
+        load = moe.take_load()
+        logged = torch.cat([torch.stack([step_loss, step_aux]), load.flatten()])
+        dist.all_reduce(logged)
+        values = torch.cat([grad_norm.reshape(1).float(), logged]).tolist()
+        grad_norm_value, step_loss_value, aux_value = values[:3]
+        step_ms = stopwatch.elapsed_ms()
+        comm_ms = comm_timer.stop(step)
+
+        experts_per_layer = load.shape[1]
+        step_load = [values[3 + i * experts_per_layer:3 + (i + 1) * experts_per_layer] for i in range(load.shape[0])]
+        run_load = step_load if run_load is None else [[a + b for a, b in zip(x, y)]
+                                                       for x, y in zip(run_load, step_load)]
+        metrics.log_step(step + 1, step_loss_value, lr, grad_norm_value, data.step_real_tokens(step, rows_per_step),
+                         loss_tokens, step_ms, comm_ms, print_fn=print0,
+                         extra=dict(aux_loss=aux_value, expert_tokens=step_load))
+        if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
+            eval_losses.append((step + 1, evaluate(model, data, config.micro_batch_size, device, autocast)))
+            print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
+            metrics.log_eval(*eval_losses[-1])
+        if config.sample_every and (step + 1) % config.sample_every == 0 and sample_messages:
+            # Every rank generates the same text: each forward's all-to-alls need all of them.
+            completion = generate(model, tokenizer, sample_messages, device, autocast=autocast)
+            print0(f"sample step {step + 1}: {completion!r}")
+        if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
+            print0(f"checkpoint: {save_checkpoint(config.out_dir, step + 1, model, optimizer, scheduler)}")
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Evaluation, results, export. Every rank evaluates the whole held-out split (the experts need every rank).
+    eval_loss = evaluate(model, data, config.micro_batch_size, device, autocast)
+    metrics.log_eval(config.steps, eval_loss)
+    print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
+           if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
+    prediction = estimate(model.config, "ep", world_size, seq_len=config.seq_len,
+                          micro_batch_size=config.micro_batch_size,
+                          activation_checkpointing=config.activation_checkpointing, precision=config.dtype,
+                          attention=attention_kind(attention.impl, config.packing))
+    rows_sent = [sum(module.rows_sent[r] for module in ep_layers) for r in range(world_size)]
+    summary = metrics.write_summary(
+        comm_timer=comm_timer,  # comm_ms, collective counts and bytes (the all-to-alls): torch.profiler
+        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(REPO_ROOT), config=asdict(config),
+        hardware=hardware_info(device, world_size=world_size), attention=asdict(attention),
+        model=dict(name=config.model, parameters=n_params, trainable_parameters=n_params,
+                   flops_per_token=model_flops_per_token, expert_parameters_per_rank=local_expert_params),
+        t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
+        predicted_peak_mem_gib=prediction.total_gib,
+        state_bytes_per_rank=None if measured_state is None else all_ranks(measured_state),
+        state_bytes_step=None if measured_state is None else state_step + 1,
+        predicted_state_bytes=prediction.state_bytes(),
+        collective_bytes_formula=None,  # routing decides the all-to-all sizes: measured, not modelled
+        # (token, expert) rows rank 0..W-1 dispatched to each rank over the run (rank r's own in column r)
+        dispatched_rows=all_ranks(rows_sent),
+        packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
+        n_truncated=data.stats["n_truncated"], data=data.stats,
+        expert_load=load_summary(run_load) if run_load else None)
+    print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
+           f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
+
+    if config.save_hf:
+        # The whole model on rank 0: each expert weight gathered from its shards (a collective: every rank calls).
+        full = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+                for name, p in model.state_dict().items()}
+        if rank == 0:
+            save_dir = Path(config.save_hf)
+            model.save_pretrained(save_dir, state_dict=full)
+            tokenizer.save_pretrained(save_dir)
+            print0(f"saved model to {save_dir}")
+    teardown()
+    if own_group:
+        dist.destroy_process_group()
+    return summary
+
+
+if __name__ == "__main__":
+    main()
