@@ -155,6 +155,38 @@ gradients of activations inside one layer's backward, the input ids and labels.
      staging copies (w T / N + w E per rank for ZeRO-Offload). Without offload DeepSpeed prints 4 P x N x 1.5 of
      host memory for loading the model; this model counts no host memory there.
    - Outside model states DeepSpeed counts nothing: no activations, logits or autocast copies (sections 2-3).
+
+7. Mixtures of experts (Qwen3-MoE: every layer's MLP is E SwiGLU experts of width I_e, k per token, chosen by a
+   linear router; transformers keeps each layer's experts as two 3-D weights, gate_up_proj [E, 2 I_e, d] and
+   down_proj [E, d, I_e]). Two strategies price them, as the two experiments that train them run them: single
+   (single-ft) and ep (ep-ft, expert parallelism over W ranks). Every other strategy refuses a mixture of experts
+   (a ValueError: mixture of experts: single or ep), as its experiment does; so does LoRA, whose peft adapters on
+   the experts' 3-D weights (ParamWrapper) this module does not model.
+   - Model states. ep: each rank holds the dense part (embedding, LM head, attention, routers, norms) whole and E / W
+     experts of every layer (DTensor Shard(0)), with their fp32 gradients and AdamW state: 16 bytes per held
+     parameter under --dtype bf16 and fp32 alike, no reduce bucket counted (ep-ft all-reduces the dense gradients
+     in 25 MiB flat copies, section 4's "none counted" for tp/pp). single: the whole model, as for a dense one.
+   - Compute copies. Autocast caches its bf16 casts of the attention projections, the routers and the LM head, as
+     for a dense model. torch's grouped_mm is not autocast-aware: transformers' experts (single) cast the tokens to
+     the weights' dtype, so under --dtype bf16 single-ft's experts compute in fp32 and make no copy; ep-ft casts its
+     rows and its E / W experts of each layer to bf16 itself, copies that backward keeps (the grouped product saves
+     its weight) until the layer's backward: every layer's, or with checkpointing one layer's (the recomputed one).
+   - Activations, per token of one sparse layer, in place of the dense MLP's 4 c I (symbols of section 2, and e the
+     bytes of the weights, the dtype transformers' experts compute in):
+       linear inputs  autocast: 4 c d (q, k, v and the router each save their cast); otherwise 2 r d, as dense
+       router         4 E [fp32 probabilities] + 8 k [top-k ids] + 4 k + 4 [top-k probabilities, their sum]
+       aux loss       c E + 8 k: common.moe's load-balancing loss, the softmax of the router logits and its top-k
+       experts        single: k (2 e d + 4 e I_e + c + 24)  [its k rows gathered, gate_up out (2 I_e), SiLU out,
+                      their product, down out, the routing weight, three int64 index vectors]
+                      ep: k (2 c d + 4 c I_e + c + 40 + r d)  [the same rows as the experts received them, in c; five
+                      index vectors; and the combine's index_add keeps its source, the weighted rows, in r]
+   Each term was checked against saved_tensors_hooks for qwen3-moe-tiny (tests/test_memory.py), single and ep-ft's
+   block; not counted: each grouped product's int32 offsets (4 E bytes per layer, not per token). ep's rows are
+   those this rank receives: k per token when the load is even; the busiest rank receives more, by the imbalance
+   factor that summary.json's expert_load reports, and its expert terms grow by as much.
+   - Buffers (ep): the dispatch, inside one layer's expert block: the sorted rows, the received rows and their
+     copy regrouped by expert, in r bytes, 3 r k d per token, counted once (one block runs at a time; backward's
+     all-to-alls move gradients of the same size).
 """
 
 from __future__ import annotations
@@ -166,7 +198,7 @@ from types import SimpleNamespace
 
 from transformers import PretrainedConfig
 
-from common.models import count_parameters, model_config
+from common.models import count_parameters, is_moe, model_config
 
 GIB = 2**30
 GB = 1e9  # the ZeRO paper's unit
@@ -186,7 +218,9 @@ DEEPSPEED_MAX_LIVE_PARAMETERS = 1_000_000_000  # stage3_max_live_parameters (bou
 DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000  # stage3_max_reuse_distance, in parameter elements
 
 STRATEGIES = ("single", "ddp", "zero-1", "zero-2", "zero-3", "fsdp", "tp", "tp-sp", "pp",
-              "zero-2-offload", "zero-3-offload", "fsdp-offload")
+              "zero-2-offload", "zero-3-offload", "fsdp-offload", "ep")
+# What prices a mixture of experts (section 7): single-ft and ep-ft train one, every other experiment refuses it.
+MOE_STRATEGIES = ("single", "ep")
 # Layouts on a 2-D mesh, which take a tensor-parallel degree beside the world size: estimate() prices them, the
 # table and recommend() do not list them (they compare the strategies of one GPU count, one dimension).
 MESH_STRATEGIES = ("fsdp-tp",)
@@ -198,6 +232,7 @@ DATA_PARALLEL_SHARDING = {
     "fsdp": (True, True, True), "fsdp-offload": (True, True, True),
     "tp": (False, False, False), "tp-sp": (False, False, False), "pp": (False, False, False),
     "fsdp-tp": (True, True, True),  # divided by dp = world / t, on top of the tensor-parallel split by t
+    "ep": (False, False, False),  # the experts are split by device_slices; the dense part is replicated
 }
 DEEPSPEED_STRATEGIES = ("zero-1", "zero-2", "zero-3", "zero-2-offload", "zero-3-offload")  # zero-ft
 ZERO3_STRATEGIES = ("zero-3", "zero-3-offload")  # DeepSpeed gathers each module's parameters as it runs
@@ -218,7 +253,7 @@ RUN_WITH = {
     "zero-2-offload": "experiments/zero-ft/train.py --zero-stage 2 --cpu-offload",
     "zero-3-offload": "experiments/zero-ft/train.py --zero-stage 3 --cpu-offload",
     "fsdp-offload": "experiments/fsdp-ft/train.py --cpu-offload",
-    "fsdp-tp": "experiments/fsdp-tp-ft/train.py",
+    "fsdp-tp": "experiments/fsdp-tp-ft/train.py", "ep": "experiments/ep-ft/train.py",
 }
 
 
@@ -300,16 +335,36 @@ class ModelShape:
     # A stated total (e.g. a model card's); default: counted from the geometry. Any difference is put outside the
     # decoder layers, where padded vocabularies and extra heads live.
     parameters: int | None = None
+    # A mixture of experts (Qwen3-MoE, every layer sparse): E experts of width expert_intermediate, k of them per
+    # token, and a router; `intermediate` then sizes nothing. 0: a dense model.
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
 
     def _config(self):
         return SimpleNamespace(hidden_size=self.hidden, num_hidden_layers=self.layers, vocab_size=self.vocab,
                                num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
                                head_dim=self.head_dim, intermediate_size=self.intermediate,
-                               tie_word_embeddings=self.tied_embeddings)
+                               tie_word_embeddings=self.tied_embeddings, num_experts=self.experts,
+                               num_experts_per_tok=self.experts_per_token,
+                               moe_intermediate_size=self.expert_intermediate)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
 
     @property
     def layer_parameters(self) -> int:
         return count_parameters(self._config())["per_layer"]
+
+    @property
+    def layer_expert_parameters(self) -> int:
+        """All experts of one layer: gate_up_proj [E, 2 I_e, d] + down_proj [E, d, I_e] (0 for a dense model)."""
+        return self.experts * 3 * self.hidden * self.expert_intermediate
+
+    @property
+    def router_parameters(self) -> int:
+        return self.experts * self.hidden  # one layer's router, [E, d]
 
     @property
     def layer_norm_parameters(self) -> int:
@@ -330,6 +385,9 @@ class ModelShape:
 
     def lora_parameters(self, rank: int) -> int:
         """Adapter parameters of rank `rank` on the seven projections: rank x (inputs + outputs) each."""
+        if self.is_moe and rank:
+            raise ValueError(f"LoRA on a mixture of experts is not priced ({self.name}): peft also wraps the "
+                             f"experts' 3-D weights (ParamWrapper), which this module does not model")
         d, q, kv, inner = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
         per_layer = (d + q) + 2 * (d + kv) + (q + d) + 2 * (d + inner) + (inner + d)
         return rank * per_layer * self.layers
@@ -351,12 +409,20 @@ def model_shape(config_like) -> ModelShape:
     config = config_like
     if getattr(config, "attention_bias", False):
         raise ValueError("attention biases are not modelled; Qwen3 has none")
+    experts = {}
+    if is_moe(config):
+        # Qwen3-MoE as the presets and Qwen3-30B-A3B build it: every layer sparse, top-k renormalised.
+        if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
+            raise ValueError("dense MLP layers between the sparse ones (mlp_only_layers, decoder_sparse_step) are "
+                             "not modelled; every layer of Qwen3-MoE is sparse")
+        experts = dict(experts=config.num_experts, experts_per_token=config.num_experts_per_tok,
+                       expert_intermediate=config.moe_intermediate_size)
     return ModelShape(
         name=name or getattr(config, "name_or_path", "") or config.model_type, layers=config.num_hidden_layers,
         hidden=config.hidden_size, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
         intermediate=config.intermediate_size, vocab=config.vocab_size,
-        tied_embeddings=bool(config.tie_word_embeddings))
+        tied_embeddings=bool(config.tie_word_embeddings), **experts)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -408,11 +474,17 @@ def leaf_modules(shape: ModelShape, lora_rank: int = 0) -> tuple[Module, list[li
     layers = []
     for index in range(shape.layers):
         p = f"layers.{index}."
+        if shape.is_moe:  # the router, then one module holding every expert as two 3-D weights
+            E, inner = shape.experts, shape.expert_intermediate
+            mlp = [((p + "mlp.gate", shape.router_parameters, full),),
+                   ((p + "mlp.experts.gate_up_proj", E * 2 * inner * d, full),
+                    (p + "mlp.experts.down_proj", E * d * inner, full))]
+        else:
+            mlp = [*linear(p + "gate_proj", d, inner), *linear(p + "up_proj", d, inner),
+                   *linear(p + "down_proj", inner, d)]
         layers.append([((p + "input_layernorm", d, full),), *linear(p + "q_proj", d, q), ((p + "q_norm", h, full),),
                        *linear(p + "k_proj", d, kv), ((p + "k_norm", h, full),), *linear(p + "v_proj", d, kv),
-                       *linear(p + "o_proj", q, d), ((p + "post_attention_layernorm", d, full),),
-                       *linear(p + "gate_proj", d, inner), *linear(p + "up_proj", d, inner),
-                       *linear(p + "down_proj", inner, d)])
+                       *linear(p + "o_proj", q, d), ((p + "post_attention_layernorm", d, full),), *mlp])
     embedding = (("embed_tokens", shape.embedding_parameters, full),)
     head = embedding if shape.tied_embeddings else (("lm_head", shape.embedding_parameters, full),)
     return embedding, layers, [(("norm", d, full),), head]
@@ -498,8 +570,11 @@ def zero3_gathered_elements(shape: ModelShape, lora_rank: int = 0, activation_ch
 # ---------------------------------------------------------------------------------------------------------------
 # Activations
 def layer_activation_terms(shape: ModelShape, *, compute_bytes: int, autocast: bool, seq_len: int,
-                           attention: str = "sdpa-packed", lora_rank: int = 0) -> dict[str, float]:
-    """Bytes per token that one decoder layer keeps for backward, term by term (module docstring, section 2)."""
+                           attention: str = "sdpa-packed", lora_rank: int = 0, expert_parallel: bool = False,
+                           weight_bytes: int = FP32_BYTES) -> dict[str, float]:
+    """Bytes per token that one decoder layer keeps for backward, term by term (module docstring, section 2; a
+    mixture of experts: section 7, with `expert_parallel` for ep-ft's expert block and `weight_bytes`, the dtype
+    transformers' experts compute in, for single-ft's)."""
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"attention must be one of {ATTENTION_KINDS} (eager and the math kernel also keep the "
                          f"s x s probabilities, which this model leaves out), got {attention!r}")
@@ -508,16 +583,26 @@ def layer_activation_terms(shape: ModelShape, *, compute_bytes: int, autocast: b
     saved_kv_width = q_width if attention == "sdpa-packed" else kv_width
     # With LoRA the norm weights are frozen, so autograd does not keep the normalised input for their gradient.
     keeps_normalised = lora_rank == 0
-    return dict(
+    # Under autocast each projection saves its own cast of the normed input: q, k, v and the dense MLP's gate and
+    # up, or a sparse layer's router (its experts gather their rows themselves).
+    casts = 4 if shape.is_moe else 5
+    terms = dict(
         norms=2 * (f * d + f + (r * d if keeps_normalised else 0)),
-        linear_inputs=5 * c * d if autocast else 2 * r * d,
+        linear_inputs=casts * c * d if autocast else 2 * r * d,
         qk_norms=(q_width + kv_width) * (f + (c if keeps_normalised else 0)) + f * (shape.heads + shape.kv_heads),
         attention=c * (q_width + 2 * saved_kv_width) + c * q_width + f * shape.heads
                   + (c * q_width if lora_rank and autocast else 0),
         mask=c * seq_len if attention == "sdpa-packed" else 0,
-        mlp=4 * c * shape.intermediate,
-        lora_adapters=LORA_PROJECTIONS * c * lora_rank,
     )
+    if not shape.is_moe:
+        return {**terms, "mlp": 4 * c * shape.intermediate, "lora_adapters": LORA_PROJECTIONS * c * lora_rank}
+    E, k, inner = shape.experts, shape.experts_per_token, shape.expert_intermediate
+    if expert_parallel:  # ep-ft's block: its rows in c, five index vectors, index_add keeping its source in r
+        experts = k * (2 * c * d + 4 * c * inner + c + 5 * 8 + r * d)
+    else:  # transformers' grouped_mm experts: rows in the weights' dtype, three index vectors
+        e = weight_bytes
+        experts = k * (2 * e * d + 4 * e * inner + c + 3 * 8)
+    return {**terms, "router": f * E + 8 * k + f * k + f, "aux_loss": c * E + 8 * k, "experts": experts}
 
 
 TENSOR_PARALLEL_TERMS = ("qk_norms", "attention", "mlp")  # split over heads or MLP columns
@@ -549,6 +634,7 @@ class DeviceSlice:
     computes_logits: bool = True
     vocab_share: float = 1.0  # the share of the logits' vocabulary this device computes (tensor parallel: 1/t)
     label: str = ""
+    layer_experts_cast: float = 0.0  # per layer: expert weights cast to the compute dtype outside autocast (ep-ft)
 
     @property
     def trainable(self) -> float:
@@ -577,6 +663,13 @@ def device_slices(shape: ModelShape, strategy: str, world_size: int, lora_rank: 
         return DeviceSlice(layers, trainable, frozen, linears + layer_adapters, root_trainable, root_frozen,
                            root_matmul, **kwargs)
 
+    if shape.is_moe:
+        # single: the whole model; ep: the dense part whole and E / W experts of every layer (section 7). Autocast
+        # casts the attention projections, the routers and the LM head; ep-ft casts its experts itself.
+        experts = shape.layer_expert_parameters / (world_size if strategy == "ep" else 1)
+        dense = shape.layer_parameters - shape.layer_expert_parameters
+        return [DeviceSlice(shape.layers, dense + experts, 0.0, dense - layer_norms, shape.root_parameters, 0.0,
+                            lm_head, layer_experts_cast=experts if strategy == "ep" else 0.0)]
     if strategy in ("tp", "tp-sp", "fsdp-tp"):
         t = tensor_parallel if strategy == "fsdp-tp" else world_size
         if shape.heads % t or shape.kv_heads % t:
@@ -681,6 +774,15 @@ def estimate_stages(config_like, strategy: str, world_size: int = 1, *, seq_len:
     if grad_accum < 1:
         raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
     shape = model_shape(config_like)
+    if shape.is_moe and strategy not in MOE_STRATEGIES:
+        raise ValueError(f"{shape.name} is a mixture of experts ({shape.experts} experts): single or ep "
+                         f"(experiments/single-ft, experiments/ep-ft); {strategy}'s experiment trains dense models")
+    if strategy == "ep" and not shape.is_moe:
+        raise ValueError(f"ep splits the experts of a mixture of experts; {shape.name} is dense")
+    if strategy == "ep" and shape.experts % world_size:
+        raise ValueError(f"ep: {shape.experts} experts do not split evenly over {world_size} ranks")
+    if shape.is_moe and lora_rank:
+        shape.lora_parameters(lora_rank)  # raises: LoRA on a mixture of experts is not priced
     precision = resolve_precision(strategy, precision)
     return [_estimate_slice(shape, piece, strategy, world_size, micro_batch_size, seq_len, activation_checkpointing,
                             lora_rank, precision, attention, grad_accum)
@@ -716,9 +818,14 @@ def _estimate_slice(shape: ModelShape, piece: DeviceSlice, strategy: str, world_
         # after each layer: one layer's copies (during its recomputation) and the LM head's remain.
         layers_copied = 1 if lora_rank and activation_checkpointing else piece.layers
         compute_copy = (layers_copied * piece.layer_matmul + piece.root_matmul) * c
+        # ep-ft's own casts of its experts, kept by the grouped products until the layer's backward: with
+        # checkpointing only the recomputed layer's.
+        compute_copy += (min(1, piece.layers) if activation_checkpointing else piece.layers) \
+            * piece.layer_experts_cast * c
 
     terms = layer_activation_terms(shape, compute_bytes=c, autocast=autocast, seq_len=seq_len, attention=attention,
-                                   lora_rank=lora_rank)
+                                   lora_rank=lora_rank, expert_parallel=strategy == "ep",
+                                   weight_bytes=precision.weights)
     tp = piece.tensor_parallel
     layer_per_token = sum(value / tp if name in TENSOR_PARALLEL_TERMS or (piece.sequence_parallel and name != "mask")
                           else value for name, value in terms.items())
@@ -735,6 +842,9 @@ def _estimate_slice(shape: ModelShape, piece: DeviceSlice, strategy: str, world_
         logits = tokens * shape.vocab * piece.vocab_share * (c + CROSS_ENTROPY_FP32_BUFFERS * FP32_BYTES)
 
     buffers = cpu_buffers = 0.0
+    if strategy == "ep":
+        # The dispatch inside one expert block: sorted rows, received rows, their copy regrouped by expert.
+        buffers += tokens * 3 * (FP32_BYTES if autocast else c) * shape.experts_per_token * shape.hidden
     # ddp: gradient_as_bucket_view=True makes the gradients views into the all-reduce buckets: no second copy.
     if uses_bf16_optimizer(strategy, precision):
         # BF16_Optimizer keeps the bf16 gradients autograd writes in the module beside its own fp32 ones
@@ -872,6 +982,9 @@ WHY = {
                       "live in host memory and AdamW runs on the CPU",
     "fsdp-offload": "CPU offload keeps weights, gradients and AdamW state in host memory (sharded across ranks) "
                     "and runs AdamW on the CPU: much slower, but only the layers being computed sit on the GPU",
+    "ep": "expert parallelism gives each GPU the dense part (attention, routers, embedding, LM head) whole and an "
+          "equal share of every layer's experts, and sends each token to its experts' GPU and back (two "
+          "all-to-alls per layer in forward, two in backward); the dense gradients are all-reduced once per step",
 }
 # After every strategy that keeps its model states on the GPUs: the GPU keeps the whole bf16 model, then a 1/N share
 # of it, then only the layers being computed.
@@ -909,7 +1022,10 @@ def recommend(config_like, gpus: int, gpu_mem_gb: float, *, seq_len: int = 1024,
         except ValueError:  # e.g. heads that do not divide over the GPUs
             return None
 
-    candidates = ("single", *OFFLOAD_LADDER) if gpus == 1 else STRATEGIES[1:]
+    if shape.is_moe:  # section 7: single-ft on one GPU, ep-ft on several (the single row shown beside it)
+        candidates = ("single",) if gpus == 1 else MOE_STRATEGIES
+    else:
+        candidates = ("single", *OFFLOAD_LADDER) if gpus == 1 else tuple(s for s in STRATEGIES[1:] if s != "ep")
     as_given = [e for e in (attempt(s, activation_checkpointing, lora_rank) for s in candidates) if e]
     model_parallel = ("tp-sp", "tp", "pp") if interconnect == "nvlink" else ("pp", "tp-sp", "tp")
     checkpointing_options = (True,) if activation_checkpointing else (False, True)
@@ -917,6 +1033,10 @@ def recommend(config_like, gpus: int, gpu_mem_gb: float, *, seq_len: int = 1024,
     on_gpus = [(s, ac) for ac in checkpointing_options for s in replicas] + \
         [(s, ac) for s in ([] if gpus == 1 else ["fsdp", *model_parallel]) for ac in checkpointing_options]
     ladder = on_gpus + [(s, ac) for s in OFFLOAD_LADDER for ac in checkpointing_options]
+    if shape.is_moe:
+        # A mixture of experts: no sharding, model parallelism, offload or LoRA rung; its experiments are single-ft
+        # and ep-ft, whose experts split over the GPUs (ep needs E to divide by them).
+        ladder = on_gpus = [(s, ac) for ac in checkpointing_options for s in (["single"] if gpus == 1 else ["ep"])]
     dtype = precision if isinstance(precision, str) else None
 
     failures: list[MemoryEstimate] = []
@@ -935,13 +1055,33 @@ def recommend(config_like, gpus: int, gpu_mem_gb: float, *, seq_len: int = 1024,
                                          if (e := attempt(s, ac, DEFAULT_LORA_RANK)) and e.fits(gpu_mem_gb)), None)
             reason = _explain(result, failures, shape, usable_gib, lora_rank, activation_checkpointing,
                               lora_alternative)
+            if strategy == "ep":
+                reason = f"{_moe_split(shape, gpus, gpu_mem_gb, settings, checkpointing)}; {reason}"
             return Recommendation(strategy, checkpointing, rank, reason, result, as_given, gpus, gpu_mem_gb,
                                   dtype, grad_accum)
+    if not failures:  # every rung refused these settings (a mixture of experts under LoRA, or E % gpus)
+        reason = (f"no strategy takes these settings: a mixture of experts trains every parameter, in single-ft on "
+                  f"one GPU or in ep-ft on a number of GPUs that divides its {shape.experts} experts"
+                  if shape.is_moe else "no strategy takes these settings")
+        return Recommendation(None, activation_checkpointing, lora_rank, reason, None, as_given, gpus, gpu_mem_gb,
+                              dtype, grad_accum)
     smallest = min(failures, key=lambda e: e.total_bytes)
     reason = (f"nothing fits in {usable_gib:.1f} GiB per GPU; the smallest, {_label(smallest)}, needs "
-              f"{smallest.total_gib:.1f} GiB: shorten --seq-len or --micro-batch-size, or add GPUs")
+              f"{smallest.total_gib:.1f} GiB: shorten --seq-len or --micro-batch-size, or add GPUs"
+              + (" (ep-ft splits a mixture of experts' experts over them)" if shape.is_moe else ""))
     return Recommendation(None, activation_checkpointing, lora_rank, reason, None, as_given, gpus, gpu_mem_gb,
                           dtype, grad_accum)
+
+
+def _moe_split(shape: ModelShape, gpus: int, gpu_mem_gb: float, settings: dict, checkpointing: bool) -> str:
+    """Why a mixture of experts goes to ep-ft: what one GPU would need, and what each GPU holds instead."""
+    single = estimate(shape, "single", activation_checkpointing=checkpointing, **settings)
+    experts = shape.layers * shape.layer_expert_parameters
+    verdict = "does not fit one GPU" if not single.fits(gpu_mem_gb) else "fits one GPU, and ep-ft adds throughput"
+    return (f"the whole model ({shape.total_parameters / 1e9:.1f}B parameters, {experts / 1e9:.1f}B of them in "
+            f"{shape.experts} experts per layer) {verdict} (single: {single.total_gib:.1f} GiB); ep-ft gives each "
+            f"of the {gpus} GPUs {shape.experts // gpus} experts per layer and the "
+            f"{(shape.total_parameters - experts) / 1e9:.2f}B dense parameters")
 
 
 @dataclass
@@ -972,6 +1112,10 @@ def multi_node_layouts(config_like, nodes: int, gpus_per_node: int, **settings) 
         except ValueError:
             return None
 
+    if model_shape(config_like).is_moe:  # section 7: only ep-ft splits a mixture of experts
+        return [NodeLayout("ep", attempt("ep", world), "experiments/ep-ft/train.py",
+                           "experts split over every GPU, the dense part replicated: each layer's all-to-alls "
+                           "cross nodes")]
     return [
         NodeLayout("hsdp", attempt("fsdp", gpus_per_node), f"experiments/fsdp-ft/train.py --replicate-degree {nodes}",
                    f"FSDP inside each node, {nodes} replicas: only one gradient all-reduce per step crosses nodes"),
@@ -1078,11 +1222,12 @@ def describe_activations(shape: ModelShape, precision: BytesPerParam, tokens: in
     """The per-layer activation terms for the single/ddp regime, in bytes per token and in MiB per micro-batch."""
     autocast = uses_autocast("single", precision)
     terms = layer_activation_terms(shape, compute_bytes=precision.compute, autocast=autocast, seq_len=seq_len,
-                                   attention=attention, lora_rank=lora_rank)
+                                   attention=attention, lora_rank=lora_rank, weight_bytes=precision.weights)
     total = sum(terms.values())
     listed = " + ".join(f"{name.replace('_', ' ')} {value:,.0f}" for name, value in terms.items() if value)
     checkpoint = (FP32_BYTES if autocast else precision.compute) * shape.hidden
-    return (f"activations per layer of single/ddp ({'autocast' if autocast else 'no autocast'}, {attention}): "
+    regime = "single" if shape.is_moe else "single/ddp"
+    return (f"activations per layer of {regime} ({'autocast' if autocast else 'no autocast'}, {attention}): "
             f"{listed} = {total:,.0f} bytes/token -> {total * tokens / 2**20:.1f} MiB per layer per micro-batch; "
             f"checkpointed: {checkpoint:,} bytes/token (the layer's input)")
 
@@ -1093,6 +1238,8 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("layers", "hidden", "heads", "kv-heads", "head-dim", "intermediate", "vocab"):
         parser.add_argument(f"--{flag}", type=int, help="raw geometry, instead of --model")
     parser.add_argument("--untied", action="store_true", help="raw geometry: the LM head is not the embedding")
+    for flag in ("experts", "experts-per-token", "expert-intermediate"):
+        parser.add_argument(f"--{flag}", type=int, default=0, help="raw geometry of a mixture of experts")
     parser.add_argument("--parameters", type=float, help="raw geometry: a stated total parameter count")
     parser.add_argument("--gpus", type=int, default=1, help="GPUs available")
     parser.add_argument("--gpu-mem-gb", type=float, default=24, help="memory of one GPU, as its maker states it")
@@ -1134,7 +1281,11 @@ def main(argv: list[str] | None = None) -> None:
             flags = ", ".join("--" + name.replace("_", "-") for name in missing)
             parser.error(f"give --model, or all of the raw counts (missing: {flags})")
         shape = ModelShape(name="custom", tied_embeddings=not args.untied,
-                           parameters=int(args.parameters) if args.parameters else None, **geometry)
+                           parameters=int(args.parameters) if args.parameters else None, experts=args.experts,
+                           experts_per_token=args.experts_per_token, expert_intermediate=args.expert_intermediate,
+                           **geometry)
+    if shape.is_moe and args.lora_rank:
+        parser.error(f"{shape.name} is a mixture of experts: LoRA on its experts is not priced (full SFT only)")
     precision = PRECISIONS[args.precision] if args.precision else args.dtype
     advice = recommend(shape, args.gpus, args.gpu_mem_gb, seq_len=args.seq_len,
                        micro_batch_size=args.micro_batch_size, activation_checkpointing=args.activation_checkpointing,
@@ -1151,17 +1302,20 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as error:
             parser.error(str(error))
     trainable = shape.lora_parameters(args.lora_rank) if args.lora_rank else shape.total_parameters
+    mlp = (f"{shape.experts} experts x {shape.expert_intermediate} ({shape.experts_per_token} per token, "
+           f"{shape.layers * shape.layer_expert_parameters:,} expert parameters)" if shape.is_moe
+           else f"MLP {shape.intermediate}")
     print(f"model {shape.name}: {shape.total_parameters:,} parameters, {trainable:,} trainable | {shape.layers} "
-          f"layers, hidden {shape.hidden}, {shape.heads}/{shape.kv_heads} heads x {shape.head_dim}, MLP "
-          f"{shape.intermediate}, vocab {shape.vocab:,}{'' if shape.tied_embeddings else ', untied LM head'}")
+          f"layers, hidden {shape.hidden}, {shape.heads}/{shape.kv_heads} heads x {shape.head_dim}, {mlp}, "
+          f"vocab {shape.vocab:,}{'' if shape.tied_embeddings else ', untied LM head'}")
     print(describe_precisions([e.strategy for e in shown], precision))
     print(f"micro-batch {args.micro_batch_size} x {args.seq_len} tokens x {args.grad_accum} accumulated | activation "
           f"checkpointing {'on' if args.activation_checkpointing else 'off'}")
     print(describe_activations(shape, resolve_precision("single", precision), args.micro_batch_size * args.seq_len,
                                args.seq_len, args.attention, args.lora_rank))
     print(f"\nGiB per device on {args.gpus} x {args.gpu_mem_gb:g} GB ({args.gpu_mem_gb * USABLE_FRACTION:.1f} GiB "
-          f"usable); copies = autocast's bf16 weight copies, buffers = reduce buckets, gathered FSDP/ZeRO-3 "
-          f"parameters and unsharded gradients")
+          f"usable); copies = autocast's bf16 weight copies, buffers = reduce buckets, ep's dispatch, gathered "
+          f"FSDP/ZeRO-3 parameters and unsharded gradients")
     print(format_table(shown, args.gpu_mem_gb))
     print()
     if advice.strategy is None:

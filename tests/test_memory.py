@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
 from common.memory import (BF16_RULE_OF_THUMB, DEEPSPEED_BF16, DEEPSPEED_FP32, DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD,
                            DEEPSPEED_REDUCE_BUCKET_ELEMENTS, GB, GIB, PROJECT_BF16, PROJECT_FP32, STRATEGIES,
@@ -19,7 +19,7 @@ from common.memory import (BF16_RULE_OF_THUMB, DEEPSPEED_BF16, DEEPSPEED_FP32, D
                            layer_activation_terms, leaf_modules, main, model_shape, model_state_bytes, multi_node_layouts,
                            outside_layers_bytes_per_token, predict_peak_gib, recommend, strategy_precision,
                            zero3_gathered_elements, zero3_persistent_parameters, zero_paper_figure1)
-from common.models import PRESET_COMMON, PRESETS, model_config
+from common.models import MOE_COMMON, MOE_PRESETS, PRESET_COMMON, PRESETS, count_parameters, model_config
 
 QWEN3_4B_PARAMETERS = 4_022_468_096  # count_parameters of the preset (tests/test_models_metrics.py checks 0.6B)
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -761,5 +761,252 @@ def test_multi_node_layouts_shard_inside_a_node_first(capsys):
         main(["--model", "qwen3-4b", "--gpus", "6", "--nodes", "4"])
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Mixtures of experts (section 7): single and ep, as single-ft and ep-ft hold and keep them
+def _tiny_moe(layers: int = 4) -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(**{**MOE_PRESETS["qwen3-moe-tiny"], "num_hidden_layers": layers},
+                          **{**PRESET_COMMON, **MOE_COMMON})
+
+
+def test_moe_counts_are_the_models():
+    config = model_config("qwen3-moe-tiny")
+    model = AutoModelForCausalLM.from_config(config)
+    shape = model_shape(config)
+    assert (shape.experts, shape.experts_per_token, shape.expert_intermediate) == (8, 2, 128)
+    real = sum(p.numel() for p in model.parameters())
+    assert shape.total_parameters == count_parameters(config)["total"] == real == 8_137_216
+    assert shape.layers * shape.layer_expert_parameters == count_parameters(config)["experts"] == sum(
+        p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name)
+    assert shape.router_parameters == model.model.layers[0].mlp.gate.weight.numel()
+    embedding, layers, tail = leaf_modules(shape)
+    listed = {name: n for module in (embedding, *(m for layer in layers for m in layer), *tail)
+              for name, n, _ in module}
+    assert sum(listed.values()) == real
+    assert listed["layers.0.mlp.experts.gate_up_proj"] == model.model.layers[0].mlp.experts.gate_up_proj.numel()
+    # Qwen3-30B-A3B's published size: 30.5B parameters, 3.3B active per token
+    large = model_shape("qwen3-30b-a3b")
+    assert large.total_parameters == 30_532_122_624 and large.experts == 128
+
+
+def test_dense_strategies_refuse_a_mixture_of_experts():
+    for strategy in ("ddp", "zero-2", "fsdp", "tp", "pp", "zero-2-offload"):
+        with pytest.raises(ValueError, match="mixture of experts.*single or ep"):
+            estimate("qwen3-moe-tiny", strategy, 2)
+    with pytest.raises(ValueError, match="is dense"):
+        estimate("qwen3-0.6b", "ep", 2)
+    with pytest.raises(ValueError, match="do not split evenly"):
+        estimate("qwen3-moe-tiny", "ep", 3)
+    with pytest.raises(ValueError, match="LoRA"):
+        estimate("qwen3-moe-tiny", "single", lora_rank=8)
+    # recommend() and the multi-node layouts only offer what prices it; a dense model never gets an ep row
+    assert {e.strategy for e in recommend("qwen3-moe-tiny", 2, 24).estimates} == {"single", "ep"}
+    assert "ep" not in {e.strategy for e in recommend("qwen3-0.6b", 2, 24).estimates}
+    assert [layout.name for layout in multi_node_layouts("qwen3-30b-a3b", 2, 8)] == ["ep"]
+    assert recommend("qwen3-moe-tiny", 3, 24).strategy is None  # 8 experts over 3 GPUs: nothing to run
+
+
+def test_ep_model_states_by_hand():
+    # Qwen3-30B-A3B over 8 ranks: each holds the 1.54B dense parameters and 1/8 of the 29.0B expert ones, 16 bytes
+    # each (fp32 weights, gradients, AdamW m and v); one rank holds what single does.
+    shape = model_shape("qwen3-30b-a3b")
+    experts = 48 * 128 * 3 * 2048 * 768
+    dense = shape.total_parameters - experts
+    assert dense == 1_541_093_376
+    ep = estimate(shape, "ep", 8)
+    held = dense + experts // 8
+    assert (ep.weights_bytes, ep.grads_bytes, ep.optimizer_bytes, ep.master_bytes) == (4 * held, 4 * held,
+                                                                                      8 * held, 0)
+    one = estimate(shape, "ep", 1)
+    assert one.model_states_bytes == estimate(shape, "single").model_states_bytes == 16 * shape.total_parameters
+    # bf16 copies: autocast's of the attention, routers and LM head; ep-ft's own of its experts, every layer's
+    # (one layer's with checkpointing). single's experts compute in fp32 (grouped_mm is not autocast-aware).
+    attention_and_router = 48 * (2048 * 4096 + 2 * 2048 * 512 + 4096 * 2048 + 2048 * 128)
+    lm_head = 151_936 * 2048
+    assert estimate(shape, "single").compute_copy_bytes == 2 * (attention_and_router + lm_head)
+    assert ep.compute_copy_bytes == 2 * (attention_and_router + lm_head + experts // 8)
+    assert estimate(shape, "ep", 8, activation_checkpointing=True).compute_copy_bytes == 2 * (
+        attention_and_router + lm_head + experts // 8 // 48)
+    # the dispatch: sorted, received and regrouped rows, fp32 under autocast, k = 8 per token
+    assert ep.buffers_bytes == 1024 * 3 * 4 * 8 * 2048
+    assert estimate(shape, "ep", 8, precision="fp32").precision is PROJECT_FP32
+
+
+def _moe_saved_bytes_per_token(layers: int, autocast: bool, packed: bool, expert_parallel: bool,
+                               seq_len: int = 96) -> float:
+    """As _saved_bytes_per_token, for qwen3-moe-tiny with common.moe's load-balancing loss; `expert_parallel`:
+    ep-ft's expert block on a one-rank group (needs torch.distributed initialised)."""
+    from common.moe import RouterStats
+
+    torch.manual_seed(0)
+    config = _tiny_moe(layers)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    if expert_parallel:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        sys.path.insert(0, str(REPO_ROOT / "tests"))
+        from conftest import load_experiment
+
+        load_experiment("ep-ft").shard_experts(model, init_device_mesh("cpu", (1,), mesh_dim_names=("ep",)))
+    model.train()
+    stats = RouterStats(model, config.num_experts, config.num_experts_per_tok)
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    parameters = {p.untyped_storage().data_ptr() for p in local}
+    weight_shapes = {shape for p in local for shape in (tuple(p.shape), tuple(p.shape[::-1]), (*p.shape[:1],
+                                                                                               *p.shape[:0:-1]))}
+    saved: dict[int, int] = {}
+
+    def keep(tensor):
+        storage = tensor.untyped_storage()
+        is_weight_copy = tensor.dtype == torch.bfloat16 and tuple(tensor.shape) in weight_shapes
+        if storage.data_ptr() not in parameters and not is_weight_copy:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    half = seq_len // 2
+    position_ids = torch.cat([torch.arange(half), torch.arange(seq_len - half)]) if packed else torch.arange(seq_len)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        stats.begin()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            model(input_ids=torch.randint(0, 8000, (1, seq_len)), position_ids=position_ids[None],
+                  attention_mask=None, use_cache=False)
+        stats.end()  # the load-balancing loss, as single-ft and ep-ft add it
+    return sum(saved.values()) / seq_len
+
+
+def _moe_activation_check(autocast: bool, packed: bool, expert_parallel: bool) -> None:
+    shape = model_shape(_tiny_moe())
+    seq_len, compute_bytes = 96, 2 if autocast else 4
+    terms = layer_activation_terms(shape, compute_bytes=compute_bytes, autocast=autocast, seq_len=seq_len,
+                                   attention="sdpa-packed" if packed else "sdpa", expert_parallel=expert_parallel)
+    two, three = (_moe_saved_bytes_per_token(n, autocast, packed, expert_parallel) for n in (2, 3))
+    # Besides the formula: the grouped products' int32 offsets, one per expert (E here, E / W in ep-ft) per layer
+    offsets = 4 * shape.experts / seq_len
+    assert three - two == pytest.approx(sum(terms.values()) + offsets, abs=1e-9)
+    outside = outside_layers_bytes_per_token(shape, compute_bytes=compute_bytes, autocast=autocast)
+    # + the input ids (8 per token) and the aux loss's product of two [E] fp32 vectors (once per forward)
+    assert two - 2 * (three - two) == pytest.approx(outside + 8 + offsets, abs=1e-9)
+
+
+@pytest.mark.parametrize("autocast,packed", [(False, False), (True, True)])
+def test_moe_activation_formula_matches_what_autograd_keeps(autocast, packed):
+    """single-ft's MoE layer (transformers' grouped_mm experts), by hand for qwen3-moe-tiny under autocast
+    (d 256, E 8, k 2, I_e 128; c 2, r 4, and e 4: the experts compute in the fp32 weights' dtype)."""
+    if autocast:
+        terms = layer_activation_terms(model_shape(_tiny_moe()), compute_bytes=2, autocast=True, seq_len=96)
+        assert (terms["router"], terms["aux_loss"], terms["experts"]) == (
+            4 * 8 + 8 * 2 + 4 * 2 + 4, 2 * 8 + 8 * 2, 2 * (2 * 4 * 256 + 4 * 4 * 128 + 2 + 24))
+        assert "mlp" not in terms and terms["linear_inputs"] == 4 * 2 * 256
+    _moe_activation_check(autocast, packed, expert_parallel=False)
+
+
+def _ep_block(out_dir: str) -> dict:
+    """In a one-rank group: ep-ft's expert block against the activation formula (fp32 and autocast), then what a
+    rank of ep-ft holds after a step (dense parameters, its experts as DTensors, AdamW as ep-ft groups it)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from common.metrics import state_bytes
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    for autocast, packed in ((False, False), (True, True)):
+        _moe_activation_check(autocast, packed, expert_parallel=True)
+    sys.path.insert(0, str(REPO_ROOT / "tests"))
+    from conftest import load_experiment
+
+    ep_ft = load_experiment("ep-ft")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_tiny_moe(), attn_implementation="sdpa")
+    blocks = ep_ft.shard_experts(model, init_device_mesh("cpu", (1,), mesh_dim_names=("ep",)))
+    experts = [p for block in blocks for p in block.parameters()]
+    optimizer = _ep_optimizer(model, experts)
+    ids = torch.randint(0, 8000, (1, 32))
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        held = state_bytes(model.parameters(), optimizer)  # as ep-ft measures it: after backward, before the step
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    dist.destroy_process_group()
+    return dict(held=held, tensors=len(list(model.parameters())))
+
+
+def _ep_optimizer(model, experts) -> torch.optim.AdamW:
+    """ep-ft's AdamW groups: dense matrices, dense vectors, experts."""
+    expert_ids = {id(p) for p in experts}
+    dense = [p for p in model.parameters() if id(p) not in expert_ids]
+    groups = [{"params": [p for p in dense if p.ndim >= 2], "weight_decay": 0.01},
+              {"params": [p for p in dense if p.ndim < 2], "weight_decay": 0.0},
+              {"params": experts, "weight_decay": 0.01}]
+    return torch.optim.AdamW(groups, lr=1e-3)
+
+
+def test_ep_ft_block_and_states_on_one_rank(tmp_path):
+    """ep-ft's own expert block on a one-rank group (it holds every expert): its saved tensors are the formula's,
+    and a rank's model states after a step are estimate(..., "ep", 1).state_bytes() to the byte, AdamW's step
+    counters (one fp32 scalar per parameter tensor) aside, as for the other experiments."""
+    result = subprocess.run([sys.executable, __file__, "ep", str(tmp_path)], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-5000:]
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    predicted = estimate(_tiny_moe(), "ep", 1, precision="bf16").state_bytes()
+    assert measured["held"] == {**predicted, "optimizer": predicted["optimizer"] + 4 * measured["tensors"]}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])  # one rank: test_ep_ft_block_and_states_on_one_rank
+def test_an_ep_rank_holds_the_predicted_states(world_size):
+    """Rank 0 of ep-ft on W ranks, emulated in one process: the dense parameters whole and experts
+    [0, E / W) of every layer (the rows ep-ft's ExpertParallelExperts keeps), with their gradients from a real
+    backward and AdamW's state after one step, grouped as ep-ft groups them."""
+    from common.metrics import state_bytes
+
+    torch.manual_seed(0)
+    config = _tiny_moe()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    ids = torch.randint(0, 8000, (1, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    local = config.num_experts // world_size
+    experts = []
+    for layer in model.model.layers:
+        for name in ("gate_up_proj", "down_proj"):
+            whole = getattr(layer.mlp.experts, name)
+            rows = torch.nn.Parameter(whole.detach()[:local].clone())
+            rows.grad = whole.grad[:local].clone()
+            experts.append(rows)
+    expert_names = {name for name, _ in model.named_parameters() if ".mlp.experts." in name}
+    dense = [p for name, p in model.named_parameters() if name not in expert_names]
+    held = [*dense, *experts]
+    optimizer = _ep_optimizer(torch.nn.ParameterList(held), experts)
+    optimizer.step()
+    measured = state_bytes(held, optimizer)
+    predicted = estimate(config, "ep", world_size).state_bytes()
+    assert measured == {**predicted, "optimizer": predicted["optimizer"] + 4 * len(held)}
+    shape = model_shape(config)
+    assert measured["weights"] == 4 * (shape.total_parameters - shape.layers * shape.layer_expert_parameters
+                                       * (1 - 1 / world_size))
+
+
+def test_cli_prints_the_ep_row_for_qwen3_30b_a3b(capsys):
+    main(["--model", "qwen3-30b-a3b", "--gpus", "8", "--gpu-mem-gb", "141", "--activation-checkpointing"])
+    out = capsys.readouterr().out
+    (ep_line,) = [line for line in out.splitlines() if line.startswith("ep ")]
+    (single_line,) = [line for line in out.splitlines() if line.startswith("single ")]
+    ep = estimate("qwen3-30b-a3b", "ep", 8, activation_checkpointing=True)
+    assert float(ep_line.split()[9]) == pytest.approx(ep.total_gib, abs=0.005) and ep_line.split()[10] == "yes"
+    assert single_line.split()[10] == "no"
+    assert "128 experts x 768 (8 per token" in out
+    assert "recommendation: ep + activation checkpointing" in out and "does not fit one GPU" in out
+    assert "run: uv run torchrun --nproc_per_node=8 experiments/ep-ft/train.py --activation-checkpointing" in out
+    main(["--model", "qwen3-30b-a3b", "--gpus", "2", "--gpu-mem-gb", "80"])
+    out = capsys.readouterr().out
+    assert "recommendation: none" in out and any(line.startswith("ep ") for line in out.splitlines())
+    main(["--model", "qwen3-30b-a3b", "--gpus", "16", "--nodes", "2", "--gpu-mem-gb", "80"])
+    assert "experiments/ep-ft/train.py" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--model", "qwen3-30b-a3b", "--lora-rank", "16"])
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["census"]:
     print(json.dumps(_census([tuple(run) for run in json.loads(sys.argv[2])])))
+if __name__ == "__main__" and sys.argv[1:2] == ["ep"]:
+    print(json.dumps(_ep_block(sys.argv[2])))
