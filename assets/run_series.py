@@ -114,6 +114,7 @@ def memory_runs() -> list[Run]:
 
 
 SHORT = (*TINY, "--steps", "12")
+MOE = ("--model", "qwen3-moe-tiny", "--seq-len", "256", "--dtype", "fp32", "--steps", "40")
 SERIES: dict[str, list[Run] | Tool] = {
     "workload": workload_runs(),
     "lora": lora_runs(),
@@ -146,6 +147,14 @@ SERIES: dict[str, list[Run] | Tool] = {
                    Run("pp-ft-2x2", "pp-ft", 4, (*WORKLOAD, "--stages", "2", "--grad-accum", "2", "--schedule",
                                                  "1f1b")),
                    Run("pp-ds-ft-2x2", "pp-ds-ft", 4, (*WORKLOAD, "--stages", "2", "--grad-accum", "2"))],
+    # A mixture of experts: qwen3-moe-tiny (4 layers of 8 experts, 2 per token) on the workload's data and B = 4 rows.
+    # lr 1e-4, at which no token changes experts between single-ft and ep-ft (tests/test_ep_ft.py), and the
+    # preset's lr 1e-3, at which some do; ep-ft on 4 ranks (2 experts each, 3/4 of the rows leave their rank).
+    "moe": [Run("single-ft", "single-ft", 1, (*MOE, "--grad-accum", "4", "--lr", "1e-4")),
+            Run("ep-ft", "ep-ft", 2, (*MOE, "--grad-accum", "2", "--lr", "1e-4")),
+            Run("ep-ft-4", "ep-ft", 4, (*MOE, "--lr", "1e-4")),
+            Run("single-ft-lr1e-3", "single-ft", 1, (*MOE, "--grad-accum", "4")),
+            Run("ep-ft-lr1e-3", "ep-ft", 2, (*MOE, "--grad-accum", "2"))],
     "sweep": Tool(("uv", "run", "python", "-m", "common.sweep", "--strategies", "fsdp-ft", "pp-ds-ft",
                    "--micro-batch-sizes", "1", "2", "--grad-accums", "2", "4", "--checkpointing", "off", "on",
                    "--dtypes", "fp32", "--model", "qwen3-tiny", "--seq-len", "256", "--steps", "12", "--out", "{out}"),

@@ -29,6 +29,8 @@ def wire_bytes(kind: str, buffer_bytes: float, world_size: int) -> float:
         return (w - 1) / w * buffer_bytes
     if kind in ("broadcast", "send", "recv"):
         return buffer_bytes
+    if kind == "all_to_all":  # the buffer is what this rank sends; its own block stays (evenly spread: 1/W of it)
+        return (w - 1) / w * buffer_bytes
     raise ValueError(f"unknown collective {kind!r}")
 
 
@@ -366,4 +368,38 @@ def deepspeed_pipeline_collectives(n_stages: int, stage: int, *, microbatches: i
     norm_calls = 1 if zero_stage == 0 else 2 * optimizer_groups
     result["all_reduce"] = {"calls": calls + norm_calls, "bytes": n_bytes + 4 * norm_calls}
     result["broadcast"] = {"calls": 1, "bytes": 8}
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Expert parallelism (ep)
+
+
+def dense_buckets(grad_bytes: list[int], bucket_bytes: int) -> list[int]:
+    """ep-ft's all_reduce_dense: gradients in order, a bucket sent once it holds bucket_bytes or more."""
+    buckets, size = [], 0
+    for n_bytes in grad_bytes:
+        size += n_bytes
+        if size >= bucket_bytes:
+            buckets.append(size)
+            size = 0
+    return buckets + ([size] if size else [])
+
+
+def ep_collectives(*, rows_sent: list[int], rows_received: list[int], hidden: int, experts: int, element_bytes: int,
+                   dense_grad_bytes: list[int], bucket_bytes: int, logged_values: int) -> dict[str, dict[str, float]]:
+    """ep-ft, one rank, one optimizer step. Forward i (one per sparse layer and micro-batch) dispatched
+    rows_sent[i] (token, expert) rows of d elements and received rows_received[i]: the routing decides both, so the
+    run passes the counts of its profiled step. Per forward, five all-to-alls: the per-expert counts (E int64), the
+    rows out (dispatch), the results back (combine); in backward the gradient of what came back (rows_sent rows)
+    and of what was received (rows_received rows). Then the all-reduces: the dense gradients in buckets, the experts'
+    squared gradient norm (one fp32), and the step's logged values (loss, aux loss, tokens per expert per layer)."""
+    result: dict[str, dict[str, float]] = {}
+    for sent, received in zip(rows_sent, rows_received, strict=True):
+        _add(result, "all_to_all", 1, experts * 8)
+        _add(result, "all_to_all", 4, 2 * (sent + received) * hidden * element_bytes)
+    for bucket in dense_buckets(dense_grad_bytes, bucket_bytes):
+        _add(result, "all_reduce", 1, bucket)
+    _add(result, "all_reduce", 1, 4)
+    _add(result, "all_reduce", 1, 4 * logged_values)
     return result

@@ -100,7 +100,7 @@ def test_aux_loss_is_transformers_own_mean_over_the_micro_batches(single, small_
     its token loss), the aux losses averaged, the token losses weighted by their loss tokens."""
     data = build_data(small_data, tokenizer, 128, seed=0)
     torch.manual_seed(0)
-    model = load_model(MODEL, tokenizer, "sdpa")
+    model = load_model(MODEL, tokenizer, "sdpa", allow_moe=True)
     aux, loss_sum = [], 0.0
     with torch.no_grad():
         for batch in data.micro_batches(0, 1, 4):
@@ -134,16 +134,24 @@ def test_every_routed_token_is_counted_and_dispatched(ep):
     assert 1.0 <= load["imbalance_mean"] <= load["imbalance_max"] <= EXPERTS
 
 
-def test_the_all_to_alls_are_measured(ep):
+def test_the_all_to_alls_are_measured_and_equal_the_formula(ep):
     """Per layer and micro-batch: one all-to-all of the counts, two of the rows forward (dispatch, combine), two
-    backward; 4 layers x 2 micro-batches per rank. The dense gradients are summed in all-reduces of their size."""
+    backward; 4 layers x 2 micro-batches per rank. Their bytes, on rank 0 in the profiled step 3: the rows it sent
+    (k x its 2 x 128 token slots per layer) and the rows it received (the tokens routed to its experts 0-3, read from
+    that step's global expert load) go twice each (forward and backward), d fp32 each, plus E int64 counts. The
+    dense gradients are summed in all-reduces of their size, then the expert norm and the logged values."""
     result = summary(ep / "steps")
     assert result["profiled_steps"] == [3]
-    calls = result["collective_bytes_per_step"]["gloo:all_to_all"]["calls"]
-    assert calls == LAYERS * 2 * (1 + 2 + 2)
+    measured = result["collective_bytes_per_step"]
+    assert measured == result["collective_bytes_formula"]  # common/comm.py's ep_collectives, call for call
+    step = records(ep / "steps")[2]
+    sent = TOP_K * 2 * 128
+    expected = sum(2 * (sent + sum(layer[:EXPERTS // 2])) * 256 * 4 for layer in step["expert_tokens"])
+    assert measured["gloo:all_to_all"] == {"calls": LAYERS * 2 * (1 + 2 + 2),
+                                           "bytes": expected + LAYERS * 2 * EXPERTS * 8}
     counts = count_parameters(model_config(MODEL))
     dense_bytes = 4 * (counts["total"] - counts["experts"])
-    assert result["collective_bytes_per_step"]["gloo:all_reduce"]["bytes"] >= dense_bytes
+    assert measured["gloo:all_reduce"]["bytes"] == dense_bytes + 4 + 4 * (2 + LAYERS * EXPERTS)
     assert result["comm_ms"] > 0
 
 

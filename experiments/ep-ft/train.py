@@ -45,6 +45,7 @@ from transformers import HfArgumentParser
 
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
+from common.comm import as_backend, ep_collectives
 from common.data import DataError, build_data, describe, evaluate, sample_text, token_loss_sum
 from common.dist import all_ranks, init_distributed, print0, teardown
 from common.generate import generate, sample_prompt
@@ -165,16 +166,22 @@ class ExpertParallelExperts(nn.Module):
 
         self.gate_up_proj = shard(experts.gate_up_proj)
         self.down_proj = shard(experts.down_proj)
-        self.rows_sent = [0] * self.world  # (token, expert) rows this rank dispatched to each rank, whole run
+        # Per forward since the trainer last took them: the rows sent to each rank, and the rows received.
+        self.forwards: list[tuple[list[int], int]] = []
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         tokens, k = top_k_index.shape
         W, L = self.world, self.local_experts
 
+        # Under autocast the rows travel and are multiplied in its dtype (bf16: half the bytes of fp32); grouped_mm
+        # is not autocast-aware, so the casts are explicit.
+        dtype = torch.get_autocast_dtype(hidden_states.device.type) \
+            if torch.is_autocast_enabled(hidden_states.device.type) else hidden_states.dtype
+
         # 1. Dispatch. Sort the rank's (token, slot) pairs by expert: the rows for rank r's experts are one block.
         expert_ids = top_k_index.reshape(-1)
         order = torch.argsort(expert_ids, stable=True)
-        rows = hidden_states[order // k]
+        rows = hidden_states[order // k].to(dtype)
         per_expert = torch.bincount(expert_ids, minlength=self.num_experts)  # [E] = W blocks of L
         # Every rank tells every other how many rows it sends to each of that rank's experts...
         incoming = torch.empty_like(per_expert)
@@ -183,8 +190,7 @@ class ExpertParallelExperts(nn.Module):
         per_expert_out, per_expert_in = torch.stack([per_expert, incoming]).tolist()
         send = [sum(per_expert_out[r * L:(r + 1) * L]) for r in range(W)]
         receive = [sum(per_expert_in[s * L:(s + 1) * L]) for s in range(W)]
-        for r in range(W):
-            self.rows_sent[r] += send[r]
+        self.forwards.append((send, sum(receive)))
         # ...then the rows themselves, in variable blocks. The functional all-to-all is differentiable: its
         # backward sends the rows' gradients back the same way (torch's own autograd collective, as torchtitan uses).
         received = wait_tensor(all_to_all_single_autograd(rows, receive, send, self.group))
@@ -196,10 +202,7 @@ class ExpertParallelExperts(nn.Module):
         counts = [sum(per_expert_in[s * L + e] for s in range(W)) for e in range(L)]
         offsets = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
         x = received[regroup]
-        gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()
-        if torch.is_autocast_enabled(x.device.type):  # grouped_mm is not autocast-aware: cast as autocast would
-            dtype = torch.get_autocast_dtype(x.device.type)
-            x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
+        gate_up, down = self.gate_up_proj.to_local().to(dtype), self.down_proj.to_local().to(dtype)
         gate, up = grouped_linear(x, gate_up, offsets, counts).chunk(2, dim=-1)
         out = grouped_linear(self.act_fn(gate) * up, down, offsets, counts)
         out = out[torch.argsort(regroup)]  # back in the order the rows arrived
@@ -246,8 +249,8 @@ def main(argv: list[str] | None = None) -> dict:
     MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
     # What ep-ft does not train stops the run before anything starts (a hub model is checked once loaded).
     if config.lora_rank or config.qlora:
-        raise SystemExit("ep-ft trains every parameter: LoRA adapters on the experts' 3-D weights are not supported "
-                         "here (single-ft --lora-rank puts adapters on the attention projections of a MoE model)")
+        raise SystemExit("ep-ft trains every parameter: LoRA on its sharded experts is not built here (single-ft "
+                         "--lora-rank trains LoRA on a mixture of experts in one process)")
     if is_preset(config.model) and not is_moe(model_config(config.model)):
         raise SystemExit(dense_refusal(config.model))
 
@@ -346,6 +349,8 @@ def main(argv: list[str] | None = None) -> dict:
     state_step = min(start_step + 1, config.steps - 1)
     measured_state = None
     run_load = None
+    profiled_forwards = []  # per profiled step: its step_forwards
+    rows_sent = [0] * world_size  # (token, expert) rows this rank dispatched to each rank over the training steps
     max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum, rank, world_size)
@@ -354,12 +359,15 @@ def main(argv: list[str] | None = None) -> dict:
 
         stopwatch.reset()
         comm_timer.start(step)
+        step_forwards = []  # (rows sent to each rank, rows received) of each training forward's expert blocks
         step_loss = torch.zeros((), device=device)
         step_aux = torch.zeros((), device=device)
         for host_batch in micro_batches:
             batch = {key: value.to(device, non_blocking=True) for key, value in host_batch.items()}
             packed = attention.forward_kwargs(host_batch["position_ids"], device)
             moe.begin()
+            for module in ep_layers:  # what ran since the last forward (evaluation, recomputation) is not counted
+                module.forwards.clear()
             with autocast():
                 # Packed rows: attention_mask=None + restarted position_ids + use_cache=False, as in single-ft.
                 if config.loss_chunk_tokens:
@@ -376,6 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
             # gradient of single-ft's step loss: so the dense gradients are summed (not averaged) below, and the
             # experts' ones, which the all-to-all's backward already summed from every rank's tokens, are final.
             aux = moe.end() / micro_batches_per_step
+            step_forwards += [rows for module in ep_layers for rows in module.forwards]
             loss = loss_sum / loss_tokens + aux_coef * aux
             loss.backward()
             step_loss += loss.detach()
@@ -408,6 +417,9 @@ def main(argv: list[str] | None = None) -> dict:
         grad_norm_value, step_loss_value, aux_value = values[:3]
         step_ms = stopwatch.elapsed_ms()
         comm_ms = comm_timer.stop(step)
+        rows_sent = [a + sum(send[r] for send, _ in step_forwards) for r, a in enumerate(rows_sent)]
+        if comm_timer.profiled and comm_timer.profiled[-1] == step + 1:  # the rows this step's forwards moved
+            profiled_forwards.append(step_forwards)
 
         experts_per_layer = load.shape[1]
         step_load = [values[3 + i * experts_per_layer:3 + (i + 1) * experts_per_layer] for i in range(load.shape[0])]
@@ -437,7 +449,20 @@ def main(argv: list[str] | None = None) -> dict:
                           micro_batch_size=config.micro_batch_size,
                           activation_checkpointing=config.activation_checkpointing, precision=config.dtype,
                           attention=attention_kind(attention.impl, config.packing))
-    rows_sent = [sum(module.rows_sent[r] for module in ep_layers) for r in range(world_size)]
+    # common/comm.py's formula for the profiled steps, from the rows they actually moved (routing decides them).
+    # Not with activation checkpointing, whose recomputed forwards exchange the rows a second time in backward.
+    formula = None
+    if profiled_forwards and world_size > 1 and not config.activation_checkpointing:
+        steps = [ep_collectives(rows_sent=[sum(send) for send, _ in forwards],
+                                rows_received=[got for _, got in forwards],
+                                hidden=model.config.hidden_size, experts=model.config.num_experts,
+                                element_bytes=2 if config.dtype == "bf16" else 4,
+                                dense_grad_bytes=[p.numel() * p.element_size() for p in dense],
+                                bucket_bytes=int(config.dense_bucket_mb * 2**20),
+                                logged_values=2 + len(ep_layers) * model.config.num_experts)
+                 for forwards in profiled_forwards]
+        formula = as_backend({kind: {key: sum(step[kind][key] for step in steps) / len(steps)
+                                     for key in ("calls", "bytes")} for kind in steps[0]}, dist.get_backend())
     summary = metrics.write_summary(
         comm_timer=comm_timer,  # comm_ms, collective counts and bytes (the all-to-alls): torch.profiler
         experiment=EXPERIMENT, command=launch_command(), commit=git_commit(REPO_ROOT), config=asdict(config),
@@ -449,8 +474,8 @@ def main(argv: list[str] | None = None) -> dict:
         state_bytes_per_rank=None if measured_state is None else all_ranks(measured_state),
         state_bytes_step=None if measured_state is None else state_step + 1,
         predicted_state_bytes=prediction.state_bytes(),
-        collective_bytes_formula=None,  # routing decides the all-to-all sizes: measured, not modelled
-        # (token, expert) rows rank 0..W-1 dispatched to each rank over the run (rank r's own in column r)
+        collective_bytes_formula=formula,
+        # (token, expert) rows rank 0..W-1 dispatched to each rank over the training steps (its own in column r)
         dispatched_rows=all_ranks(rows_sent),
         packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
         n_truncated=data.stats["n_truncated"], data=data.stats,

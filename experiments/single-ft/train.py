@@ -305,8 +305,9 @@ def main(argv: list[str] | None = None) -> dict:
     # common/memory.py's prediction for this device: its peak next to the measured one (comparable on a GPU, where
     # both mean max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included),
     # its model states next to the bytes counted above.
-    # (common/memory.py prices fp32 or bf16 weights, not 4-bit ones: no prediction under --qlora.)
-    prediction = None if config.qlora else estimate(
+    # (common/memory.py prices fp32 or bf16 weights, not 4-bit ones: no prediction under --qlora; nor LoRA on a
+    # mixture of experts, where peft also wraps the experts' 3-D weights.)
+    prediction = None if config.qlora or (moe and config.lora_rank) else estimate(
         model.config, "single", 1, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
         activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank,
         precision=config.dtype, attention=attention_kind(attention.impl, config.packing))
