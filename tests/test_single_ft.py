@@ -183,7 +183,8 @@ def test_the_step_reads_the_device_once(tmp_path, small_data, monkeypatch):
 
     for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name)))
-    for extra in ((), ("--loss-chunk-tokens", 64, "--attn", "varlen")):
+    # (A mixture of experts too: its aux loss and expert load join the same read.)
+    for extra in ((), ("--loss-chunk-tokens", 64, "--attn", "varlen"), ("--model", "qwen3-moe-tiny")):
         per_run = []
         for steps in (2, 5):
             calls.clear()
