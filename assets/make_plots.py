@@ -567,6 +567,76 @@ def draw_tp_activations(rows: list[dict], path: Path) -> None:
     save(figure, path)
 
 
+def moe_data(runs: list[Run]) -> list[dict]:
+    """Two kinds of rows. "load": the tokens each expert of each layer received over an ep-ft run, with the rank that
+    holds it. "parity": per step, an ep-ft run against the single-ft run of the same steps (same learning rate):
+    the relative loss difference and the (token, expert) rows routed to another expert than single-ft's."""
+    blank = dict(kind=None, run=None, lr=None, ranks=None, layer=None, expert=None, rank=None, tokens=None, step=None,
+                 loss_rel_diff=None, moved_rows=None)
+    rows = []
+    for run in runs:
+        load = run.summary.get("expert_load")
+        if run.summary.get("experiment") != "ep-ft" or not load:
+            continue
+        ranks = run.summary["hardware"]["world_size"]
+        for layer, counts in enumerate(load["tokens_per_expert"]):
+            per_rank = len(counts) // ranks
+            rows += [{**blank, "kind": "load", "run": run.label, "lr": run.config.get("lr"), "ranks": ranks,
+                      "layer": layer, "expert": expert, "rank": expert // per_rank, "tokens": tokens}
+                     for expert, tokens in enumerate(counts)]
+        reference = next((other for other in runs if other.summary.get("experiment") == "single-ft"
+                          and other.step_key() == run.step_key()), None)
+        if reference is None:
+            continue
+        for mine, theirs in zip(run.steps, reference.steps):
+            moved = sum(abs(a - b) for x, y in zip(mine["expert_tokens"], theirs["expert_tokens"])
+                        for a, b in zip(x, y)) / 2
+            rows.append({**blank, "kind": "parity", "run": run.label, "lr": run.config.get("lr"), "ranks": ranks,
+                         "step": mine["step"], "loss_rel_diff": abs(mine["loss"] - theirs["loss"]) / theirs["loss"],
+                         "moved_rows": moved})
+    return rows
+
+
+def draw_moe(rows: list[dict], path: Path) -> None:
+    plt = pyplot()
+    figure, (load, parity) = plt.subplots(1, 2, figsize=(15, 4.8))
+    loads = [r for r in rows if r["kind"] == "load" and r["ranks"] == 2]
+    shown = loads and min(r["lr"] for r in loads)
+    loads = [r for r in loads if r["lr"] == shown and r["run"] == next(x["run"] for x in loads if x["lr"] == shown)]
+    layers = sorted({r["layer"] for r in loads})
+    experts = sorted({r["expert"] for r in loads})
+    width = 0.8 / max(1, len(layers))
+    for index, layer in enumerate(layers):
+        line = sorted((r for r in loads if r["layer"] == layer), key=lambda r: r["expert"])
+        load.bar([r["expert"] + (index - (len(layers) - 1) / 2) * width for r in line], [r["tokens"] for r in line],
+                 width, color=[("tab:blue", "tab:orange")[r["rank"] % 2] for r in line], alpha=0.35 + 0.65 * (
+                     index + 1) / len(layers), label=f"layer {layer}")
+    if loads:
+        mean = sum(r["tokens"] for r in loads) / len(loads)
+        load.axhline(mean, color="black", linewidth=0.8, linestyle="--", label="even load")
+    load.set_xticks(experts, [f"E{e}\nrank {next(r['rank'] for r in loads if r['expert'] == e)}" for e in experts])
+    load.set(ylabel="(token, slot) rows routed over the run", title="Tokens per expert, ep-ft on 2 ranks "
+             "(blue: rank 0's experts, orange: rank 1's)")
+    load.legend(fontsize="small", ncols=2)
+    for lr in sorted({r["lr"] for r in rows if r["kind"] == "parity"}):
+        line = sorted((r for r in rows if r["kind"] == "parity" and r["lr"] == lr and r["ranks"] == 2),
+                      key=lambda r: r["step"])
+        parity.plot([r["step"] for r in line], [max(r["loss_rel_diff"], 1e-9) for r in line], marker=".",
+                    label=f"lr {lr:g}: loss, relative difference")
+        moved = [r for r in line if r["moved_rows"]]
+        if moved:
+            first = moved[0]
+            parity.annotate(f"first step with tokens on other experts: {first['step']}",
+                            (first["step"], max(first["loss_rel_diff"], 1e-9)), textcoords="offset points",
+                            xytext=(10, -25), fontsize="small", arrowprops=dict(arrowstyle="->"))
+    parity.axhline(1e-5, color="grey", linestyle=":", label="the tests' bound, 1e-5")
+    parity.set_yscale("log")
+    parity.set(xlabel="optimizer step", ylabel="|ep-ft - single-ft| / single-ft (floor 1e-9)",
+               title="ep-ft vs single-ft per step, fp32")
+    parity.legend(fontsize="small")
+    save(figure, path)
+
+
 def textbook_bubble(p: int, m: float, v: int = 1) -> float:
     return (p - 1) / (v * m + p - 1)
 
@@ -685,6 +755,8 @@ FIGURES = {figure.name: figure for figure in (
     Figure("pp_schedule", "One step of GPipe, 1F1B, interleaved 1F1B and ZBV at m = 4, per rank",
            tuple(f"{SERIES}pp/pp-ft-{schedule}-m4" for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zbv")),
            pp_schedule_data, draw_pp_schedule),
+    Figure("moe", "A mixture of experts on 2 ranks: tokens per expert, and ep-ft against single-ft per step",
+           ("devlog/data/2026-11-26-moe/*",), moe_data, draw_moe),
     Figure("sweep", "Sweep cells: tokens/s and peak memory",
            (SERIES + "sweep/*",), sweep_data, draw_sweep, from_any_runs=False),
 )}

@@ -6,8 +6,8 @@
   random weights, so throughput and memory are those of the real model without downloading it; `qwen3-tiny` is
   the same architecture at ~5M parameters for CPU runs and tests. The mixture-of-experts presets build
   transformers' Qwen3-MoE model: `qwen3-30b-a3b` (the published geometry: 128 experts, 8 per token) and
-  `qwen3-moe-tiny` (8 experts, 2 per token, ~9M parameters, for CPU runs and tests). Presets use the byte-level BPE tokenizer in
-  assets/tokenizer/ (8k tokens; the larger embedding tables of the real sizes simply have unused rows).
+  `qwen3-moe-tiny` (8 experts, 2 per token, ~8M parameters, for CPU runs and tests). Presets use the byte-level
+  BPE tokenizer in assets/tokenizer/ (8k tokens; the larger embedding tables of the real sizes have unused rows).
 - a hub id such as `Qwen/Qwen3-0.6B-Base` (downloaded by transformers, or read from its cache when offline);
 - a local folder written by `save_pretrained` (or by any experiment's `--save-hf`).
 """

@@ -170,7 +170,7 @@ class ExpertParallelExperts(nn.Module):
         self.forwards: list[tuple[list[int], int]] = []
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        tokens, k = top_k_index.shape
+        k = top_k_index.shape[1]
         W, L = self.world, self.local_experts
 
         # Under autocast the rows travel and are multiplied in its dtype (bf16: half the bytes of fp32); grouped_mm
