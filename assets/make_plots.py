@@ -188,7 +188,10 @@ def memory_breakdown_data(runs: list[Run]) -> list[dict]:
 
     rows = []
     for model in BREAKDOWN_MODELS:
+        dense = not memory.model_shape(model).is_moe
         for strategy in memory.STRATEGIES:
+            if dense and strategy == "ep":
+                continue  # ep splits a mixture of experts' experts
             world = 1 if strategy == "single" else BREAKDOWN_SETTING["gpus"]
             estimate = memory.estimate(model, strategy, world, seq_len=BREAKDOWN_SETTING["seq_len"],
                                        micro_batch_size=BREAKDOWN_SETTING["micro_batch_size"],
