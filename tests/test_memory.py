@@ -553,6 +553,7 @@ def _census(runs: list[tuple[int, str, int]]) -> dict:
 
     deepspeed.utils.logger.setLevel(logging.ERROR)
     zero_ft = load_experiment("zero-ft")
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # not built: as zero-ft on CPU (see there)
     deepspeed.init_distributed(dist_backend="gloo")
     counted = {}
     for stage, dtype, lora_rank in runs:

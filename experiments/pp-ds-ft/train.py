@@ -361,6 +361,11 @@ def main(argv: list[str] | None = None) -> dict:
     # world of one (a one-stage pipeline).
     act_as_launcher_if_alone()
     dist_info = init_distributed()
+    # On the CPU accelerator DeepSpeed's communication layer would first build, with g++, a shared-memory all-reduce op
+    # (about a minute on 2 cores, once per machine) that only its inference tensor parallelism calls
+    # (inference_all_reduce); training's collectives are gloo's either way. Marked unavailable, it is not built.
+    if dist_info.device.type == "cpu":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     # DeepSpeed's communication layer wraps the group just created.
     deepspeed.init_distributed(dist_backend=dist_info.backend)
     device, world_size = dist_info.device, dist_info.world_size

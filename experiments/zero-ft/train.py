@@ -241,6 +241,11 @@ def main(argv: list[str] | None = None) -> dict:
     # launcher's variables even for one process, so a plain `python train.py` plays a launcher with a world of one.
     act_as_launcher_if_alone()
     dist_info = init_distributed()
+    # On the CPU accelerator DeepSpeed's communication layer would first build, with g++, a shared-memory all-reduce op
+    # (about a minute on 2 cores, once per machine) that only its inference tensor parallelism calls
+    # (inference_all_reduce); training's collectives are gloo's either way. Marked unavailable, it is not built.
+    if dist_info.device.type == "cpu":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     # DeepSpeed's communication layer wraps the group just created (zero.Init, used before the engine exists, needs it).
     deepspeed.init_distributed(dist_backend=dist_info.backend)
     device, rank, world_size = dist_info.device, dist_info.rank, dist_info.world_size
