@@ -3,7 +3,7 @@
     python3 assets/gpu_suite.py              # on a GPU machine, from the repository root; no uv or network needed
     python3 assets/gpu_suite.py --list       # the runs it would make, their commands and predictions; runs nothing
     python3 assets/gpu_suite.py --wheels     # which wheels the TRL comparison needs on an offline machine, and how
-    python3 assets/gpu_suite.py --dry-run    # every stage on the CPU with the tiny preset (what the tests run)
+    python3 assets/gpu_suite.py --dry-run    # the stages on the CPU, tiny preset, fewer rungs (what the tests run)
 
 Stages, in order of what matters most, each kept as soon as it finishes:
 1. Kernels: every variable-length attention kernel installed (common/attention.py: torch's varlen_attn, flash-attn,
@@ -102,15 +102,20 @@ class Plan:
     fsdp_seq: int = 1024
     peer_micro: int = 4  # rows per optimizer step of the TRL comparison
     compile: bool = True  # the dry run leaves torch.compile out (tests/test_loss.py checks it; on CPU it only costs)
+    syncs: bool = True  # the host-sync count (the dry run leaves it out: no CUDA, no sync to count on a CPU)
+    fsdp: bool = True  # fsdp-ft on one rank (the dry run leaves it out: tests/test_ddp_fsdp.py runs fsdp-ft)
 
 
 GPU_PLAN = Plan(model="qwen3-0.6b", dtype="bf16", steps=20, warmup=5, chunk=1024,
                 ladders=[("s1024-full", 1024, 0, (4, 8)), ("s1024-lora16", 1024, 16, (4, 8)),
                          ("s4096-full", 4096, 0, (2,)), ("s4096-lora16", 4096, 16, (2,))],
                 fsdp_seq=1024)
-# The dry run leaves out the larger micro-batch rungs (the same code path as the compile rung, with other flags).
+# The dry run leaves out the larger micro-batch rungs (the same code path as the compile rung, with other flags), and
+# the host-sync count and fsdp-ft's rung: each rung is a process that spends most of its time importing, and tests
+# cover those elsewhere (count_syncs on a log in tests/test_gpu_suite.py; fsdp-ft on one rank, and launched by torchrun
+# as the suite launches it, in tests/test_ddp_fsdp.py).
 DRY_PLAN = Plan(model="qwen3-tiny", dtype="fp32", steps=4, warmup=1, chunk=32,
-                ladders=[("s64-full", 64, 0, ())], fsdp_seq=64, peer_micro=2, compile=False)
+                ladders=[("s64-full", 64, 0, ())], fsdp_seq=64, peer_micro=2, compile=False, syncs=False, fsdp=False)
 PEER_WHEELS = ("trl", "datasets", "dill", "multiprocess")  # what the peer baseline needs beyond the lent machine's
 
 
@@ -152,12 +157,12 @@ def rungs(plan: Plan) -> list[Rung]:
                          f"under-occupied (most at seq 1024), until memory runs out"))
                 for micro in micros]
         if label == plan.ladders[0][0]:
-            # Right after the first ladder, its compile rung's step again, with every host sync counted.
-            out.append(Rung(f"syncs-{label}", "single-ft", (*compiled, "--steps", str(plan.warmup + 3)),
-                            ladder="syncs", syncs=True, priority=6, prediction=(
-                "one synchronisation per optimizer step from train.py (the step line's loss and gradient norm "
-                "together), plus one per forward in transformers' packed-row detection "
-                "(find_packed_sequence_indices reads a flag on the device)")))
+            if plan.syncs:  # right after the first ladder, its compile rung's step again, every host sync counted
+                out.append(Rung(f"syncs-{label}", "single-ft", (*compiled, "--steps", str(plan.warmup + 3)),
+                                ladder="syncs", syncs=True, priority=6, prediction=(
+                    "one synchronisation per optimizer step from train.py (the step line's loss and gradient norm "
+                    "together), plus one per forward in transformers' packed-row detection "
+                    "(find_packed_sequence_indices reads a flag on the device)")))
             out.append(Rung(f"profile-{label}", "single-ft", (), ladder=label, profile=True, priority=1, prediction=(
                 "the fastest rung's step by kernel: matmuls the largest share, attention second at seq 1024, "
                 "the optimizer a few percent (fused AdamW), idle gaps small once compiled")))
@@ -168,11 +173,12 @@ def rungs(plan: Plan) -> list[Rung]:
                 "--timing-warmup-steps", str(plan.warmup)), ladder="peer", priority=2, prediction=(
                 "both with SDPA and eager: within 20% of each other (the same model code and kernels; TRL packs "
                 "best-fit into one padding-free row); single-ft's own fast path is the ladder above")))
-    out.append(Rung(f"fsdp-ft-s{plan.fsdp_seq}-full-1rank", "fsdp-ft",
-                    (*common, "--seq-len", str(plan.fsdp_seq), "--attn", "varlen"), ladder="fsdp", priority=3,
-                    prediction=(
-                        "FSDP2 on one rank: nothing to shard or communicate, so the cost of its wrapping alone; "
-                        "within 5% of single-ft's varlen rung at the same sequence length")))
+    if plan.fsdp:
+        out.append(Rung(f"fsdp-ft-s{plan.fsdp_seq}-full-1rank", "fsdp-ft",
+                        (*common, "--seq-len", str(plan.fsdp_seq), "--attn", "varlen"), ladder="fsdp", priority=3,
+                        prediction=(
+                            "FSDP2 on one rank: nothing to shard or communicate, so the cost of its wrapping alone; "
+                            "within 5% of single-ft's varlen rung at the same sequence length")))
     return out
 
 
@@ -515,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         profile_child(argv[1:])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dry-run", action="store_true", help="run every stage on the CPU with the tiny preset")
+    parser.add_argument("--dry-run", action="store_true", help="run the stages on the CPU (tiny preset, DRY_PLAN)")
     parser.add_argument("--list", action="store_true", help="print the runs, commands and predictions; run nothing")
     parser.add_argument("--wheels", action="store_true",
                         help="print which wheels the TRL comparison needs on an offline machine, and how to bring them")

@@ -1,4 +1,4 @@
-"""assets/gpu_suite.py: its dry run goes through every stage on the CPU, and its GPU plan's commands parse."""
+"""assets/gpu_suite.py: its dry run goes through its stages on the CPU, and its GPU plan's commands parse."""
 
 from __future__ import annotations
 
@@ -52,9 +52,9 @@ def test_dry_run_keeps_each_run_and_writes_the_entry_with_parity(tmp_path, capsy
     series = "2026-01-01-gpu-suite-cpu-dry-run"
     data = tmp_path / "devlog" / "data" / series
     kept = sorted(path.name for path in data.iterdir())
-    runs = ["fsdp-ft-s64-full-1rank", "single-ft-s64-full-1-baseline", "single-ft-s64-full-2-varlen",
-            "single-ft-s64-full-3-chunked-loss"]  # no compile rung: the dry run leaves torch.compile to test_loss
-    assert kept == sorted([*runs, "host-syncs.json", "kernel-check.json", "profile.json"])
+    # No compile rung (the dry run leaves torch.compile to test_loss), no host-sync count nor fsdp-ft rung (DRY_PLAN).
+    runs = ["single-ft-s64-full-1-baseline", "single-ft-s64-full-2-varlen", "single-ft-s64-full-3-chunked-loss"]
+    assert kept == sorted([*runs, "kernel-check.json", "profile.json"])
     for name in runs:
         summary = json.loads((data / name / "summary.json").read_text())
         assert summary["config"]["steps"] == 4
@@ -64,8 +64,6 @@ def test_dry_run_keeps_each_run_and_writes_the_entry_with_parity(tmp_path, capsy
     kernels = {row["kernel"]: row for row in json.loads((data / "kernel-check.json").read_text())}
     assert set(kernels) == {"masked SDPA", "flex", "reference"} and all(row["ok"] for row in kernels.values())
     assert kernels["reference"]["backward"] and not kernels["flex"]["backward"]
-    # No CUDA, no sync warnings, but the steps after the warm-up were found and counted.
-    assert json.loads((data / "host-syncs.json").read_text())["steps_counted"] == 3
     profile = json.loads((data / "profile.json").read_text())
     assert profile["steps"] == 3 and profile["categories_ms"]["matmul"] > 0
     entry = (tmp_path / "devlog" / f"{series}.md").read_text()
@@ -73,9 +71,7 @@ def test_dry_run_keeps_each_run_and_writes_the_entry_with_parity(tmp_path, capsy
     assert "| single-ft-s64-full-3-chunked-loss | 64 | 1 |" in entry  # the table region was filled
     assert "| single-ft-s64-full-3-chunked-loss | 4 |" in entry  # and the parity region
     assert "`peer-s64-full` (skipped: trl or datasets not installed (python3 assets/gpu_suite.py --wheels))" in entry
-    assert "- reference, float32, with backward:" in entry and "Host syncs per optimizer step over 3 steps" in entry
-    assert "Top kernels:" in entry
-    assert "`fsdp-ft-s64-full-1rank` (measured)" in entry
+    assert "- reference, float32, with backward:" in entry and "Top kernels:" in entry
 
 
 def test_syncs_are_counted_per_step_after_the_warm_up():
