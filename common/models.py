@@ -150,6 +150,11 @@ def load_model(name: str, tokenizer, attn_implementation: str, dtype: torch.dtyp
     check_vocabulary(name, tokenizer, model)
     if not allow_moe:
         refuse_moe(model.config)
+    if is_moe(model.config) and torch.device(device).type == "cuda" and dtype != torch.bfloat16:
+        # transformers' default experts path ("grouped_mm") multiplies in the weights' dtype, fp32 master weights
+        # here, and torch's CUDA grouped_mm takes bf16 only: the per-expert loop ("eager") runs its F.linear under
+        # autocast instead. Slower than one grouped kernel; ep-ft casts to bf16 itself and keeps grouped_mm.
+        model.set_experts_implementation("eager")
     return model.to(device)
 
 

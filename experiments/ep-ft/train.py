@@ -139,9 +139,10 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
 
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """rows [n, in] grouped by expert (counts[e] rows for expert e), weight [experts, out, in] -> [n, out].
-    torch.nn.functional.grouped_mm (torch >= 2.10, CUDA sm80+ and CPU) multiplies every expert's rows by its
-    weight in one call, as the model's own "grouped_mm" experts path does; older torch loops over the experts."""
-    if hasattr(F, "grouped_mm"):
+    torch.nn.functional.grouped_mm (torch >= 2.10: CPU, and CUDA sm80+ in bf16 only) multiplies every expert's rows
+    by its weight in one call, as the model's own "grouped_mm" experts path does; elsewhere (older torch, fp32 on a
+    GPU) a loop over the experts."""
+    if hasattr(F, "grouped_mm") and (rows.device.type == "cpu" or rows.dtype == torch.bfloat16):
         return F.grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
     return torch.cat([chunk @ w.T for chunk, w in zip(rows.split(counts), weight)])
 
