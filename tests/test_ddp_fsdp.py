@@ -3,8 +3,9 @@ the FSDP memory options, the fast path's flags (--loss-chunk-tokens, --compile, 
 (also after a save that died half-way), and the HF export; the model-state bytes each rank holds against
 common/memory.py, the collectives' calls and bytes against common/comm.py, and the host reads of a step.
 
-Each experiment runs all its configurations in ONE torchrun launch (a module-scoped fixture returns the folder
-holding one --out-dir per configuration); the single-ft references run once, in this process.
+Both experiments run all their configurations in ONE torchrun launch (a module-scoped fixture; `ddp` and `fsdp`
+are each experiment's folder, holding one --out-dir per configuration); the single-ft references run once, in this
+process.
 """
 
 import json
@@ -29,7 +30,8 @@ fsdp_ft = load_experiment("fsdp-ft")
 
 STEPS = 6  # every compared run has the same --steps (the cosine schedule depends on it); resume from step 3
 FP32 = ("--seq-len", 128, "--dtype", "fp32", "--warmup-steps", 2)
-# torch.profiler's teardown costs seconds per profiled step on this CPU: only the "1x2" runs measure comm_ms.
+# torch.profiler slows a step on this CPU: the runs whose comm_ms or collectives are checked profile one step
+# (PROFILE_ONE), the others none.
 NO_PROFILE = ("--comm-profile-steps", 0)
 # One profiled step, the third (after the 2 timing warm-up steps, and after DDP has rebuilt its buckets): its
 # collectives are compared with common/comm.py's formula.
@@ -88,46 +90,51 @@ def reference(tmp_path_factory, small_data):
     return root
 
 
-def launch(experiment, root, small_data, runs: dict[str, list], extra: tuple = ()) -> None:
-    """All `runs` (name -> extra flags) in one launch, each into root/<name>; its output in root/output.txt.
-    The launch is two torchrun agents of one rank each, meeting at a c10d rendezvous as two nodes would: every
-    comparison with single-ft below is also the multi-node test (RANK 0 and 1, LOCAL_RANK 0 on both: a script
-    that took its data shard from LOCAL_RANK would give both ranks the same rows). `extra`: more [target, *argv]
-    runs for tests/run_many.py (common.preflight)."""
-    result = torchrun("+", [[experiment, "--data", small_data, *FP32, *args, "--out-dir", root / name]
-                            for name, args in runs.items()] + list(extra), nodes=2)
-    (root / "output.txt").write_text(result.stdout + result.stderr)
+def runs_of(experiment, root, small_data, runs: dict[str, list]) -> list[list]:
+    """[experiment, *argv] for tests/run_many.py: each of `runs` (name -> extra flags) into root/<name>."""
+    return [[experiment, "--data", small_data, *FP32, *args, "--out-dir", root / name] for name, args in runs.items()]
+
+
+def split_output(stdout: str, roots: list) -> dict:
+    """Rank 0's output of a shared launch, cut per experiment: each main() prints its `config: {...}` line first,
+    whose out_dir says which root the lines up to the next config line belong to (lines after the last config line,
+    such as preflight's table, to that root as well)."""
+    lines, root = {r: [] for r in roots}, roots[0]
+    for line in stdout.splitlines(keepends=True):
+        if line.startswith("config: {"):
+            root = next(r for r in roots if str(r) in json.loads(line[len("config: "):])["out_dir"])
+        lines[root].append(line)
+    return {r: "".join(text) for r, text in lines.items()}
 
 
 @pytest.fixture(scope="module")
-def ddp(tmp_path_factory, small_data):
-    """Every ddp-ft configuration, 2 ranks, one launch. B = 4 rows as in the reference."""
-    root = tmp_path_factory.mktemp("ddp-ft")
-    launch("ddp-ft", root, small_data, {
-        "1x2": [*split(1, 2), "--steps", STEPS, "--checkpoint-every", 3, "--save-hf", root / "hf"],
-        "resumed": [*split(1, 2), "--steps", STEPS, *NO_PROFILE, "--resume", root / "1x2" / "checkpoints" / "step-3"],
+def launched(tmp_path_factory, small_data, formats):
+    """Every ddp-ft and every fsdp-ft configuration, and common.preflight, in ONE launch of 2 ranks (one round of
+    imports): two torchrun agents of one rank each, meeting at a c10d rendezvous as two nodes would, so every
+    comparison with single-ft below is also the multi-node test (RANK 0 and 1, LOCAL_RANK 0 on both: a script that
+    took its data shard from LOCAL_RANK would give both ranks the same rows). B = 4 rows as in the reference. Each
+    experiment's root holds one --out-dir per configuration and output.txt, rank 0's lines of its runs."""
+    ddp_root, fsdp_root = tmp_path_factory.mktemp("ddp-ft"), tmp_path_factory.mktemp("fsdp-ft")
+    ddp_runs = {
+        "1x2": [*split(1, 2), "--steps", STEPS, *PROFILE_ONE, "--checkpoint-every", 3, "--save-hf", ddp_root / "hf"],
+        "resumed": [*split(1, 2), "--steps", STEPS, *NO_PROFILE, "--resume",
+                    ddp_root / "1x2" / "checkpoints" / "step-3"],
         # 1 MiB buckets: 9 all-reduces per step instead of one, the same sums.
         "2x1": [*split(2, 1), "--steps", STEPS, *PROFILE_ONE, "--bucket-cap-mb", 1],
         # Every micro-batch's backward all-reduces (no no_sync()): the same step, twice the gradient traffic.
         "1x2-every": [*split(1, 2), "--steps", STEPS, *PROFILE_ONE, "--bucket-cap-mb", 1,
                       "--reduce-every-micro-batch"],
-        "lora": [*split(1, 2), *LORA, *NO_PROFILE, "--activation-checkpointing", "--save-hf", root / "lora-merged",
+        "lora": [*split(1, 2), *LORA, *NO_PROFILE, "--activation-checkpointing", "--save-hf", ddp_root / "lora-merged",
                  "--merge-lora"],
         # --sample-every generates between steps (under FSDP on every rank): the steps must not change.
         "chunked": [*split(1, 2), *FAST, "--loss-chunk-tokens", 64, "--sample-every", 2],
         "varlen": [*split(1, 2), *FAST, "--attn", "varlen"],
         "compiled": [*split(1, 2), *COMPILED],
-    })
-    return root
-
-
-@pytest.fixture(scope="module")
-def fsdp(tmp_path_factory, small_data, formats):
-    """Every fsdp-ft configuration, 2 ranks, one launch. B = 4 rows as in the reference."""
-    root = tmp_path_factory.mktemp("fsdp-ft")
-    launch("fsdp-ft", root, small_data, {
-        "1x2": [*split(1, 2), "--steps", STEPS, "--checkpoint-every", 3, "--save-hf", root / "hf"],
-        "resumed": [*split(1, 2), "--steps", STEPS, *NO_PROFILE, "--resume", root / "1x2" / "checkpoints" / "step-3"],
+    }
+    fsdp_runs = {
+        "1x2": [*split(1, 2), "--steps", STEPS, *PROFILE_ONE, "--checkpoint-every", 3, "--save-hf", fsdp_root / "hf"],
+        "resumed": [*split(1, 2), "--steps", STEPS, *NO_PROFILE, "--resume",
+                    fsdp_root / "1x2" / "checkpoints" / "step-3"],
         "2x1": [*split(2, 1), "--steps", STEPS, *PROFILE_ONE],
         "bf16": [*split(1, 2), "--steps", STEPS, *PROFILE_ONE, "--dtype", "bf16"],  # the later --dtype wins
         # An eval between steps leaves the gathered weights in place (no backward reshards them): the next step
@@ -136,7 +143,7 @@ def fsdp(tmp_path_factory, small_data, formats):
         "options": [*split(1, 2), "--steps", STEPS, *PROFILE_ONE, "--timing-warmup-steps", 3,
                     "--no-reshard-after-forward", "--activation-checkpointing", "--cpu-offload",
                     "--reduce-every-micro-batch", "--eval-every", 2],
-        "lora": [*split(1, 2), *LORA, *NO_PROFILE, "--save-hf", root / "lora-merged", "--merge-lora"],
+        "lora": [*split(1, 2), *LORA, *NO_PROFILE, "--save-hf", fsdp_root / "lora-merged", "--merge-lora"],
         # --sample-every generates between steps (under FSDP on every rank): the steps must not change.
         "chunked": [*split(1, 2), *FAST, "--loss-chunk-tokens", 64, "--sample-every", 2],
         "varlen": [*split(1, 2), *FAST, "--attn", "varlen"],
@@ -146,8 +153,24 @@ def fsdp(tmp_path_factory, small_data, formats):
            for name in ("data.parquet", "sharegpt.json", "saved", "pairs.jsonl")},
         "pairs.csv": [*split(1, 2), "--steps", 2, *NO_PROFILE, "--data", formats / "pairs.csv",
                       "--data-columns", "prompt=question,completion=answer"],
-    }, extra=[["preflight", "--sizes-mb", 1, "--iters", 2, "--expect-world-size", 2, "--json", root / "preflight.json"]])
-    return root
+    }
+    preflight = [["preflight", "--sizes-mb", 1, "--iters", 2, "--expect-world-size", 2, "--json",
+                  fsdp_root / "preflight.json"]]
+    result = torchrun("+", [*runs_of("ddp-ft", ddp_root, small_data, ddp_runs),
+                            *runs_of("fsdp-ft", fsdp_root, small_data, fsdp_runs), *preflight], nodes=2)
+    for out, text in split_output(result.stdout, [ddp_root, fsdp_root]).items():
+        (out / "output.txt").write_text(text + result.stderr)
+    return ddp_root, fsdp_root
+
+
+@pytest.fixture(scope="module")
+def ddp(launched):
+    return launched[0]
+
+
+@pytest.fixture(scope="module")
+def fsdp(launched):
+    return launched[1]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -382,8 +405,8 @@ def test_the_readme_main_command_runs_clean(tmp_path):
 
 
 def test_the_launches_were_two_nodes_and_preflight_reports_them(fsdp):
-    """The fsdp-ft launch ran as two torchrun agents (its losses equal single-ft's above); common.preflight in the
-    same launch saw two ranks with LOCAL_RANK 0 each and timed its collectives with nccl-tests' bus bandwidth."""
+    """The launch ran as two torchrun agents (ddp-ft's and fsdp-ft's losses equal single-ft's above); common.preflight
+    in the same launch saw two ranks with LOCAL_RANK 0 each and timed its collectives with nccl-tests' bus bandwidth."""
     report = json.loads((fsdp / "preflight.json").read_text())
     assert report["world_size"] == 2 and report["problems"] == []
     assert sorted((r["rank"], r["local_rank"], r["local_world_size"]) for r in report["ranks"]) == [(0, 0, 1),

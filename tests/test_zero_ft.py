@@ -65,9 +65,9 @@ def launch(tmp_path_factory, small_data):
     quiet = ["--comm-profile-steps", 0]  # no profiler where comm_ms is not looked at
     profile_one = ["--comm-profile-steps", 1]  # the third step's collectives, for common/comm.py's formula
     result = torchrun("zero-ft", [
-        [*data, *ZERO, "--zero-stage", 1, "--out-dir", root / "stage1"],
-        [*data, *ZERO, "--zero-stage", 2, "--out-dir", root / "stage2", "--checkpoint-every", 3],
-        [*data, *ZERO, "--zero-stage", 3, "--out-dir", root / "stage3", "--save-hf", root / "stage3-hf"],
+        [*data, *ZERO, "--zero-stage", 1, "--out-dir", root / "stage1", *profile_one],
+        [*data, *ZERO, "--zero-stage", 2, "--out-dir", root / "stage2", "--checkpoint-every", 3, *profile_one],
+        [*data, *ZERO, "--zero-stage", 3, "--out-dir", root / "stage3", "--save-hf", root / "stage3-hf", *profile_one],
         [*data, *ZERO, "--zero-stage", 3, "--out-dir", root / "stage3-loaded", "--model", root / "init-hf",
          "--lr", 1e-3, *quiet],  # the preset's default peak LR: a loaded folder would default to 2e-5
         [*data, *ZERO, "--zero-stage", 2, "--out-dir", root / "resumed", "--checkpoint-every", 3, *quiet,
