@@ -52,8 +52,10 @@ def test_a_ring_all_reduce_moves_twice_its_buffer_times_w_minus_1_over_w():
     assert wire_bytes("reduce_scatter", 1000, 4) + wire_bytes("all_gather", 1000 / 4, 4) == \
         wire_bytes("all_reduce", 1000, 4)
     assert wire_bytes("broadcast", 1000, 8) == wire_bytes("send", 1000, 2) == 1000
+    # An all-to-all's buffer is what the rank sends; the block for itself stays (an even spread: 1/W of it).
+    assert wire_bytes("all_to_all", 1000, 4) == 750
     with pytest.raises(ValueError, match="unknown collective"):
-        wire_bytes("all_to_all", 1, 2)
+        wire_bytes("scatter", 1, 2)
 
 
 def test_as_backend_names_collectives_as_the_backend_runs_them():
