@@ -71,16 +71,26 @@ class RouterStats:
     def take_load(self) -> torch.Tensor:
         """The [layers, experts] count since the last call (a device tensor; read it with the step's other values)."""
         load, self.load = self.load, None
-        return load if load is not None else torch.zeros(len(self.layers), self.num_experts)
+        return load
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
 
 
-def load_summary(load: list[list[float]]) -> dict:
-    """Imbalance of a [layers, experts] token count: per layer the busiest expert's count over the mean (1.0 is a
-    perfectly even load; an expert-parallel step waits for the rank of the busiest experts)."""
+def split_load(flat: list[float], experts: int) -> list[list[float]]:
+    """A flattened [layers, experts] count, read from the device with the step's other values, back into rows."""
+    return [flat[i:i + experts] for i in range(0, len(flat), experts)]
+
+
+def load_summary(records: list[dict]) -> dict | None:
+    """The run's expert load from its step records' `expert_tokens` (None for a dense model): the tokens each expert
+    of each layer received, and per layer the busiest expert's count over the mean (1.0 is a perfectly even load;
+    an expert-parallel step waits for the rank of the busiest experts)."""
+    steps = [record["expert_tokens"] for record in records if "expert_tokens" in record]
+    if not steps:
+        return None
+    load = [[sum(column) for column in zip(*layers)] for layers in zip(*steps)]
     per_layer = []
     for counts in load:
         mean = sum(counts) / len(counts)

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.data import build_data, evaluate
-from common.models import count_parameters, load_model, load_tokenizer, model_config
+from common.models import count_parameters, load_model, model_config
 from conftest import load_experiment, read_losses, torchrun
 
 MODEL = "qwen3-moe-tiny"

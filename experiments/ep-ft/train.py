@@ -55,7 +55,7 @@ from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit
     state_bytes, summary_table
 from common.models import TINY_PRESETS, count_parameters, flops_per_token, is_moe, is_preset, load_model, \
     load_tokenizer, model_config
-from common.moe import RouterStats, load_summary
+from common.moe import RouterStats, load_summary, split_load
 
 EXPERIMENT = "ep-ft"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -349,7 +349,6 @@ def main(argv: list[str] | None = None) -> dict:
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
     state_step = min(start_step + 1, config.steps - 1)
     measured_state = None
-    run_load = None
     profiled_forwards = []  # per profiled step: its step_forwards
     rows_sent = [0] * world_size  # (token, expert) rows this rank dispatched to each rank over the training steps
     max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
@@ -422,13 +421,9 @@ def main(argv: list[str] | None = None) -> dict:
         if comm_timer.profiled and comm_timer.profiled[-1] == step + 1:  # the rows this step's forwards moved
             profiled_forwards.append(step_forwards)
 
-        experts_per_layer = load.shape[1]
-        step_load = [values[3 + i * experts_per_layer:3 + (i + 1) * experts_per_layer] for i in range(load.shape[0])]
-        run_load = step_load if run_load is None else [[a + b for a, b in zip(x, y)]
-                                                       for x, y in zip(run_load, step_load)]
         metrics.log_step(step + 1, step_loss_value, lr, grad_norm_value, data.step_real_tokens(step, rows_per_step),
                          loss_tokens, step_ms, comm_ms, print_fn=print0,
-                         extra=dict(aux_loss=aux_value, expert_tokens=step_load))
+                         extra=dict(aux_loss=aux_value, expert_tokens=split_load(values[3:], load.shape[1])))
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate(model, data, config.micro_batch_size, device, autocast)))
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
@@ -480,7 +475,7 @@ def main(argv: list[str] | None = None) -> dict:
         dispatched_rows=all_ranks(rows_sent),
         packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
         n_truncated=data.stats["n_truncated"], data=data.stats,
-        expert_load=load_summary(run_load) if run_load else None)
+        expert_load=load_summary(metrics.records))
     print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
            f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
 

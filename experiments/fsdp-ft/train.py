@@ -142,9 +142,9 @@ def build_model(config: Config, tokenizer, attn_implementation: str, on_meta: bo
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(model_config(config.model, tokenizer), dtype=torch.float32,
                                                      attn_implementation=attn_implementation)
+        refuse_moe(model.config)  # as load_model does on the other ranks, before any collective
     else:
         model = load_model(config.model, tokenizer, attn_implementation, dtype=torch.float32, device="cpu")
-    refuse_moe(model.config)  # on every rank (the meta-device ones too), before any collective
     if config.lora_rank:
         from peft import LoraConfig, get_peft_model
 

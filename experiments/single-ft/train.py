@@ -38,7 +38,7 @@ from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit
     state_bytes, summary_table
 from common.models import TINY_PRESETS, count_parameters, flops_per_token, is_moe, is_preset, load_model, \
     load_model_4bit, load_tokenizer, qlora_unavailable, resolve_model_name
-from common.moe import RouterStats, load_summary
+from common.moe import RouterStats, load_summary, split_load
 
 EXPERIMENT = "single-ft"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -179,7 +179,6 @@ def main(argv: list[str] | None = None) -> dict:
     moe = RouterStats(model, model.config.num_experts, model.config.num_experts_per_tok) if is_moe(model.config) \
         else None
     aux_coef = model.config.router_aux_loss_coef if moe else 0.0
-    run_load = None  # [layers, experts] tokens routed over the whole run
     model.train()
     n_params = count_parameters(model.config)["total"]
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -280,10 +279,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         extra = None
         if moe:
-            step_load = [values[3 + i * load.shape[1]:3 + (i + 1) * load.shape[1]] for i in range(load.shape[0])]
-            run_load = step_load if run_load is None else [[a + b for a, b in zip(x, y)]
-                                                           for x, y in zip(run_load, step_load)]
-            extra = dict(aux_loss=aux_value, expert_tokens=step_load)
+            extra = dict(aux_loss=aux_value, expert_tokens=split_load(values[3:], load.shape[1]))
         metrics.log_step(step + 1, step_loss_value, lr, grad_norm_value, data.step_real_tokens(step, rows_per_step),
                          loss_tokens, step_ms, comm_ms, print_fn=print0, extra=extra)
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
@@ -325,7 +321,7 @@ def main(argv: list[str] | None = None) -> dict:
         collective_bytes_formula={},  # one process: no collective (common/comm.py)
         packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
         n_truncated=data.stats["n_truncated"], data=data.stats,
-        expert_load=load_summary(run_load) if run_load else None)  # a mixture of experts: tokens per expert, imbalance
+        expert_load=load_summary(metrics.records))  # a mixture of experts: tokens per expert, imbalance
     print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
            f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
 
