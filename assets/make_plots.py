@@ -1,5 +1,5 @@
 """Figures for the posts and the devlog, made only from runs' summary.json and metrics.jsonl (never typed-in numbers),
-except the one labelled a prediction, which comes from common/memory.py.
+except the one labelled a prediction, which comes from common/memory.
 
     uv run --group plots python assets/make_plots.py                         # the series' figures -> assets/plots
     uv run --group plots python assets/make_plots.py --only pp_schedule      # one of them
@@ -15,7 +15,7 @@ The figures:
 - loss_curves: loss per step of every run, and each run's relative difference from single-ft doing the same steps,
   against the 1e-5 the parity tests allow (fp32);
 - throughput_memory: tokens/s and peak memory per run;
-- memory_predicted: measured peak memory beside summary.json's `predicted_peak_mem_gib` (common/memory.py);
+- memory_predicted: measured peak memory beside summary.json's `predicted_peak_mem_gib` (common/memory);
 - state_bytes: model-state bytes per rank by kind (weights, gradients, optimizer, master), measured from the
   tensors each rank holds, beside the prediction;
 - memory_breakdown: common.memory.estimate per strategy for Qwen3-0.6B and 4B on 2 x 24 GB (a prediction, no run);
@@ -393,11 +393,11 @@ def draw_memory_predicted(rows: list[dict], path: Path) -> None:
     measured = axis.bar([p - width / 2 for p in positions], [row["measured_peak_gib"] or 0.0 for row in rows], width,
                         label=f"measured ({rows[0]['memory_measure']})")
     predicted = axis.bar([p + width / 2 for p in positions], [row["predicted_peak_gib"] for row in rows], width,
-                         label="predicted (common/memory.py)")
+                         label="predicted (common/memory)")
     for bars in (measured, predicted):
         axis.bar_label(bars, fmt="{:.1f}", fontsize="x-small", padding=2)
     axis.set_xticks(positions, [row["run"] for row in rows], rotation=30, ha="right")
-    axis.set(ylabel="GiB per device (rank 0)", title="Peak memory: measured beside common/memory.py's prediction")
+    axis.set(ylabel="GiB per device (rank 0)", title="Peak memory: measured beside common/memory's prediction")
     tallest = max([row["measured_peak_gib"] or 0.0 for row in rows] + [row["predicted_peak_gib"] for row in rows])
     axis.set_ylim(0, tallest * 1.3)  # room for the legend above the bars' labels
     axis.legend(loc="upper left", ncols=2)
@@ -739,7 +739,7 @@ FIGURES = {figure.name: figure for figure in (
            (SERIES + "workload/*",), loss_curves_data, draw_loss_curves),
     Figure("throughput_memory", "Tokens/s and peak memory of every strategy on the workload",
            (SERIES + "workload/*",), throughput_memory_data, draw_throughput_memory),
-    Figure("memory_predicted", "Qwen3-0.6B: measured peak memory beside common/memory.py's prediction",
+    Figure("memory_predicted", "Qwen3-0.6B: measured peak memory beside common/memory's prediction",
            (SERIES + "memory-0.6b/*",), memory_predicted_data, draw_memory_predicted),
     Figure("state_bytes", "Qwen3-0.6B: model-state bytes per rank by kind, measured vs predicted",
            (SERIES + "memory-0.6b/*",), state_bytes_data, draw_state_bytes),

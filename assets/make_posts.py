@@ -1102,7 +1102,7 @@ def gen_memory_cli(ctx: Context, args: dict) -> str:
         try:
             memory.main(argv)
         except SystemExit as stop:
-            if stop.code not in (0, None):
+            if stop.code not in (0, 1, None):  # 1: the CLI answered that nothing fits
                 message = errors.getvalue().strip().splitlines() or [str(stop.code)]
                 raise RegionError(f"python -m common.memory {args['args']}: {message[-1]}") from None
     return fence(f"$ uv run python -m common.memory {shlex.join(argv)}\n{printed.getvalue().rstrip()}", "text")
@@ -1378,7 +1378,7 @@ def gen_figure(ctx: Context, args: dict) -> str:
     for run in runs:
         ctx.site.run(ctx.site.relative(run.folder))  # the committed check
     png, csv_path = f"{PLOTS_DIR.as_posix()}/{name}.png", f"{PLOTS_DIR.as_posix()}/{name}.csv"
-    source = f"made from {runs_text(ctx, runs)}" if runs else "a prediction of common/memory.py, not a measurement"
+    source = f"made from {runs_text(ctx, runs)}" if runs else "a prediction of common/memory, not a measurement"
     return f"![{figure.title}]({ctx.link(png)})\n\n[The figure's data ({name}.csv)]({ctx.link(csv_path)}), {source}."
 
 
@@ -1617,7 +1617,7 @@ def check_figures(site: Site, linked: dict[str, str], print_fn) -> list[str]:
         except RegionError as error:
             errors.append(f"{PLOTS_DIR}/{name}.csv: {error}")
         if csv_path.read_text() != make_plots.csv_text(rows):
-            source = ", ".join(figure.runs) or "common/memory.py"
+            source = ", ".join(figure.runs) or "common/memory"
             hint = first_difference(csv_path.read_text(), make_plots.csv_text(rows), "the CSV")
             errors.append(f"{PLOTS_DIR}/{name}.csv: differs from what its runs give ({source}): {hint}; "
                           f"run assets/make_posts.py")

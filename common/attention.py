@@ -103,6 +103,7 @@ class AttentionChoice:
     sdpa_backends: tuple[str, ...]  # SDPA backends left enabled; empty when impl does not go through SDPA
     reason: str  # one sentence, printed at start
     varlen_kernel: str | None = None  # with impl "varlen": one of VARLEN_KERNELS
+    expands_kv: bool = False  # varlen: K/V heads repeated to every query head first (common.memory prices it)
 
     def forward_kwargs(self, position_ids: torch.Tensor, device: torch.device) -> dict:
         """Extra keyword arguments of the model call for this micro-batch: {} except for varlen, which gets the
@@ -206,10 +207,11 @@ def _choose_varlen(info: DeviceInfo, requested: str, kernels: tuple[str, ...]) -
     else:
         raise ValueError(f"unknown device kind {info.kind!r}: expected cpu, cuda or rocm")
     gqa = ""
-    if kernel == "torch" and not torch_varlen_takes_gqa():
+    expands_kv = kernel == "torch" and not torch_varlen_takes_gqa()
+    if expands_kv:
         gqa = "; this torch's varlen_attn takes no grouped K/V heads, so they are expanded to all query heads"
     picked = "varlen requested" if requested == "varlen" else "auto picks varlen"
-    return AttentionChoice(VARLEN, backends, f"{device}: {picked}, {how[kernel]} ({why}){gqa}", kernel)
+    return AttentionChoice(VARLEN, backends, f"{device}: {picked}, {how[kernel]} ({why}){gqa}", kernel, expands_kv)
 
 
 # ---------------------------------------------------------------------------------------------------------------

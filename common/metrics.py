@@ -344,8 +344,19 @@ def state_bytes(parameters, optimizer: torch.optim.Optimizer | None = None, mast
     parameters = list(parameters)
     optimizer_tensors = [] if optimizer is None else [
         value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
-    return dict(weights=storage_bytes(parameters), grads=storage_bytes(p.grad for p in parameters),
+    return dict(weights=storage_bytes([*parameters, *quantization_state(parameters)]),
+                grads=storage_bytes(p.grad for p in parameters),
                 optimizer=storage_bytes(optimizer_tensors), master=storage_bytes(master))
+
+
+def quantization_state(parameters):
+    """The tensors a 4-bit weight keeps beside its packed values (QLoRA: bitsandbytes' Params4bit holds its block
+    absmaxes, their own scales and code books in a quant_state): part of what the weight costs."""
+    for parameter in parameters:
+        state = getattr(parameter, "quant_state", None)
+        while state is not None:
+            yield from (value for value in vars(state).values() if isinstance(value, torch.Tensor))
+            state = getattr(state, "state2", None)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import warnings
 from pathlib import Path
 
@@ -26,6 +27,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # peft's get_peft_model asks transformers 5 for a deprecated attribute on every LoRA run; the warning is about
 # peft's code, not the user's, and nothing they can change.
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning)
+# bitsandbytes (the qlora group), imported by peft whenever it is installed, warns on CPUs with AVX512-BF16 that an
+# optional kernel package is missing; its 4-bit code runs without it, and nothing here computes in 4 bits on a CPU.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizer"
 DEFAULT_GPU_MODEL = "Qwen/Qwen3-0.6B-Base"
 DEFAULT_CPU_MODEL = "qwen3-tiny"
@@ -54,6 +58,10 @@ MOE_PRESETS: dict[str, dict] = {
                           head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
                           num_experts_per_tok=8, vocab_size=151936),
 }
+# The published checkpoints whose geometry the real-size presets copy (a command that should train the real weights
+# names these).
+PRESET_HUB_IDS = {"qwen3-0.6b": "Qwen/Qwen3-0.6B-Base", "qwen3-1.7b": "Qwen/Qwen3-1.7B-Base",
+                  "qwen3-4b": "Qwen/Qwen3-4B-Base", "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B-Base"}
 MOE_COMMON = dict(tie_word_embeddings=False, norm_topk_prob=True, router_aux_loss_coef=0.001, decoder_sparse_step=1,
                   mlp_only_layers=[])
 TINY_PRESETS = ("qwen3-tiny", "qwen3-moe-tiny")  # the CPU-sized presets (default --seq-len 256)
@@ -156,6 +164,31 @@ def load_model(name: str, tokenizer, attn_implementation: str, dtype: torch.dtyp
         # autocast instead. Slower than one grouped kernel; ep-ft casts to bf16 itself and keeps grouped_mm.
         model.set_experts_implementation("eager")
     return model.to(device)
+
+
+# The seven linear projections of a Qwen3 decoder layer: what LoRA adapts in every experiment.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def weights_dtype(dtype: str, lora_rank: int = 0) -> torch.dtype:
+    """The dtype a model is loaded in for training under `--dtype`. Full fine-tuning keeps fp32 weights, which are
+    their own master copy (autocast, or FSDP2's mixed-precision policy, makes the bf16 copies the matrix multiplies
+    read). Under LoRA the base is frozen: no optimizer updates it, so it needs no fp32 master copy, and under
+    --dtype bf16 it is stored in bf16, 2 bytes per weight, as peft users hold it (and autocast has no copy of it to
+    make). Its adapters stay fp32 either way (add_lora)."""
+    return torch.bfloat16 if lora_rank and dtype == "bf16" else torch.float32
+
+
+def add_lora(model, rank: int, alpha: float):
+    """LoRA of rank `rank` (peft) on every linear projection of the decoder layers (LORA_TARGETS); peft freezes
+    everything else: the base weights, the norms, the embedding and the LM head. The adapters are created in fp32
+    whatever the base's dtype (peft's autocast_adapter_dtype, its default), so AdamW updates fp32 weights and keeps
+    fp32 state: on a bf16 base (weights_dtype) the adapters' initial values are peft's, rounded once to bf16 as
+    peft creates them in the base layer's dtype before it casts them up."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
+    return get_peft_model(model, lora, autocast_adapter_dtype=True)
 
 
 def check_vocabulary(name: str, tokenizer, model) -> None:

@@ -1,7 +1,7 @@
 """Every command line the documentation quotes is accepted by the parser of the script it runs, without running it.
 
 Commands are read from README.md, blogs/*.md, devlog/*.md, experiments/*/README.md and the docstrings of
-experiments/*/train.py, common/memory.py and common/sweep.py: every line of a fenced code block (or docstring) and
+experiments/*/train.py, common/memory/*.py and common/sweep.py: every line of a fenced code block (or docstring) and
 every `inline code` span, with backslash continuations joined and trailing comments dropped. A command is one that
 launches experiments/<name>/train.py (through python, uv run, torchrun or python -m torch.distributed.run),
 experiments/infer.py, python -m common.memory or python -m common.sweep. Its arguments go through that script's own parser:
@@ -30,7 +30,7 @@ from transformers import HfArgumentParser
 from conftest import REPO_ROOT, load_experiment, load_infer
 
 DOCUMENTS = ("README.md", "blogs/*.md", "devlog/*.md", "experiments/*/README.md")
-DOCSTRINGS = ("experiments/*/train.py", "experiments/infer.py", "common/memory.py", "common/sweep.py")
+DOCSTRINGS = ("experiments/*/train.py", "experiments/infer.py", "common/memory/*.py", "common/sweep.py")
 MODULES = ("common.memory", "common.sweep")
 FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
 CODE_SPAN = re.compile(r"(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.S)

@@ -1,7 +1,7 @@
 """ddp-ft and fsdp-ft against single-ft (2 ranks, gloo, CPU): same per-step losses on the same B, bf16, LoRA,
 the FSDP memory options, the fast path's flags (--loss-chunk-tokens, --compile, --attn varlen), checkpoint/resume
 (also after a save that died half-way), and the HF export; the model-state bytes each rank holds against
-common/memory.py, the collectives' calls and bytes against common/comm.py, and the host reads of a step.
+common/memory, the collectives' calls and bytes against common/comm.py, and the host reads of a step.
 
 Both experiments run all their configurations in ONE torchrun launch (a module-scoped fixture; `ddp` and `fsdp`
 are each experiment's folder, holding one --out-dir per configuration); the single-ft references run once, in this
@@ -365,7 +365,7 @@ def test_collective_bytes_equal_the_formula(experiment, runs, request):
 def test_model_state_bytes_are_the_predicted_ones(reference, ddp, fsdp):
     shapes = [shape for _, shape in tiny_parameters()]
     psi = sum(math.prod(shape) for shape in shapes)
-    counters = 4 * len(shapes)  # AdamW's `step`: one fp32 scalar per parameter tensor, not in common/memory.py
+    counters = 4 * len(shapes)  # AdamW's `step`: one fp32 scalar per parameter tensor, not in common/memory
     for run, world, sharded in [(reference / "full", 1, 1), (ddp / "1x2", 2, 1), (fsdp / "1x2", 2, 2)]:
         result = summary(run)
         per_rank, predicted = result["state_bytes_per_rank"], result["predicted_state_bytes"]
@@ -376,7 +376,7 @@ def test_model_state_bytes_are_the_predicted_ones(reference, ddp, fsdp):
             assert measured == {"weights": 4 * psi // sharded, "grads": 4 * psi // sharded,
                                 "optimizer": 8 * psi // sharded + counters, "master": 0}, run
             assert measured == {**predicted, "optimizer": predicted["optimizer"] + counters}, run
-    # --cpu-offload: the same shards, in host memory, where common/memory.py predicts them.
+    # --cpu-offload: the same shards, in host memory, where common/memory predicts them.
     offloaded = summary(fsdp / "options")
     assert offloaded["predicted_state_bytes"] == dict.fromkeys(("weights", "grads", "optimizer", "master"), 0)
     for measured in offloaded["state_bytes_per_rank"]:
@@ -467,7 +467,7 @@ def test_four_ranks_fsdp_x_tp_and_pipeline_x_data_parallel(four_ranks, reference
     # q_norm/k_norm's partial gradients summed over each row: the replicated weights stay equal across its tp ranks.
     assert run["replica_drift"] == 0.0
     # Every rank holds 1/4 of each split weight (projections, tied embedding) and 1/2 of each norm, with their
-    # gradients and AdamW moments: common/memory.py's fsdp-tp layout, plus AdamW's 4-byte step counter per tensor.
+    # gradients and AdamW moments: common/memory's fsdp-tp layout, plus AdamW's 4-byte step counter per tensor.
     counters = 4 * len(tiny_parameters())
     predicted = run["predicted_state_bytes"]
     assert len(run["state_bytes_per_rank"]) == 4

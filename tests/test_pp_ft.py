@@ -1,6 +1,6 @@
 """pp-ft and pp-ds-ft against single-ft: per-step losses and gradient norms of every schedule, per-parameter
 gradients (the tied embedding / LM head included), LoRA (steps, resume, adapter and merged exports), the bubble, the
-schedule trace, model-state bytes against common/memory.py, collective calls and bytes against common/comm.py,
+schedule trace, model-state bytes against common/memory, collective calls and bytes against common/comm.py,
 resume, --save-hf, and the one-process launch.
 
 Two torchrun launches (2 ranks, gloo, CPU), one per experiment, each running all its configurations; single-ft runs

@@ -94,6 +94,29 @@ def test_lora_trains_only_adapters_and_merges(tmp_path, small_data):
         [greedy_by_hand(export, prompt, 6)]
 
 
+def test_lora_on_a_bf16_base_tracks_fp32_and_holds_what_was_predicted(tmp_path, small_data):
+    """--dtype bf16 under LoRA: the frozen base is stored in bf16 (2 bytes a weight), the adapters and their AdamW
+    state in fp32. The steps track the fp32 run's within bf16 rounding; the model states held are common.memory's
+    prediction (besides AdamW's step counters); the merged export is a bf16 model, as its base was."""
+    export = tmp_path / "merged"
+    lora = ("--steps", 4, "--micro-batch-size", 2, "--lora-rank", 4)
+    fp32_summary, fp32 = run(tmp_path, "fp32", small_data, *lora)
+    summary, bf16 = run(tmp_path, "bf16", small_data, *lora, "--dtype", "bf16", "--save-hf", export, "--merge-lora")
+    assert bf16 == pytest.approx(fp32, rel=2e-2) and bf16 != pytest.approx(fp32, rel=1e-6)
+    adapters, base = summary["model"]["trainable_parameters"], summary["model"]["parameters"]
+    (held,) = summary["state_bytes_per_rank"]
+    assert held["weights"] == 2 * base + 4 * adapters and held["grads"] == 4 * adapters
+    assert fp32_summary["state_bytes_per_rank"][0]["weights"] == 4 * (base + adapters)
+    assert {**held, "optimizer": held["optimizer"] - 4 * 2 * 4 * 7} == summary["predicted_state_bytes"]
+    model = AutoModelForCausalLM.from_pretrained(export)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    data = build_data(small_data, AutoTokenizer.from_pretrained(export), 128, seed=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reloaded = evaluate(model, data, 1, torch.device("cpu"), nullcontext)
+    # merged into bf16 weights: the adapters' products are rounded once more than in the run's own evaluation
+    assert reloaded == pytest.approx(summary["eval_loss"], rel=2e-2)
+
+
 def test_bad_data_stops_before_training_with_file_and_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "completion": "b"}\n{"messages": [{"role": "user", "content": "hi"}]}\n')

@@ -1,6 +1,6 @@
 """tp-ft and tp-sp-ft (2 ranks, gloo, CPU) against single-ft: per-step losses with packing, full and LoRA; replicated
 q_norm/k_norm kept identical by the gradient all-reduce (and drifting without it); export; resume; SP's activations;
-the model-state bytes each rank holds against common/memory.py, the collectives against common/comm.py.
+the model-state bytes each rank holds against common/memory, the collectives against common/comm.py.
 
 One torchrun launch per experiment runs all of its configurations (tests/run_many.py); single-ft runs in-process.
 """
@@ -204,7 +204,7 @@ def test_model_state_bytes_are_the_predicted_ones(experiment, request):
     predicted = result["predicted_state_bytes"]
     for measured in result["state_bytes_per_rank"]:
         # Each rank: 1/2 of every projection and of the vocabulary-split embedding (the tied LM head), the norms
-        # whole; common/memory.py models the same split. AdamW's step counters are the only difference.
+        # whole; common/memory models the same split. AdamW's step counters are the only difference.
         local = split // 2 + embedding // 2 + replicated
         assert measured == {"weights": 4 * local, "grads": 4 * local, "optimizer": 8 * local + counters, "master": 0}
         assert measured == {**predicted, "optimizer": predicted["optimizer"] + counters}

@@ -1,6 +1,6 @@
 """zero-ft against single-ft: DeepSpeed ZeRO stages 1, 2 and 3 (and ZeRO-Offload) on 2 CPU ranks (gloo) compute
 single-ft's steps, also with the fast path's flags (--loss-chunk-tokens, --compile, --attn varlen); the model-state
-bytes each rank holds against common/memory.py, the collectives against common/comm.py.
+bytes each rank holds against common/memory, the collectives against common/comm.py.
 
 Every 2-rank configuration runs in one torchrun launch (module fixture `launch`): the imports and DeepSpeed's
 start-up cost more than the runs themselves. B = 4 rows per step: 2 ranks x 1 row x 2 micro-batches for zero-ft,
@@ -223,7 +223,7 @@ def test_model_state_bytes_are_the_predicted_ones(launch):
     numels = [math.prod(shape) for _, shape in tiny_parameters()]
     psi, world = sum(numels), 2
     persistent = sum(n for n in numels if n <= DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD)  # kept whole on every rank
-    counters = 4 * 2  # AdamW's step counters: one per parameter group (one flat tensor each), not in common/memory.py
+    counters = 4 * 2  # AdamW's step counters: one per parameter group (one flat tensor each), not in common/memory
     runs = {stage: summary(root / f"stage{stage}") for stage in (1, 2, 3)}
     for stage, result in runs.items():
         predicted = result["predicted_state_bytes"]
@@ -239,7 +239,7 @@ def test_model_state_bytes_are_the_predicted_ones(launch):
                 assert measured["buffers"] == 0
                 # After the last backward both stages hold only the reduced gradients of their partition, whole
                 # for the parameters that straddle its edges: more than 4 Psi / W by those parameters' other
-                # parts. Stage 1 held full gradients (common/memory.py's 4 Psi) until this backward reduced them.
+                # parts. Stage 1 held full gradients (common/memory's 4 Psi) until this backward reduced them.
                 assert measured["grads"] == 4 * gradients_kept_whole(world, rank) > 4 * psi // world
                 assert predicted["grads"] == (4 * psi if stage == 1 else 4 * psi // world)
             else:
@@ -250,7 +250,7 @@ def test_model_state_bytes_are_the_predicted_ones(launch):
                 # The fp32 reduce bucket, held for the whole run.
                 assert measured["buffers"] == 4 * DEEPSPEED_REDUCE_BUCKET_ELEMENTS
     # ZeRO-Offload: the device keeps the weights; the fp32 gradient partition, master partition and AdamW state are
-    # in host memory, where common/memory.py predicts them (with its staging buffers besides).
+    # in host memory, where common/memory predicts them (with its staging buffers besides).
     offload = summary(root / "stage2-offload")
     host = estimate("qwen3-tiny", "zero-2-offload", world, seq_len=128, precision="fp32")
     assert offload["predicted_cpu_bytes"] == int(host.cpu_bytes)

@@ -40,8 +40,8 @@ from common.loss import chunked_token_loss_sum
 from common.memory import attention_kind, estimate
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     state_bytes, summary_table
-from common.models import count_parameters, flops_per_token, is_preset, load_model, load_model_4bit, \
-    load_tokenizer, qlora_unavailable, resolve_model_name
+from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_model_4bit, \
+    load_tokenizer, qlora_unavailable, resolve_model_name, weights_dtype
 
 EXPERIMENT = "ddp-ft"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -65,7 +65,7 @@ class Config:
     weight_decay: float = 0.01  # AdamW decoupled weight decay on matrices (not on norms)
     max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = no clipping; the norm is still logged)
     seed: int = 0  # one seed for init, data order and held-out split
-    dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 compute with fp32 master weights and AdamW state; default bf16 on GPU, fp32 on CPU
+    dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 compute with fp32 master weights and AdamW state (a frozen LoRA base in bf16); default bf16 on GPU, fp32 on CPU
     activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of storing its activations
     loss_chunk_tokens: int = 0  # 0 = plain loss over the full logits; N = LM head + cross-entropy on loss tokens only, N at a time, never holding the [tokens x vocab] logits (common/loss.py); meant for GPUs and a 152k vocabulary, e.g. 1024 (untuned)
     compile: bool = False  # torch.compile each decoder layer (GPU speed; on CPU it only costs compile time)
@@ -168,16 +168,13 @@ def main(argv: list[str] | None = None) -> dict:
     if config.qlora:
         model = load_model_4bit(config.model, tokenizer, attention.impl, device)
     else:
-        model = load_model(config.model, tokenizer, attention.impl, dtype=torch.float32, device=device)
+        model = load_model(config.model, tokenizer, attention.impl, device=device,
+                           dtype=weights_dtype(config.dtype, config.lora_rank))  # a LoRA base in bf16 under bf16
     if config.activation_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if config.lora_rank:
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
-                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-        model = get_peft_model(model, lora)
+        model = add_lora(model, config.lora_rank, config.lora_alpha)  # fp32 adapters; the rest frozen
     if config.compile:
         # One compiled graph per decoder layer, not one for the whole model (as torchtitan does): compile time stays
         # bounded, and a graph break stays inside its layer. Module.compile() compiles in place, so parameter names
@@ -331,14 +328,15 @@ def main(argv: list[str] | None = None) -> dict:
     metrics.log_eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    # common/memory.py's prediction for one device: its peak next to the measured one (comparable on a GPU, where
+    # common/memory's prediction for one device: its peak next to the measured one (comparable on a GPU, where
     # both mean max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included),
     # its model states next to the bytes counted above.
-    # (common/memory.py prices fp32 or bf16 weights, not 4-bit ones: no prediction under --qlora.)
-    prediction = None if config.qlora else estimate(
+    # (common/memory prices fp32 or bf16 weights, not 4-bit ones: no prediction under --qlora.)
+    prediction = estimate(
         model.module.config, "ddp", world_size, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
-        activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank,
-        precision=config.dtype, attention=attention_kind(attention.impl, config.packing))
+        activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank, qlora=config.qlora,
+        precision=config.dtype, attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
+        loss_chunk_tokens=config.loss_chunk_tokens, compile=config.compile)
     # common/comm.py's formula for what the profiled steps measured, from the gradients in the order backward
     # produces them (the reverse of the parameters' order). Not for a world of one, whose collectives are not
     # modelled.

@@ -444,7 +444,8 @@ def main(argv: list[str] | None = None) -> dict:
     prediction = estimate(model.config, "ep", world_size, seq_len=config.seq_len,
                           micro_batch_size=config.micro_batch_size,
                           activation_checkpointing=config.activation_checkpointing, precision=config.dtype,
-                          attention=attention_kind(attention.impl, config.packing))
+                          attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
+                          loss_chunk_tokens=config.loss_chunk_tokens, compile=config.compile)
     # common/comm.py's formula for the profiled steps, from the rows they actually moved (routing decides them).
     # Not with activation checkpointing, whose recomputed forwards exchange the rows a second time in backward.
     formula = None

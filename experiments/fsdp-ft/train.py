@@ -49,8 +49,8 @@ from common.loss import chunked_token_loss_sum
 from common.memory import attention_kind, estimate
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     state_bytes, summary_table
-from common.models import count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, model_config, \
-    refuse_moe, resolve_model_name
+from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
+    model_config, refuse_moe, resolve_model_name, weights_dtype
 
 EXPERIMENT = "fsdp-ft"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -74,7 +74,7 @@ class Config:
     weight_decay: float = 0.01  # AdamW decoupled weight decay on matrices (not on norms)
     max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = no clipping; the norm is still logged)
     seed: int = 0  # one seed for init, data order and held-out split
-    dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 compute with fp32 master weights and AdamW state; default bf16 on GPU, fp32 on CPU
+    dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 compute with fp32 master weights and AdamW state (a frozen LoRA base in bf16); default bf16 on GPU, fp32 on CPU
     activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of storing its activations
     loss_chunk_tokens: int = 0  # 0 = plain loss over the full logits; N = LM head + cross-entropy on loss tokens only, N at a time, never holding the [tokens x vocab] logits (common/loss.py); meant for GPUs and a 152k vocabulary, e.g. 1024 (untuned)
     compile: bool = False  # torch.compile each decoder layer (GPU speed; on CPU it only costs compile time)
@@ -140,17 +140,16 @@ def build_model(config: Config, tokenizer, attn_implementation: str, on_meta: bo
     """
     if on_meta:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(model_config(config.model, tokenizer), dtype=torch.float32,
+            model = AutoModelForCausalLM.from_config(model_config(config.model, tokenizer),
+                                                     dtype=weights_dtype(config.dtype, config.lora_rank),
                                                      attn_implementation=attn_implementation)
         refuse_moe(model.config)  # as load_model does on the other ranks, before any collective
     else:
-        model = load_model(config.model, tokenizer, attn_implementation, dtype=torch.float32, device="cpu")
+        # fp32 weights, the master copy FSDP shards; a LoRA base under --dtype bf16 is frozen and stored in bf16.
+        model = load_model(config.model, tokenizer, attn_implementation, device="cpu",
+                           dtype=weights_dtype(config.dtype, config.lora_rank))
     if config.lora_rank:
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
-                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-        model = get_peft_model(model, lora)
+        model = add_lora(model, config.lora_rank, config.lora_alpha)  # fp32 adapters; the rest frozen
     return model
 
 
@@ -425,15 +424,16 @@ def main(argv: list[str] | None = None) -> dict:
     metrics.log_eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    # common/memory.py's prediction for one device: its peak next to the measured one (comparable on a GPU, where
+    # common/memory's prediction for one device: its peak next to the measured one (comparable on a GPU, where
     # both mean max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included),
     # its model states next to the bytes counted above.
     # Under HSDP a rank holds what FSDP over its shard group would: the estimate takes the shard group's size.
     prediction = estimate(
         model.config, "fsdp-offload" if config.cpu_offload else "fsdp", shard_size, seq_len=config.seq_len,
         micro_batch_size=config.micro_batch_size, activation_checkpointing=config.activation_checkpointing,
-        lora_rank=config.lora_rank, precision=config.dtype, attention=attention_kind(attention.impl, config.packing),
-        grad_accum=1 if config.reduce_every_micro_batch else config.grad_accum)  # micro-batches of unreduced gradients
+        lora_rank=config.lora_rank, precision=config.dtype, attention=attention_kind(attention, config.packing),
+        grad_accum=1 if config.reduce_every_micro_batch else config.grad_accum,  # micro-batches of unreduced gradients
+        loss_chunk_tokens=config.loss_chunk_tokens, compile=config.compile)
     # common/comm.py's formula for what the profiled steps measured: each unit's parameters (global shapes), the
     # root unit (what no layer holds) first. It is the steady state: a step right after an --eval-every evaluation
     # finds units still gathered and gathers less. Not covered: a world of one, whose collectives are not modelled,
@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> dict:
         state_bytes_per_rank=None if measured_state is None else all_ranks(measured_state),
         state_bytes_step=None if measured_state is None else state_step + 1,  # 1-based, as in metrics.jsonl
         predicted_state_bytes=prediction.state_bytes(),
-        # With --cpu-offload common/memory.py predicts the sharded states in host memory, none on the device.
+        # With --cpu-offload common/memory predicts the sharded states in host memory, none on the device.
         predicted_cpu_bytes=int(prediction.cpu_bytes),
         predicted_note="fsdp-offload: common.memory predicts the model states in host memory (predicted_cpu_bytes); "
                        "predicted_state_bytes is what stays on the device" if config.cpu_offload else None,

@@ -55,8 +55,8 @@ from common.dist import all_ranks, init_distributed, print0, teardown
 from common.memory import attention_kind, estimate
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     state_bytes, summary_table
-from common.models import count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, model_config, \
-    refuse_moe, resolve_model_name
+from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
+    model_config, refuse_moe, resolve_model_name, weights_dtype
 
 EXPERIMENT = "fsdp-tp-ft"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -80,7 +80,7 @@ class Config:
     weight_decay: float = 0.01  # AdamW decoupled weight decay on matrices (not on norms)
     max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = no clipping; the norm is still logged)
     seed: int = 0  # one seed for init, data order and held-out split
-    dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 compute with fp32 master weights and AdamW state; default bf16 on GPU, fp32 on CPU
+    dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 compute with fp32 master weights and AdamW state (a frozen LoRA base in bf16); default bf16 on GPU, fp32 on CPU
     activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of storing its activations
     packing: bool = True  # pack conversations into rows (--no-packing: one padded conversation per row)
     lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
@@ -152,17 +152,16 @@ def build_model(config: Config, tokenizer, attn_implementation: str, on_meta: bo
     """
     if on_meta:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(model_config(config.model, tokenizer), dtype=torch.float32,
+            model = AutoModelForCausalLM.from_config(model_config(config.model, tokenizer),
+                                                     dtype=weights_dtype(config.dtype, config.lora_rank),
                                                      attn_implementation=attn_implementation)
         refuse_moe(model.config)  # as load_model does on the other ranks, before any collective
     else:
-        model = load_model(config.model, tokenizer, attn_implementation, dtype=torch.float32, device="cpu")
+        # fp32 weights, the master copy FSDP shards; a LoRA base under --dtype bf16 is frozen and stored in bf16.
+        model = load_model(config.model, tokenizer, attn_implementation, device="cpu",
+                           dtype=weights_dtype(config.dtype, config.lora_rank))
     if config.lora_rank:
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
-                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-        model = get_peft_model(model, lora)
+        model = add_lora(model, config.lora_rank, config.lora_alpha)  # fp32 adapters; the rest frozen
     return model
 
 
@@ -584,14 +583,14 @@ def main(argv: list[str] | None = None) -> dict:
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
     drift = replica_drift(list(model.parameters()), tp_mesh)
     print0(f"parameters replicated over tp: largest difference between the ranks of a row {drift:.3g}")
-    # common/memory.py's prediction for one device ("fsdp-tp": tp-ft's slice, its states sharded over dp, FSDP's
+    # common/memory's prediction for one device ("fsdp-tp": tp-ft's slice, its states sharded over dp, FSDP's
     # gathered units as in fsdp-ft). No collective formula: common/comm.py does not model this layout, so the
     # summary has the profiled collectives (collective_counts, collective_bytes_per_step) without one.
     prediction = estimate(
         model.config, "fsdp-tp", world_size, tensor_parallel=tp, seq_len=config.seq_len,
         micro_batch_size=config.micro_batch_size, activation_checkpointing=config.activation_checkpointing,
-        lora_rank=config.lora_rank, precision=config.dtype, attention=attention_kind(attention.impl, config.packing),
-        grad_accum=config.grad_accum)
+        lora_rank=config.lora_rank, precision=config.dtype, attention=attention_kind(attention, config.packing),
+        grad_accum=config.grad_accum)  # neither --compile nor --loss-chunk-tokens here
     summary = metrics.write_summary(
         comm_timer=comm_timer,  # comm_ms, collective counts and bytes: torch.profiler over the profiled steps
         experiment=EXPERIMENT, command=launch_command(), commit=git_commit(REPO_ROOT), config=asdict(config),

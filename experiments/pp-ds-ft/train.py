@@ -55,7 +55,7 @@ from common.dist import act_as_launcher_if_alone, all_ranks, init_distributed, p
 from common.memory import DEEPSPEED_BF16, attention_kind, predict_peak_gib  # noqa: E402
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     memory_label, peak_memory_gib, summary_table  # noqa: E402
-from common.models import count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
+from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
     resolve_model_name  # noqa: E402
 
 EXPERIMENT = "pp-ds-ft"
@@ -399,16 +399,12 @@ def main(argv: list[str] | None = None) -> dict:
     model = load_model(config.model, tokenizer, attention.impl, dtype=torch.float32, device="cpu")
     lora_config = None
     if config.lora_rank:
-        from peft import LoraConfig, get_peft_model
-
         # single-ft's adapters, injected into the whole model before the layer specs take its pieces: the same
         # modules in the same order under the same seed, so every adapter starts equal to single-ft's. peft freezes
         # the rest: the tied embedding / LM head too, whose gradient all-reduce DeepSpeed then skips (it reduces a
         # tied weight only where it has a gradient, PipelineEngine._exec_reduce_tied_grads).
-        lora_config = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
-                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                 "down_proj"])
-        model = get_peft_model(model, lora_config).get_base_model()
+        model = add_lora(model, config.lora_rank, config.lora_alpha)  # DeepSpeed's bf16 mode casts it to bf16
+        lora_config, model = model.peft_config["default"], model.get_base_model()
     base_model_class = type(model)
     model_config = model.config
     # Built under no_grad: the constructor broadcasts the first stage's tied weight into the last stage's copy, in
@@ -549,14 +545,15 @@ def main(argv: list[str] | None = None) -> dict:
         model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
                    flops_per_token=model_flops_per_token, parameters_held_per_rank=held),
         t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
-        # common/memory.py's prediction for the fullest stage (1F1B, even split), next to the measured peaks
+        # common/memory's prediction for the fullest stage (1F1B, even split), next to the measured peaks
         # (comparable on a GPU). DeepSpeed's bf16 mode keeps bf16 weights and an fp32 master copy: DEEPSPEED_BF16.
         # (A ZeRO-1 shard over data-parallel replicas is not modelled for "pp".)
         predicted_peak_mem_gib=predict_peak_gib(
             model_config, "pp", config.stages, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
             activation_checkpointing=config.activation_checkpointing, dtype=config.dtype,
             precision=DEEPSPEED_BF16 if config.dtype == "bf16" else None,
-            attention=attention_kind(attention.impl, config.packing)),
+            attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
+            compile=config.compile),
         packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
         n_truncated=data.stats["n_truncated"], data=data.stats, peak_mem_gib_per_rank=peak_mem_gib_per_rank,
         pipeline=dict(schedule="deepspeed-1f1b", stages=config.stages, data_parallel=data_parallel_size,

@@ -30,7 +30,7 @@ gradient sum. tests/test_pp_ft.py holds every schedule to single-ft, per step an
 
 Besides single-ft's results, summary.json holds what a pipeline post draws and compares: the bubble per rank, one
 step's schedule as a timeline per rank (`schedule_trace`, see `BusyTimer`), the model-state bytes each rank holds
-next to common/memory.py's prediction, and the collectives' calls and bytes per rank next to common/comm.py's formula.
+next to common/memory's prediction, and the collectives' calls and bytes per rank next to common/comm.py's formula.
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ from common.dist import all_ranks, init_distributed, print0, teardown
 from common.memory import PROJECT_BF16, PROJECT_FP32, attention_kind, estimate_stages, predict_peak_gib
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     memory_label, peak_memory_gib, state_bytes, summary_table, synchronize
-from common.models import count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
-    resolve_model_name
+from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
+    resolve_model_name, weights_dtype
 
 EXPERIMENT = "pp-ft"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -88,7 +88,7 @@ class Config:
     weight_decay: float = 0.01  # AdamW decoupled weight decay on matrices (not on norms)
     max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = no clipping; the norm is still logged)
     seed: int = 0  # one seed for init, data order and held-out split
-    dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 compute with fp32 master weights and AdamW state; default bf16 on GPU, fp32 on CPU
+    dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 compute with fp32 master weights and AdamW state (a frozen LoRA base in bf16); default bf16 on GPU, fp32 on CPU
     activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of storing its activations
     packing: bool = True  # pack conversations into rows (--no-packing: one padded conversation per row)
     lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
@@ -434,9 +434,11 @@ def evaluate_pipeline(stages: dict[int, Qwen3Stage], stage_rank: list[int], data
             elif stage_rank[s - 1] == rank:
                 inputs = hidden
             else:
-                # Hidden states are fp32 even under bf16 autocast: the residual stream adds bf16 outputs to the fp32
-                # embedding, which promotes to fp32.
-                inputs = torch.empty(*batch["input_ids"].shape, stages[s].config.hidden_size, device=device)
+                # Hidden states have the embedding's dtype even under bf16 autocast: the residual stream adds bf16
+                # outputs to the embedding's output, which promotes to fp32 (fp32 weights) or stays bf16 (a LoRA base).
+                first_layer = next(iter(stages[s].model.layers.values()))
+                inputs = torch.empty(*batch["input_ids"].shape, stages[s].config.hidden_size, device=device,
+                                     dtype=first_layer.input_layernorm.weight.dtype)
                 dist.recv(inputs, group=pp_group, group_src=stage_rank[s - 1])
             hidden = stages[s](inputs, position_ids=batch["position_ids"])
             if s == len(stage_rank) - 1:
@@ -519,7 +521,7 @@ def save_lora_adapter(save_dir: Path, module: nn.Module, lora_config, base_model
 
 def predicted_state_bytes_per_rank(model_config, stage_rank: list[int], config: Config,
                                    replicas: int = 1) -> list[dict] | None:
-    """common/memory.py's model-state bytes of every rank: the sum of its stages' estimates (weights, gradients,
+    """common/memory's model-state bytes of every rank: the sum of its stages' estimates (weights, gradients,
     AdamW's moments, master copy), in (global) rank order, in state_bytes' keys; each replica's ranks hold the same.
 
     estimate_stages splits the layers over the stages as pipeline_layout's even split does (the remainder to the
@@ -605,21 +607,18 @@ def main(argv: list[str] | None = None) -> dict:
     # Model, then this rank's stages. Every rank builds the whole model on the CPU under the same seed (so the
     # weights equal single-ft's) and keeps only its stages; the rest is freed. A 4B model briefly takes 16 GB of host
     # memory per rank this way; building on the meta device and loading only this stage's tensors avoids it.
-    model = load_model(config.model, tokenizer, attention.impl, dtype=torch.float32, device="cpu")
+    model = load_model(config.model, tokenizer, attention.impl, device="cpu",
+                       dtype=weights_dtype(config.dtype, config.lora_rank))  # a LoRA base in bf16 under bf16
     if config.activation_checkpointing:
         # Sets a flag on every decoder layer, which then recomputes itself in backward wherever it is called from.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     lora_config = None
     if config.lora_rank:
-        from peft import LoraConfig, get_peft_model
-
         # single-ft's adapters, injected into the whole model before it is cut: the same modules in the same order
         # under the same seed, so every adapter starts equal to single-ft's. peft freezes everything else (the
         # embedding, its LM head copy below, the norms). The stages are cut from the plain model peft wraps.
-        lora_config = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
-                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                 "down_proj"])
-        model = get_peft_model(model, lora_config).get_base_model()
+        model = add_lora(model, config.lora_rank, config.lora_alpha)
+        lora_config, model = model.peft_config["default"], model.get_base_model()
     base_model_class = type(model)
     model_config = model.config
     n_layers = model_config.num_hidden_layers
@@ -843,7 +842,7 @@ def main(argv: list[str] | None = None) -> dict:
              if traced_actions is not None else None)
 
     # ---------------------------------------------------------------------------------------------------------
-    # What each rank holds and sends, measured, next to what common/memory.py and common/comm.py predict.
+    # What each rank holds and sends, measured, next to what common/memory and common/comm.py predict.
     state_bytes_per_rank = all_ranks(measured_state)
     predicted_state = predicted_state_bytes_per_rank(model_config, stage_rank, config, replicas)
     collective_bytes_per_rank = all_ranks(comm_timer.collective_bytes_per_step())
@@ -875,13 +874,14 @@ def main(argv: list[str] | None = None) -> dict:
                    flops_per_token=model_flops_per_token, parameters_held_per_rank=held,
                    trainable_parameters_per_rank=trainable_held),
         t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
-        # common/memory.py's prediction for the fullest stage, next to the measured peaks (comparable on a GPU). It
+        # common/memory's prediction for the fullest stage, next to the measured peaks (comparable on a GPU). It
         # models 1F1B with one stage per rank and an even split (p - s micro-batches in flight on stage s); GPipe
         # keeps all m in flight, and --split or interleaving move memory between ranks.
         predicted_peak_mem_gib=predict_peak_gib(
             model_config, "pp", pp_size, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
             activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank, dtype=config.dtype,
-            attention=attention_kind(attention.impl, config.packing)),
+            attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
+            compile=config.compile),
         packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
         n_truncated=data.stats["n_truncated"], data=data.stats, peak_mem_gib_per_rank=peak_mem_gib_per_rank,
         pipeline=dict(schedule=config.schedule, ranks=pp_size, stages_per_rank=config.stages_per_rank,

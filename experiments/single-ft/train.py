@@ -36,8 +36,8 @@ from common.loss import chunked_token_loss_sum
 from common.memory import attention_kind, estimate
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     state_bytes, summary_table
-from common.models import TINY_PRESETS, count_parameters, flops_per_token, is_moe, is_preset, load_model, \
-    load_model_4bit, load_tokenizer, qlora_unavailable, resolve_model_name
+from common.models import TINY_PRESETS, add_lora, count_parameters, flops_per_token, is_moe, is_preset, load_model, \
+    load_model_4bit, load_tokenizer, qlora_unavailable, resolve_model_name, weights_dtype
 from common.moe import RouterStats, load_summary, split_load
 
 EXPERIMENT = "single-ft"
@@ -62,7 +62,7 @@ class Config:
     weight_decay: float = 0.01  # AdamW decoupled weight decay on matrices (not on norms)
     max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = no clipping; the norm is still logged)
     seed: int = 0  # one seed for init, data order and held-out split
-    dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 compute with fp32 master weights and AdamW state; default bf16 on GPU, fp32 on CPU
+    dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 compute with fp32 master weights and AdamW state (a frozen LoRA base in bf16); default bf16 on GPU, fp32 on CPU
     activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of storing its activations
     loss_chunk_tokens: int = 0  # 0 = plain loss over the full logits; N = LM head + cross-entropy on loss tokens only, N at a time, never holding the [tokens x vocab] logits (common/loss.py); meant for GPUs and a 152k vocabulary, e.g. 1024 (untuned)
     compile: bool = False  # torch.compile each decoder layer (GPU speed; on CPU it only costs compile time)
@@ -156,17 +156,14 @@ def main(argv: list[str] | None = None) -> dict:
     if config.qlora:
         model = load_model_4bit(config.model, tokenizer, attention.impl, device)
     else:
-        model = load_model(config.model, tokenizer, attention.impl, dtype=torch.float32, device=device,
-                           allow_moe=True)
+        # fp32 weights, their own master copy; a LoRA base under --dtype bf16 is frozen and stored in bf16.
+        model = load_model(config.model, tokenizer, attention.impl, device=device, allow_moe=True,
+                           dtype=weights_dtype(config.dtype, config.lora_rank))
     if config.activation_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if config.lora_rank:
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
-                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-        model = get_peft_model(model, lora)
+        model = add_lora(model, config.lora_rank, config.lora_alpha)  # fp32 adapters; the rest frozen
     if config.compile:
         # One compiled graph per decoder layer, not one for the whole model (as torchtitan does): compile time stays
         # bounded, and a graph break stays inside its layer. Module.compile() compiles in place, so parameter names
@@ -298,15 +295,15 @@ def main(argv: list[str] | None = None) -> dict:
     metrics.log_eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    # common/memory.py's prediction for this device: its peak next to the measured one (comparable on a GPU, where
+    # common/memory's prediction for this device: its peak next to the measured one (comparable on a GPU, where
     # both mean max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included),
     # its model states next to the bytes counted above.
-    # (common/memory.py prices fp32 or bf16 weights, not 4-bit ones: no prediction under --qlora; nor LoRA on a
-    # mixture of experts, where peft also wraps the experts' 3-D weights.)
-    prediction = None if config.qlora or (moe and config.lora_rank) else estimate(
+    # (common/memory prices no LoRA on a mixture of experts, where peft also wraps the experts' 3-D weights.)
+    prediction = None if moe and config.lora_rank else estimate(
         model.config, "single", 1, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
-        activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank,
-        precision=config.dtype, attention=attention_kind(attention.impl, config.packing))
+        activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank, qlora=config.qlora,
+        precision=config.dtype, attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
+        loss_chunk_tokens=config.loss_chunk_tokens, compile=config.compile)
     summary = metrics.write_summary(
         comm_timer=comm_timer,  # comm_ms, collective counts and bytes: torch.profiler over the profiled steps
         experiment=EXPERIMENT, command=launch_command(), commit=git_commit(REPO_ROOT), config=asdict(config),

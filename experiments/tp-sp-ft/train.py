@@ -52,8 +52,8 @@ from common.dist import all_ranks, init_distributed, print0, teardown
 from common.memory import attention_kind, estimate
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     state_bytes, summary_table
-from common.models import count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
-    resolve_model_name
+from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
+    resolve_model_name, weights_dtype
 
 EXPERIMENT = "tp-sp-ft"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -77,7 +77,7 @@ class Config:
     weight_decay: float = 0.01  # AdamW decoupled weight decay on matrices (not on norms)
     max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = no clipping; the norm is still logged)
     seed: int = 0  # one seed for init, data order and held-out split
-    dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 compute with fp32 master weights and AdamW state; default bf16 on GPU, fp32 on CPU
+    dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 compute with fp32 master weights and AdamW state (a frozen LoRA base in bf16); default bf16 on GPU, fp32 on CPU
     activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of storing its activations
     packing: bool = True  # pack conversations into rows (--no-packing: one padded conversation per row)
     lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
@@ -443,17 +443,15 @@ def main(argv: list[str] | None = None) -> dict:
     # ---------------------------------------------------------------------------------------------------------
     # Model: built whole on every rank from the same seed (so LoRA's A is initialised exactly as in single-ft),
     # then split by apply_tp; parallelize_module scatters rank 0's values, so the ranks start from one model.
-    model = load_model(config.model, tokenizer, attention.impl, dtype=torch.float32, device=device)
+    model = load_model(config.model, tokenizer, attention.impl, device=device,
+                       dtype=weights_dtype(config.dtype, config.lora_rank))  # a LoRA base in bf16 under bf16
     if config.activation_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     lora = None
     if config.lora_rank:
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
-                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-        model = get_peft_model(model, lora)
+        model = add_lora(model, config.lora_rank, config.lora_alpha)  # fp32 adapters; the rest frozen
+        lora = model.peft_config["default"]
     partial_grad_params = apply_tp(model, tp_mesh, config.loss_parallel)
     if config.compile:
         # One compiled graph per decoder layer (as in single-ft), after the split: the graph is traced over the
@@ -579,13 +577,14 @@ def main(argv: list[str] | None = None) -> dict:
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
     drift = replica_drift(list(model.parameters()), tp_mesh)
     print0(f"replicated parameters: largest difference between ranks {drift:.3g}")
-    # common/memory.py's prediction for one device: its peak next to the measured one (comparable on a GPU, where
+    # common/memory's prediction for one device: its peak next to the measured one (comparable on a GPU, where
     # both mean max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included),
     # its model states next to the bytes counted above.
     prediction = estimate(
         model.config, "tp-sp", tp, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
         activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank,
-        precision=config.dtype, attention=attention_kind(attention.impl, config.packing))
+        precision=config.dtype, attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
+        compile=config.compile)
     # common/comm.py's formula for what the profiled steps measured. Covered: full-parameter fp32 on two or more
     # ranks. Not covered: LoRA (its adapters add collectives of their own), bf16 (autocast gives the forward's and
     # the backward's activations different dtypes) and a world of one; neither is checked against a measurement.

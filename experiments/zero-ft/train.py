@@ -54,7 +54,7 @@ from common.loss import chunked_token_loss_sum  # noqa: E402
 from common.memory import STRATEGIES, attention_kind, estimate  # noqa: E402
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     memory_label, peak_memory_gib, state_bytes, storage_bytes, summary_table  # noqa: E402
-from common.models import count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
+from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
     resolve_model_name  # noqa: E402
 
 EXPERIMENT = "zero-ft"
@@ -288,11 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if config.lora_rank:
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
-                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-        model = get_peft_model(model, lora)
+        model = add_lora(model, config.lora_rank, config.lora_alpha)  # DeepSpeed's bf16 mode casts the module to bf16
     if config.compile:
         # One compiled graph per decoder layer, not one for the whole model (as torchtitan does): compile time stays
         # bounded, and a graph break stays inside its layer. Module.compile() compiles in place, so parameter names
@@ -449,11 +445,11 @@ def main(argv: list[str] | None = None) -> dict:
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
     # The point of this experiment: what each rank held at its peak. Gathered so that rank 0 can print and store it,
-    # next to common/memory.py's prediction for one device (comparable on a GPU, where both mean max_memory_reserved;
+    # next to common/memory's prediction for one device (comparable on a GPU, where both mean max_memory_reserved;
     # on CPU the measure is the whole process, interpreter and libraries included).
     peak_mem_gib_per_rank = [None] * world_size
     dist.all_gather_object(peak_mem_gib_per_rank, peak_memory_gib(device))
-    # common/memory.py names ZeRO-Offload runs "zero-<stage>-offload" and predicts the offloaded states in host
+    # common/memory names ZeRO-Offload runs "zero-<stage>-offload" and predicts the offloaded states in host
     # memory (cpu_bytes), the device's share in predicted_state_bytes; where it has no such strategy, the prediction
     # is that of the same stage without offload. summary.json says which.
     strategy = f"zero-{config.zero_stage}" + ("-offload" if config.cpu_offload else "")
@@ -468,7 +464,8 @@ def main(argv: list[str] | None = None) -> dict:
     prediction = estimate(
         model.config, strategy, world_size, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
         activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank,
-        precision=config.dtype, attention=attention_kind(attention.impl, config.packing))
+        precision=config.dtype, attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
+        loss_chunk_tokens=config.loss_chunk_tokens, compile=config.compile)
     predicted_peak_mem_gib = prediction.total_gib
     # common/comm.py's formula for what the profiled steps measured. Gradients are reduced in the optimizer's group
     # order at the boundary (stage 1) or as backward produces them (stages 2 and 3: the reverse of the parameters'
@@ -488,7 +485,7 @@ def main(argv: list[str] | None = None) -> dict:
         formula = formula and as_backend(formula, dist.get_backend())
     print0(f"peak memory per rank ({memory_label(device)}), ZeRO stage {config.zero_stage}: "
            + ", ".join(f"rank {r} {gib:.2f} GiB" for r, gib in enumerate(peak_mem_gib_per_rank))
-           + f" | predicted by common/memory.py: {predicted_peak_mem_gib:.2f} GiB per device")
+           + f" | predicted by common/memory: {predicted_peak_mem_gib:.2f} GiB per device")
     summary = metrics.write_summary(
         comm_timer=comm_timer,  # comm_ms, collective counts and bytes: torch.profiler over the profiled steps
         experiment=EXPERIMENT, command=launch_command(), commit=git_commit(REPO_ROOT), config=asdict(config),

@@ -1,0 +1,3 @@
+from common.memory.cli import main
+
+main()

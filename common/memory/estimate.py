@@ -1,0 +1,485 @@
+"""One device's memory under a strategy: what it holds, when the peak comes, and how the experiments ask for it.
+(common/memory/__init__.py says how the parts fit together.)
+
+The peak. A step passes through two high points, and the estimate is the larger:
+- the start of backward (`forward_bytes`): the weights, the optimizer state and master copy, the gradients that
+  already exist then, autocast's weight copies, every layer's activations, the loss's buffers (logits and the
+  cross-entropy's fp32 tensors) and the temporary buffers of section 1. Which gradients exist then: with more
+  than one micro-batch per step (--grad-accum > 1) those of the earlier ones; under ddp and DeepSpeed's engines
+  always, since their gradients live in buffers allocated once (DDP's buckets, with gradient_as_bucket_view=True;
+  DeepSpeed's flat fp32 buffers); in a pipeline always (1F1B runs backward while later micro-batches are in
+  flight); under FSDP none (its unsharded accumulation is a buffer of section 1, and each rank's shard of a
+  gradient is written only by the last reduce-scatter). With one micro-batch and `zero_grad(set_to_none=True)`,
+  single, tp and ep start backward without gradients: they grow while the activations shrink, layer by layer, so
+  the backward's memory lies between its two ends.
+- the optimizer step (`step_bytes`): every model state, and the buffers that outlive backward (DeepSpeed's).
+The estimate's columns (weights, grads, ...) list everything a step ever holds; `total_bytes` is that peak.
+Not counted: the CUDA context and NCCL's own buffers (outside `max_memory_reserved`, hence USABLE_FRACTION), the
+caching allocator's fragmentation (reserved beyond allocated: the committed GPU runs put it at a few percent, the
+gap between this prediction and max_memory_reserved), the gradients of activations inside one layer's backward,
+the input ids and labels. tests/test_memory.py holds every GPU run committed under devlog/data to this estimate.
+
+1. Temporary buffers, in the `buffers` column (symbols: c compute bytes, w the weights' bytes, T trainable
+   parameters, E elements of the largest trainable parameter, B = reduce_bucket_size = 5e8 elements):
+   - ddp: none. ddp-ft passes gradient_as_bucket_view=True, so the gradients are views into the all-reduce buckets
+     (the default, False, would copy every gradient into a second, bucketed copy).
+   - zero-1 under bf16: BF16_Optimizer all-reduces its fp32 gradient buffer in place, one param group at a time;
+     only when the group of matrices has at most 5e8 elements (the engine's all-reduce bucket) are both groups
+     flattened into one copy first, 4 T (small models only).
+   - zero-1 under fp32, zero-2, zero-3: the reduce bucket, allocated at its full B elements whatever the trainable
+     count (a LoRA run pays it too), in the module's dtype for stages 1-2 (w B: 0.93 GiB in bf16) and in the fp32
+     communication dtype for stage 3 (4 B), plus the fp32 tensor that the collective reduces, flattened from one
+     full bucket (4 min(B, T): 1.86 GiB). Stages 2-3 also hold each gradient as autograd writes it (c bytes) until
+     it is copied into the bucket; the largest, a tied embedding whose LM-head half arrives at the start of
+     backward and embedding half at its end, is alive for all of it: c E.
+   - zero-3: the gathered parameters, in the weights' dtype. zero3_gathered_elements() replays one step of
+     DeepSpeed's parameter coordinator with zero-ft's defaults (prefetch 5e7, max live 1e9, reuse distance 1e9
+     elements): 1.39e9 elements for Qwen3-4B (2.6 GiB in bf16), 1.31e9 for 1.7B, the whole 0.6B model (5.96e8).
+     On one rank nothing is gathered: a parameter becomes a view of its (whole) partition.
+   - fsdp: the unsharded units. FSDP2 never reshards the root module (embedding, final norm and, when untied, the
+     LM head) between forward and backward, and it all-gathers the next layer while the current one runs: root +
+     2 layers of weights in the compute dtype. A unit's gradients arrive in c bytes and are copied into an fp32
+     reduce-scatter input (the reduce dtype); the root's reduce-scatter waits for the embedding's gradient at the
+     end of backward: max(c root + (c + 4) layer, (c + 4) root) of trainable parameters. With --grad-accum > 1
+     fsdp-ft reduce-scatters only in the last micro-batch: until then every unit keeps its unsharded gradients,
+     upcast to fp32 to accumulate: 4 T + (c + 4) layer (estimate(grad_accum=...)).
+   - tp, tp-sp, pp: none counted (their all-gather and send/receive buffers are a few hidden-state tensors).
+   Tensor parallelism shards the decoder layers' linear weights and, as tp-ft and tp-sp-ft do, the embedding and
+   the LM head over the vocabulary (tied or not: each rank holds V/t rows); the norms are replicated. With loss
+   parallel (their default) each rank computes and keeps only its V/t columns of the logits.
+   FSDP x TP (fsdp-tp, fsdp-tp-ft: a 2-D mesh of dp = N / t rows of t tensor-parallel ranks; estimate() takes t as
+   `tensor_parallel`): each rank holds tp's slice, sharded again by FSDP over the dp ranks. The sharded parts, the
+   split weights, their gradients and AdamW state, are divided by dp x t = N; the norms, replicated over t, by dp.
+   The buffers are fsdp's (gathered root + 2 layers, unsharded gradients), of the TP slice; activations and logits
+   are tp's.
+   Pipeline parallelism (1F1B, at least as many micro-batches as stages) splits the layers evenly, puts the
+   embedding on the first stage and the final norm and LM head on the last (a tied head becomes a second copy
+   there, frozen under LoRA like the embedding); stage k keeps p - k micro-batches of activations in flight, so
+   the first stage holds p.
+
+2. CPU offload (`cpu_bytes`: host memory per rank; `cpu_buffers_bytes`: its staging buffers):
+   - zero-2-offload (ZeRO-Offload, offload_optimizer device cpu): the GPU keeps the weights (w P) and the buffers
+     of section 1 plus a staging buffer for one gradient (w E); the host keeps the fp32 master partition, the fp32
+     gradient partition and AdamW's m and v, (4 + 4 + 8) T / N, and copies in the weights' dtype of this rank's
+     partition (w T / N) and of the largest gradient (w E).
+   - zero-3-offload (offload_optimizer device cpu, parameters on the GPU): the GPU keeps its partition of the
+     weights (w P / N), the persistent parameters and the buffers of section 1; the host keeps (4 + 4 + 8) T / N.
+   - fsdp-offload: the GPU keeps the units of section 1; the host keeps every sharded state, (4 + 4 + 8) P / N.
+
+
+3. Mixtures of experts (Qwen3-MoE: every layer's MLP is E SwiGLU experts of width I_e, k per token, chosen by a
+   linear router; transformers keeps each layer's experts as two 3-D weights, gate_up_proj [E, 2 I_e, d] and
+   down_proj [E, d, I_e]). Two strategies price them, as the two experiments that train them run them: single
+   (single-ft) and ep (ep-ft, expert parallelism over W ranks). Every other strategy refuses a mixture of experts
+   (a ValueError: mixture of experts: single or ep), as its experiment does; so does LoRA, whose peft adapters on
+   the experts' 3-D weights (ParamWrapper) this module does not model.
+   - Model states. ep: each rank holds the dense part (embedding, LM head, attention, routers, norms) whole and E / W
+     experts of every layer (DTensor Shard(0)), with their fp32 gradients and AdamW state: 16 bytes per held
+     parameter under --dtype bf16 and fp32 alike, no reduce bucket counted (ep-ft all-reduces the dense gradients
+     in 25 MiB flat copies, section 1's "none counted" for tp/pp). single: the whole model, as for a dense one.
+   - Compute copies. Autocast caches its bf16 casts of the attention projections, the routers and the LM head, as
+     for a dense model. torch's grouped_mm is not autocast-aware: transformers' experts (single) cast the tokens to
+     the weights' dtype, so under --dtype bf16 single-ft's experts compute in fp32 and make no copy; ep-ft casts its
+     rows and its E / W experts of each layer to bf16 itself, copies that backward keeps (the grouped product saves
+     its weight) until the layer's backward: every layer's, or with checkpointing one layer's (the recomputed one).
+   - Activations, per token of one sparse layer, in place of the dense MLP's 4 c I (symbols of activations.py, and e the
+     bytes of the weights, the dtype transformers' experts compute in):
+       linear inputs  autocast: 4 c d (q, k, v and the router each save their cast); otherwise 2 r d, as dense
+       router         4 E [fp32 probabilities] + 8 k [top-k ids] + 4 k + 4 [top-k probabilities, their sum]
+       aux loss       c E + 8 k: common.moe's load-balancing loss, the softmax of the router logits and its top-k
+       experts        single: k (2 e d + 4 e I_e + c + 24)  [its k rows gathered, gate_up out (2 I_e), SiLU out,
+                      their product, down out, the routing weight, three int64 index vectors]
+                      ep: k (2 c d + 4 c I_e + c + 40 + r d)  [the same rows as the experts received them, in c; five
+                      index vectors; and the combine's index_add keeps its source, the weighted rows, in r]
+   Each term was checked against saved_tensors_hooks for qwen3-moe-tiny (tests/test_memory.py), single and ep-ft's
+   block; not counted: each grouped product's int32 offsets (4 E bytes per layer, not per token). ep's rows are
+   those this rank receives: k per token when the load is even; the busiest rank receives more, by the imbalance
+   factor that summary.json's expert_load reports, and its expert terms grow by as much.
+   - Buffers (ep): the dispatch, inside one layer's expert block: the sorted rows, the received rows and their
+     copy regrouped by expert, in r bytes, 3 r k d per token, counted once (one block runs at a time; backward's
+     all-to-alls move gradients of the same size).
+
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.memory.activations import TENSOR_PARALLEL_TERMS, layer_activation_terms, loss_bytes, \
+    outside_layers_bytes_per_token
+from common.memory.states import DATA_PARALLEL_SHARDING, DEEPSPEED_ALLREDUCE_BUCKET_ELEMENTS, \
+    DEEPSPEED_REDUCE_BUCKET_ELEMENTS, DEEPSPEED_STRATEGIES, FP32_BYTES, FSDP_STRATEGIES, GIB, MESH_STRATEGIES, \
+    MOE_STRATEGIES, OFFLOADED_STATES, QLORA, QLORA_STRATEGIES, STRATEGIES, UNIT_SHARDED, USABLE_FRACTION, \
+    ZERO3_STRATEGIES, BytesPerParam, ModelShape, largest_trainable_parameter, model_shape, model_state_bytes, \
+    resolve_precision, zero3_gathered_elements, zero3_persistent_parameters
+
+# Where the gradients exist from the first backward to the optimizer step, whatever the micro-batch count (the
+# module docstring, "The peak").
+GRADIENTS_ALWAYS_HELD = ("ddp", "pp", *DEEPSPEED_STRATEGIES)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One device's share of the model under a strategy
+@dataclass(frozen=True)
+class DeviceSlice:
+    layers: int  # decoder layers this device runs
+    layer_trainable: float  # per layer on this device: parameters with gradients (all of them, or the adapters)
+    layer_frozen: float  # per layer: parameters without (the base weights and norms under LoRA)
+    layer_quantized: float  # per layer: frozen weights held in 4 bits (QLoRA's linear weights; then not in frozen)
+    layer_matmul_trainable: float  # per layer: trainable weights the matrix multiplies read (autocast caches them)
+    layer_matmul_frozen: float  # per layer: frozen weights the matrix multiplies read (LoRA's base)
+    root_trainable: float  # outside the layers (embedding, final norm, LM head), with gradients
+    root_frozen: float
+    root_matmul: float  # the LM head matrix, where this device computes the logits
+    tensor_parallel: int = 1
+    sequence_parallel: bool = False
+    micro_batches_in_flight: int = 1  # pipeline stages keep several micro-batches of activations
+    computes_logits: bool = True
+    vocab_share: float = 1.0  # the share of the logits' vocabulary this device computes (tensor parallel: 1/t)
+    label: str = ""
+    layer_experts_cast: float = 0.0  # per layer: expert weights cast to the compute dtype outside autocast (ep-ft)
+
+    @property
+    def trainable(self) -> float:
+        return self.layers * self.layer_trainable + self.root_trainable
+
+    @property
+    def frozen(self) -> float:
+        return self.layers * self.layer_frozen + self.root_frozen
+
+    @property
+    def quantized(self) -> float:
+        return self.layers * self.layer_quantized
+
+
+def device_slices(shape: ModelShape, strategy: str, world_size: int, lora_rank: int,
+                  tensor_parallel: int = 1, qlora: bool = False) -> list[DeviceSlice]:
+    """What one device holds and runs (before data-parallel sharding); one slice per stage for pp. fsdp-tp: tp's
+    slice over `tensor_parallel` ranks (model_state_bytes then shards it over the world / t data-parallel ranks).
+    `qlora`: the layers' linear weights are 4-bit (LoRA on top)."""
+    layer_norms = shape.layer_norm_parameters
+    layer_linears = shape.layer_parameters - layer_norms
+    adapters = shape.lora_parameters(lora_rank) / shape.layers
+    lm_head = shape.embedding_parameters  # the LM head matrix, tied or not
+
+    def piece(layers: int, root: float, root_matmul: float, linear_share: float = 1.0, **kwargs) -> DeviceSlice:
+        linears, layer_adapters = layer_linears * linear_share, adapters * linear_share
+        if lora_rank:
+            quantized = linears if qlora else 0.0
+            return DeviceSlice(layers, layer_adapters, linears - quantized + layer_norms, quantized, layer_adapters,
+                               linears, 0.0, root, root_matmul, **kwargs)
+        return DeviceSlice(layers, linears + layer_norms, 0.0, 0.0, linears, 0.0, root, 0.0, root_matmul, **kwargs)
+
+    if shape.is_moe:
+        # single: the whole model; ep: the dense part whole and E / W experts of every layer (section 3). Autocast
+        # casts the attention projections, the routers and the LM head; ep-ft casts its experts itself.
+        experts = shape.layer_expert_parameters / (world_size if strategy == "ep" else 1)
+        dense = shape.layer_parameters - shape.layer_expert_parameters
+        return [DeviceSlice(shape.layers, dense + experts, 0.0, 0.0, dense - layer_norms, 0.0, shape.root_parameters,
+                            0.0, lm_head, layer_experts_cast=experts if strategy == "ep" else 0.0)]
+    if strategy in ("tp", "tp-sp", "fsdp-tp"):
+        t = tensor_parallel if strategy == "fsdp-tp" else world_size
+        if shape.heads % t or shape.kv_heads % t:
+            raise ValueError(f"tensor parallelism over {t} needs the {shape.heads} heads and "
+                             f"{shape.kv_heads} KV heads to divide by {t}")
+        # tp-ft's plan (fsdp-tp-ft's too): every projection of a layer is split (LoRA adapters counted as split
+        # with it, they are tiny), the embedding and the LM head are split over the vocabulary (V/t rows each; one
+        # tensor when tied), the norms are replicated; loss parallel keeps each rank's V/t columns of the logits.
+        replicated_norms = shape.root_parameters - shape.embedding_parameters * (1 if shape.tied_embeddings else 2)
+        root = (shape.root_parameters - replicated_norms) / t + replicated_norms
+        return [piece(shape.layers, root, lm_head / t, linear_share=1 / t,
+                      tensor_parallel=t, sequence_parallel=strategy == "tp-sp", vocab_share=1 / t)]
+    if strategy == "pp":
+        if world_size > shape.layers:
+            raise ValueError(f"{world_size} pipeline stages for {shape.layers} layers")
+        stages = []
+        for stage in range(world_size):
+            first, last = stage == 0, stage == world_size - 1
+            layers = shape.layers // world_size + (1 if stage < shape.layers % world_size else 0)
+            # A tied LM head on another stage than the embedding is a second copy of that matrix, with its own
+            # gradients and optimizer state; the two copies stay equal by summing their gradients (DeepSpeed's
+            # TiedLayerSpec does this).
+            head_copy = last and not (first and shape.tied_embeddings)
+            root = (shape.embedding_parameters if first else 0) + (shape.hidden if last else 0) \
+                + (lm_head if head_copy else 0)
+            stages.append(piece(layers, root, lm_head if last else 0, micro_batches_in_flight=world_size - stage,
+                                computes_logits=last, label=f"stage {stage} of {world_size}"))
+        return stages
+    return [piece(shape.layers, shape.root_parameters, lm_head)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The estimate
+@dataclass(frozen=True)
+class MemoryEstimate:
+    strategy: str
+    world_size: int
+    precision: BytesPerParam
+    activation_checkpointing: bool
+    lora_rank: int
+    weights_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    master_bytes: float
+    compute_copy_bytes: float  # bf16 copies of fp32 weights made by autocast
+    activations_bytes: float
+    logits_bytes: float  # the loss's buffers: logits and the cross-entropy's fp32 tensors (one chunk's if chunked)
+    buffers_bytes: float  # communication buckets, gathered FSDP/ZeRO-3 parameters, unsharded gradients
+    cpu_bytes: float = 0.0  # host memory of this rank: offloaded model states and the offload's staging buffers
+    cpu_buffers_bytes: float = 0.0  # of which staging buffers (DeepSpeed's offload)
+    note: str = ""  # e.g. which pipeline stage is the largest
+    grads_held_bytes: float = 0.0  # of grads_bytes, what already exists at the start of backward
+    step_buffers_bytes: float = 0.0  # of buffers_bytes, what is still held at the optimizer step
+    qlora: bool = False
+    micro_batch_size: int = 1
+    seq_len: int = 1024
+    loss_chunk_tokens: int = 0
+    compiled: bool = False
+
+    @property
+    def model_states_bytes(self) -> float:
+        return self.weights_bytes + self.grads_bytes + self.optimizer_bytes + self.master_bytes
+
+    def state_bytes(self) -> dict[str, int]:
+        """The model states by kind, in the shape the experiments write `state_bytes_per_rank` (common.metrics)."""
+        return dict(weights=int(self.weights_bytes), grads=int(self.grads_bytes),
+                    optimizer=int(self.optimizer_bytes), master=int(self.master_bytes))
+
+    @property
+    def forward_bytes(self) -> float:
+        """At the start of backward: every activation and the loss's buffers, beside the gradients held then."""
+        return (self.weights_bytes + self.optimizer_bytes + self.master_bytes + self.grads_held_bytes
+                + self.compute_copy_bytes + self.activations_bytes + self.logits_bytes + self.buffers_bytes)
+
+    @property
+    def step_bytes(self) -> float:
+        """At the optimizer step: every model state, and the buffers that outlive backward."""
+        return self.model_states_bytes + self.step_buffers_bytes
+
+    @property
+    def peak_phase(self) -> str:
+        return "backward start" if self.forward_bytes >= self.step_bytes else "optimizer step"
+
+    @property
+    def total_bytes(self) -> float:
+        return max(self.forward_bytes, self.step_bytes)
+
+    @property
+    def total_gib(self) -> float:
+        return self.total_bytes / GIB
+
+    def fits(self, gpu_mem_gb: float) -> bool:
+        return self.total_gib <= gpu_mem_gb * USABLE_FRACTION
+
+
+def estimate(config_like, strategy: str, world_size: int = 1, *, seq_len: int = 1024, micro_batch_size: int = 1,
+             activation_checkpointing: bool = False, lora_rank: int = 0, precision: BytesPerParam | str = "bf16",
+             attention: str = "sdpa-packed", grad_accum: int = 1, tensor_parallel: int = 2,
+             loss_chunk_tokens: int = 0, compile: bool = False, qlora: bool = False) -> MemoryEstimate:
+    """Peak memory of one device (for pp: of the fullest stage), broken down as in the module docstring.
+    `precision`: the experiments' --dtype ("bf16", "fp32"), priced as each strategy's experiment keeps it
+    (strategy_precision), or one BytesPerParam for every strategy. `grad_accum`: micro-batches per optimizer step
+    (their gradients accumulate: held at every backward after the first; fsdp keeps them unsharded, section 1).
+    `tensor_parallel`: fsdp-tp's t (fsdp-tp-ft's --tp-degree) among the `world_size` ranks; ignored otherwise.
+    `loss_chunk_tokens`, `compile`: the experiments' --loss-chunk-tokens and --compile. `qlora`: --qlora (4-bit
+    base, LoRA of rank `lora_rank` on top, bf16 compute: single and ddp)."""
+    stages = estimate_stages(config_like, strategy, world_size, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                             activation_checkpointing=activation_checkpointing, lora_rank=lora_rank,
+                             precision=precision, attention=attention, grad_accum=grad_accum,
+                             tensor_parallel=tensor_parallel, loss_chunk_tokens=loss_chunk_tokens, compile=compile,
+                             qlora=qlora)
+    return max(stages, key=lambda stage: stage.total_bytes)
+
+
+def estimate_stages(config_like, strategy: str, world_size: int = 1, *, seq_len: int = 1024,
+                    micro_batch_size: int = 1, activation_checkpointing: bool = False, lora_rank: int = 0,
+                    precision: BytesPerParam | str = "bf16", attention: str = "sdpa-packed",
+                    grad_accum: int = 1, tensor_parallel: int = 2, loss_chunk_tokens: int = 0,
+                    compile: bool = False, qlora: bool = False) -> list[MemoryEstimate]:
+    """The estimate of every distinct device: one per pipeline stage for pp (stage k on rank k), else one for all."""
+    if strategy not in STRATEGIES + MESH_STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES + MESH_STRATEGIES)}")
+    if strategy == "fsdp-tp" and (tensor_parallel < 1 or world_size % tensor_parallel):
+        raise ValueError(f"fsdp-tp: the tensor-parallel degree {tensor_parallel} must divide the world size "
+                         f"{world_size}")
+    if strategy == "single" and world_size != 1:
+        raise ValueError("single runs on one device")
+    if grad_accum < 1 or micro_batch_size < 1 or seq_len < 1 or loss_chunk_tokens < 0:
+        raise ValueError(f"grad_accum, micro_batch_size and seq_len must be >= 1 and loss_chunk_tokens >= 0, got "
+                         f"{grad_accum}, {micro_batch_size}, {seq_len}, {loss_chunk_tokens}")
+    shape = model_shape(config_like)
+    if shape.is_moe and strategy not in MOE_STRATEGIES:
+        raise ValueError(f"{shape.name} is a mixture of experts ({shape.experts} experts): single or ep "
+                         f"(experiments/single-ft, experiments/ep-ft); {strategy}'s experiment trains dense models")
+    if strategy == "ep" and not shape.is_moe:
+        raise ValueError(f"ep splits the experts of a mixture of experts; {shape.name} is dense")
+    if strategy == "ep" and shape.experts % world_size:
+        raise ValueError(f"ep: {shape.experts} experts do not split evenly over {world_size} ranks")
+    if shape.is_moe and lora_rank:
+        shape.lora_parameters(lora_rank)  # raises: LoRA on a mixture of experts is not priced
+    if qlora:
+        if strategy not in QLORA_STRATEGIES:
+            raise ValueError(f"QLoRA runs in {' and '.join(QLORA_STRATEGIES)} (single-ft, ddp-ft --qlora), not "
+                             f"{strategy}")
+        if precision in ("fp32", "--dtype fp32") or lora_rank < 1:
+            raise ValueError("QLoRA computes in bf16 with LoRA adapters on its 4-bit base: --dtype bf16 and a "
+                             "--lora-rank (16 by default in the experiments)")
+        precision = QLORA
+    precision = resolve_precision(strategy, precision)
+    return [_estimate_slice(shape, piece, strategy, world_size, micro_batch_size, seq_len, activation_checkpointing,
+                            lora_rank, precision, attention, grad_accum, loss_chunk_tokens, compile, qlora)
+            for piece in device_slices(shape, strategy, world_size, lora_rank, tensor_parallel, qlora)]
+
+
+def uses_autocast(strategy: str, precision: BytesPerParam) -> bool:
+    """Autocast runs wherever the kept weights are wider than the compute dtype, except under FSDP/ZeRO-3, whose
+    mixed-precision policy hands each layer its weights already in the compute dtype. (DeepSpeed's bf16 mode keeps
+    the module itself in bf16: weights as wide as the compute dtype, no autocast.)"""
+    return precision.weights > precision.compute and strategy not in UNIT_SHARDED
+
+
+def uses_bf16_optimizer(strategy: str, precision: BytesPerParam) -> bool:
+    """DeepSpeed runs ZeRO-1 with low-precision weights and wider gradient accumulation (zero-ft --zero-stage 1
+    --dtype bf16) through its BF16_Optimizer, not the ZeRO stage 1-2 optimizer (engine._do_optimizer_sanity_check)."""
+    return strategy == "zero-1" and precision.weights < precision.grads
+
+
+def _estimate_slice(shape: ModelShape, piece: DeviceSlice, strategy: str, world_size: int, micro_batch_size: int,
+                    seq_len: int, activation_checkpointing: bool, lora_rank: int, precision: BytesPerParam,
+                    attention: str, grad_accum: int, loss_chunk_tokens: int, compiled: bool,
+                    qlora: bool) -> MemoryEstimate:
+    # fsdp-tp: FSDP shards the tensor-parallel slice over the data-parallel ranks only, world / t of them.
+    data_parallel = world_size // piece.tensor_parallel if strategy == "fsdp-tp" else world_size
+    states = model_state_bytes(piece.trainable, piece.frozen, precision, strategy, data_parallel, piece.quantized)
+    c, tokens = precision.compute, micro_batch_size * seq_len
+    autocast = uses_autocast(strategy, precision)
+    # The residual stream is the embedding's dtype under autocast (a frozen one under LoRA), else the compute dtype.
+    residual = (precision.frozen if lora_rank else precision.weights) if autocast else c
+
+    compute_copy = 0.0
+    if autocast:
+        # Autocast caches the cast of each trainable weight until the forward ends, checkpointing or not. A frozen
+        # weight wider than the compute dtype (LoRA on an fp32 base) is cast again at each use and kept only by the
+        # autograd graph, which checkpointing drops after each layer: one layer's copies (during its recomputation)
+        # remain. A frozen bf16 base, and QLoRA's 4-bit weights (bitsandbytes dequantizes one at a time, section
+        # 1), leave nothing to cast.
+        frozen_cast = precision.frozen > c and not qlora
+        frozen_layers = 1 if activation_checkpointing else piece.layers
+        trainable_head = piece.root_trainable > 0
+        compute_copy = (piece.layers * piece.layer_matmul_trainable
+                        + (frozen_layers * piece.layer_matmul_frozen if frozen_cast else 0)) * c
+        if trainable_head or precision.frozen > c:
+            compute_copy += piece.root_matmul * c
+        # ep-ft's own casts of its experts, kept by the grouped products until the layer's backward: with
+        # checkpointing only the recomputed layer's.
+        compute_copy += (min(1, piece.layers) if activation_checkpointing else piece.layers) \
+            * piece.layer_experts_cast * c
+
+    terms = layer_activation_terms(shape, compute_bytes=c, autocast=autocast, seq_len=seq_len, attention=attention,
+                                   lora_rank=lora_rank, expert_parallel=strategy == "ep",
+                                   weight_bytes=precision.weights, residual_bytes=residual,
+                                   projection_bytes=FP32_BYTES if qlora else c, compiled=compiled)
+    tp = piece.tensor_parallel
+    layer_per_token = sum(value / tp if name in TENSOR_PARALLEL_TERMS or (piece.sequence_parallel and name != "mask")
+                          else value for name, value in terms.items())
+    in_flight_layers = piece.micro_batches_in_flight * piece.layers
+    if activation_checkpointing:
+        checkpoint_per_token = residual * shape.hidden / (tp if piece.sequence_parallel else 1)
+        per_token = in_flight_layers * checkpoint_per_token + layer_per_token  # + the layer being recomputed
+    else:
+        per_token = in_flight_layers * layer_per_token
+    logits = 0.0
+    if piece.computes_logits:
+        per_token += outside_layers_bytes_per_token(shape, compute_bytes=c, autocast=autocast, lora_rank=lora_rank,
+                                                    residual_bytes=residual, chunked_loss=loss_chunk_tokens > 0)
+        logits = loss_bytes(shape, tokens, compute_bytes=c, vocab_share=piece.vocab_share,
+                            loss_chunk_tokens=loss_chunk_tokens)
+
+    buffers = step_buffers = cpu_buffers = 0.0
+    if qlora:
+        # bitsandbytes dequantizes each 4-bit weight into a compute-dtype copy just before its product (forward and
+        # backward) and frees it after: one linear at a time, the largest an MLP projection.
+        buffers += max(shape.hidden * shape.intermediate, shape.heads * shape.head_dim * shape.hidden) * c
+    if strategy == "ep":
+        # The dispatch inside one expert block: sorted rows, received rows, their copy regrouped by expert.
+        buffers += tokens * 3 * (FP32_BYTES if autocast else c) * shape.experts_per_token * shape.hidden
+    # ddp: gradient_as_bucket_view=True makes the gradients views into the all-reduce buckets: no second copy.
+    if uses_bf16_optimizer(strategy, precision):
+        # BF16_Optimizer keeps the bf16 gradients autograd writes in the module beside its own fp32 ones
+        # (immediate_grad_update is off by default), and all-reduces the fp32 gradients of each param group in
+        # place, unless groups small enough to share one all-reduce bucket are flattened into a copy first.
+        states["grads"] += piece.trainable * c
+        matrices = piece.trainable - (piece.layers * shape.layer_norm_parameters + shape.hidden
+                                      if not lora_rank else 0)  # decay group; the norms are the other one
+        if matrices < piece.trainable and matrices <= DEEPSPEED_ALLREDUCE_BUCKET_ELEMENTS:
+            step_buffers += piece.trainable * precision.grads
+    elif strategy in DEEPSPEED_STRATEGIES:
+        # The reduce bucket, allocated at its full reduce_bucket_size whatever the trainable count (in the module's
+        # dtype for stages 1-2, in the fp32 communication dtype for stage 3), plus the fp32 tensor that the
+        # collective reduces, flattened from one full bucket.
+        bucket_bytes = FP32_BYTES if strategy in ZERO3_STRATEGIES else precision.weights
+        step_buffers += DEEPSPEED_REDUCE_BUCKET_ELEMENTS * bucket_bytes \
+            + min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, piece.trainable) * FP32_BYTES
+        if strategy != "zero-1":
+            # Stages 2-3 reduce each gradient as autograd writes it (in the compute dtype), one parameter at a time;
+            # a tied embedding's gradient waits for both uses, so the largest one is alive for the whole backward.
+            buffers += largest_trainable_parameter(shape, lora_rank) * c
+        if strategy == "zero-2-offload":
+            # A GPU staging buffer and a host one, each as large as the largest parameter, for the gradient copies;
+            # a host copy of this rank's partition in the weights' dtype, for the updated weights on their way back.
+            step_buffers += largest_trainable_parameter(shape, lora_rank) * precision.weights
+            cpu_buffers = (largest_trainable_parameter(shape, lora_rank) + piece.trainable / world_size) \
+                * precision.weights
+    if strategy in ZERO3_STRATEGIES and world_size > 1:  # one rank's "gather" is a view of its partition
+        # Released by the coordinator as the step goes (kept whole when the model is smaller than its windows).
+        buffers += zero3_gathered_elements(shape, lora_rank, activation_checkpointing) * precision.weights
+        # Persistent parameters (too small to be worth releasing) stay gathered, whole, beside their partition.
+        states["weights"] += zero3_persistent_parameters(shape, lora_rank) * precision.weights
+    elif strategy in FSDP_STRATEGIES:
+        layer = piece.layer_trainable + piece.layer_frozen
+        gathered_weights = (piece.root_trainable + piece.root_frozen + min(2, piece.layers) * layer) * c
+        # Each unit's gradients arrive in the compute dtype and are copied into a reduce-scatter input in the fp32
+        # reduce dtype. The root's reduce-scatter waits for the embedding's gradient at the end of backward, so
+        # its gradient (the LM head's part arrives first) is alive beside each layer's.
+        reduce_scatter = c + FP32_BYTES
+        if grad_accum > 1:
+            # fsdp-ft reduce-scatters only in the last micro-batch: before it, every unit keeps its unsharded
+            # gradients, upcast to the fp32 reduce dtype to accumulate across backwards.
+            unsharded_grads = piece.trainable * FP32_BYTES + piece.layer_trainable * reduce_scatter
+        else:
+            unsharded_grads = max(piece.root_trainable * c + piece.layer_trainable * reduce_scatter,
+                                  piece.root_trainable * reduce_scatter)
+        buffers += gathered_weights + unsharded_grads
+
+    cpu = 0.0
+    if strategy in OFFLOADED_STATES:
+        for state in OFFLOADED_STATES[strategy]:
+            cpu += states[state]
+            states[state] = 0.0
+    held = grad_accum > 1 and strategy not in FSDP_STRATEGIES or strategy in GRADIENTS_ALWAYS_HELD
+    return MemoryEstimate(
+        strategy=strategy, world_size=world_size, precision=precision,
+        activation_checkpointing=activation_checkpointing, lora_rank=lora_rank,
+        weights_bytes=states["weights"], grads_bytes=states["grads"],
+        optimizer_bytes=states["optimizer"], master_bytes=states["master"], compute_copy_bytes=compute_copy,
+        activations_bytes=tokens * per_token, logits_bytes=logits, buffers_bytes=buffers + step_buffers,
+        cpu_bytes=cpu + cpu_buffers, cpu_buffers_bytes=cpu_buffers, note=piece.label,
+        grads_held_bytes=states["grads"] if held else 0.0, step_buffers_bytes=step_buffers, qlora=qlora,
+        micro_batch_size=micro_batch_size, seq_len=seq_len, loss_chunk_tokens=loss_chunk_tokens, compiled=compiled)
+
+
+def predict_peak_gib(config_like, strategy: str, world_size: int = 1, *, seq_len: int, micro_batch_size: int = 1,
+                     activation_checkpointing: bool = False, lora_rank: int = 0, dtype: str = "bf16",
+                     attention: str = "sdpa-packed", precision: BytesPerParam | None = None,
+                     grad_accum: int = 1, loss_chunk_tokens: int = 0, compile: bool = False) -> float:
+    """Predicted peak GiB of one device, for an experiment's summary.json (`predicted_peak_mem_gib`), next to the
+    measured `torch.cuda.max_memory_reserved()`. `strategy` is one of STRATEGIES (zero-ft: f"zero-{stage}", with
+    --cpu-offload f"zero-{stage}-offload"; fsdp-ft --cpu-offload: "fsdp-offload"); `dtype` is the experiment's
+    --dtype, priced as strategy_precision says that strategy's experiment keeps it (zero-ft: DeepSpeed's layouts);
+    `precision` overrides it where an engine keeps other dtypes (pp-ds-ft's DeepSpeed bf16: DEEPSPEED_BF16);
+    `attention` is attention_kind() of the experiment's attention; `grad_accum` is the number of micro-batches whose
+    gradients accumulate before they are reduced (fsdp-ft: --grad-accum, or 1 with --reduce-every-micro-batch)."""
+    return estimate(config_like, strategy, world_size, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                    activation_checkpointing=activation_checkpointing, lora_rank=lora_rank,
+                    precision=precision or dtype, attention=attention, grad_accum=grad_accum,
+                    loss_chunk_tokens=loss_chunk_tokens, compile=compile).total_gib
