@@ -61,6 +61,8 @@ table runs=RUNS [cols=C1,C2,...] [sort=[-]COL] [label=FORMAT] [ref=RUN]
     wire_mib (what rank 0 sends, ring algorithms), state_mib, weights_mib, grads_mib, optimizer_mib, master_mib
     (model-state MiB per rank), predicted_state_mib, state_ratio (measured / predicted), activation_mib, schedule,
     m, bubble, bubble_ranks, bubble_textbook, bubble_formula, timed_steps. Per-rank values read "rank 0 / rank 1".
+    MFU, here and in `value`: a GPU run recorded before its steps carried their FLOPs is recounted from its rebuilt
+    rows when loaded (`recounted`); a table with an MFU column says so under it.
 value run=RUN field=PATH [fmt=SPEC]                          (inline or block)
 value expr=EXPRESSION NAME=RUN ... [fmt=SPEC]
     One number. PATH is a dotted path into summary.json: dict keys and list indices (`state_bytes_per_rank.0.weights`,
