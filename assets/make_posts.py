@@ -61,6 +61,8 @@ table runs=RUNS [cols=C1,C2,...] [sort=[-]COL] [label=FORMAT] [ref=RUN]
     wire_mib (what rank 0 sends, ring algorithms), state_mib, weights_mib, grads_mib, optimizer_mib, master_mib
     (model-state MiB per rank), predicted_state_mib, state_ratio (measured / predicted), activation_mib, schedule,
     m, bubble, bubble_ranks, bubble_textbook, bubble_formula, timed_steps. Per-rank values read "rank 0 / rank 1".
+    MFU, here and in `value`: a GPU run recorded before its steps carried their FLOPs is recounted from its rebuilt
+    rows when loaded (`recounted`); a table with an MFU column says so under it.
 value run=RUN field=PATH [fmt=SPEC]                          (inline or block)
 value expr=EXPRESSION NAME=RUN ... [fmt=SPEC]
     One number. PATH is a dotted path into summary.json: dict keys and list indices (`state_bytes_per_rank.0.weights`,
@@ -316,6 +318,25 @@ def tracked_files(root: Path) -> set[str] | None:
     return files | folders
 
 
+def recounted(run: Run, name: str, root: Path) -> Run:
+    """A GPU run recorded before its steps carried their FLOPs holds an MFU of the old count (6 FLOPs per weight under
+    LoRA too, attention over whole rows): the MFU shown is recounted from the documents of each step
+    (common.metrics.recount_flops), the recorded one kept as `mfu_recorded`, and tables with an MFU column say so."""
+    if run.summary.get("mfu") is None or "flops_per_token" in run.summary:
+        return run
+    from common.metrics import recount_flops  # imports torch and transformers: only for such runs
+
+    try:
+        recount = recount_flops(run.summary, run.steps, root)
+    except ValueError as error:
+        raise RegionError(f"run {name}: its MFU cannot be recounted: {error}") from None
+    if recount:
+        run.summary.update(recount["summary"])
+        for record, fields in zip(run.steps, recount["steps"]):
+            record.update(fields)
+    return run
+
+
 class Site:
     """The repository root, which files git tracks (checked only in --check mode), and the runs read so far."""
 
@@ -352,7 +373,7 @@ class Site:
             self.require_tracked(f"{name}/summary.json")
             if (folder / "metrics.jsonl").exists():
                 self.require_tracked(f"{name}/metrics.jsonl")
-            self.loaded[name] = load_run(folder)
+            self.loaded[name] = recounted(load_run(folder), name, self.root)
         return self.loaded[name]
 
     def runs(self, spec: str, allow_missing: bool = False) -> list[Run]:
@@ -907,7 +928,24 @@ def gen_table(ctx: Context, args: dict, runs: list[Run] | None = None) -> str:
     rows = [[show(value, col.fmt, col.suffix) for value, col in zip(row, columns)] for row in values]
     table = markdown_table([c.header for c in columns], rows, [bool(c.fmt) for c in columns])
     quoted = runs + ([ref] if ref is not None and ref not in runs else [])
-    return table + "\n\n" + caption(ctx, quoted)
+    note = mfu_recount_note(runs) if any(spec.split(":")[-1] == "mfu" for spec in specs) else ""
+    return table + "\n\n" + (note + "\n\n" if note else "") + caption(ctx, quoted)
+
+
+def mfu_recount_note(runs: list[Run]) -> str:
+    """What a table's MFU column is for runs whose summary.json predates the per-step FLOPs (see `recounted`)."""
+    how = {run.name: run.summary.get("mfu_recount") for run in runs if run.summary.get("mfu_recount")}
+    again = [name for name, text in how.items() if text.startswith("recounted")]
+    left = [f"{name} ({text[len('not recounted: '):]})" for name, text in how.items() if name not in again]
+    parts = []
+    if again:
+        which = "MFU" if len(again) == len(runs) else f"MFU of {', '.join(again)}"
+        parts.append(f"{which} recounted from the documents of each step, rebuilt from the run's config and data "
+                     f"(common.metrics.recount_flops: attention per document, 4 FLOPs per frozen weight under LoRA); "
+                     f"summary.json keeps the figure of the count the run was recorded with")
+    if left:
+        parts.append(f"no MFU for {', '.join(left)}")
+    return ("; ".join(parts) + ".") if parts else ""
 
 
 def gen_value(ctx: Context, args: dict) -> str:

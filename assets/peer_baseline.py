@@ -60,6 +60,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -67,7 +68,7 @@ from typing import Literal
 import torch
 from transformers import AutoModelForCausalLM, HfArgumentParser, TrainerCallback
 
-from common.attention import setup_attention
+from common.attention import document_boundaries, setup_attention
 from common.data import chat_template_for, read_conversations
 from common.dist import init_distributed
 from common.metrics import MetricsLogger, Stopwatch, hardware_info, summary_table
@@ -132,9 +133,25 @@ class StepMetrics(TrainerCallback):
         self.tokens_before = 0
         self.step_ms = 0.0
         self.step_tokens = 0
+        self.collated: deque[list[int]] = deque()  # conversation lengths per micro-batch collated, not yet run
+        self.step_documents: list[int] = []  # those of the micro-batches this step ran: its attention FLOPs
+
+    def watch(self, model, collator):
+        """TRL's collator, also noting the conversation lengths of each padding-free micro-batch (its position_ids
+        restart at 0 for every conversation), and a hook that hands them to the step whose forward takes the
+        micro-batch: accelerate's data loader collates one micro-batch ahead, so collation says nothing of steps."""
+        def collate(examples):
+            batch = collator(examples)
+            cu_seq_lens, _ = document_boundaries(batch["position_ids"].reshape(1, -1))
+            self.collated.append((cu_seq_lens[1:] - cu_seq_lens[:-1]).tolist())
+            return batch
+
+        model.register_forward_pre_hook(lambda module, args: self.step_documents.extend(self.collated.popleft()))
+        return collate
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.tokens_before = state.num_input_tokens_seen
+        self.step_documents = []
         self.stopwatch.reset()
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -145,7 +162,8 @@ class StepMetrics(TrainerCallback):
         if logs and "loss" in logs:
             # loss_tokens is None: the Trainer keeps the step's loss-token count (num_items_in_batch) to itself.
             self.metrics.log_step(state.global_step, logs["loss"], logs["learning_rate"],
-                                  logs.get("grad_norm") or math.nan, self.step_tokens, None, self.step_ms, 0.0)
+                                  logs.get("grad_norm") or math.nan, self.step_tokens, None, self.step_ms, 0.0,
+                                  documents=self.step_documents)
 
 
 def run_trl(config: Config, model_dir: Path, out_dir: Path, expected_real_tokens: int) -> dict:
@@ -177,10 +195,11 @@ def run_trl(config: Config, model_dir: Path, out_dir: Path, expected_real_tokens
         report_to="none", dataloader_num_workers=0, disable_tqdm=True)
     metrics = MetricsLogger(out_dir=out_dir, total_steps=config.steps,
                             warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
-                            flops_per_token=flops_per_token(model.config, config.seq_len), device=device,
-                            world_size=1, is_main=True)
+                            model_config=model.config, device=device, world_size=1, is_main=True)
+    step_metrics = StepMetrics(metrics, device)
     trainer = SFTTrainer(model=model, args=arguments, train_dataset=Dataset.from_list(records),
-                         processing_class=tokenizer, callbacks=[StepMetrics(metrics, device)])
+                         processing_class=tokenizer, callbacks=[step_metrics])
+    trainer.data_collator = step_metrics.watch(model, trainer.data_collator)
 
     # Same data check: after templating and truncation both must hold exactly the same real tokens.
     packed = trainer.train_dataset

@@ -525,6 +525,12 @@ class SFTData:
         """Non-pad tokens in the whole step, over all ranks: the numerator of tokens/s."""
         return int(self.train.real_tokens[self.rows_for_step(step, rows_per_step)].sum())
 
+    def step_documents(self, step: int, rows_per_step: int) -> list[int]:
+        """Token count of every conversation in the whole step, over all ranks (a row's padding is none of them): each
+        attends only to itself, so the step's attention FLOPs follow from these lengths (common/models.py)."""
+        return [length for row in self.rows_for_step(step, rows_per_step).tolist()
+                for _, length in self.train.segments[row]]
+
     @staticmethod
     def batch(rows: Rows, indices: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"input_ids": rows.input_ids[indices], "labels": rows.labels[indices],

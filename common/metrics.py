@@ -13,7 +13,12 @@ Definitions (the same in every experiment):
 - tokens/s: real (non-pad) tokens of the step over all ranks / step time; in summary.json, the timed steps'
   tokens over their summed time (not the mean of per-step rates, which a few fast steps would inflate).
 - peak memory: torch.cuda.max_memory_reserved() per device; on CPU the process's peak resident set size.
-- MFU: tokens/s x training FLOPs per token (common/models.py) / (dense bf16 peak per device x devices).
+- MFU: the step's training FLOPs / step time / (dense bf16 peak per device x devices). The FLOPs are those of the
+  work the step does (common/models.py's training_flops): 6 per trained weight and 4 per frozen one per token, and
+  attention per document of each packed row, from the step's conversation lengths (`flops` in metrics.jsonl). In
+  summary.json, the timed steps' FLOPs over their time; `flops_per_token` is their FLOPs per real token, and
+  `mfu_dense` the MFU of the model's figure with every token attending to its whole row (model.flops_per_token).
+  A GPU missing from the peak table gets null, said once on rank 0.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import json
 import math
 import os
 import platform
+import re
 import resource
 import shlex
 import subprocess
@@ -36,35 +42,55 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from transformers import PretrainedConfig
+
+from common.data import build_data
+from common.models import MOE_PRESETS, PRESETS, REPO_ROOT, count_parameters, is_preset, load_tokenizer, model_config, \
+    training_flops
 
 # Kineto, the profiler behind comm_ms, writes USDT markers on every start and stop and, on a machine without a GPU,
 # an "ERROR ... gpuGetDeviceCount failed" line: noise that makes a working run look broken. Level 6 is above all of
 # its levels; set KINETO_LOG_LEVEL yourself to see them.
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
-# Dense (no sparsity) bf16 tensor-core peak per device, TFLOP/s, from the vendors' data sheets. Matched in order
-# against torch.cuda.get_device_name(), so more specific names come first. MI250X and MI250 are listed per GCD,
-# since each GCD is one PyTorch device.
-PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
-    ("H200", 989.4),
-    ("H100 PCIe", 756.0),
-    ("H100", 989.4),  # SXM
-    ("A100", 312.0),
-    ("L40S", 362.05),
-    ("MI300X", 1307.4),
-    ("MI250X", 191.5),
-    ("MI250", 181.0),
-    ("MI210", 181.0),
-    ("MI100", 92.3),
+# Dense (no sparsity) bf16 tensor-core peak per device, TFLOP/s, from the vendor's data sheet or whitepaper named
+# beside each entry; where a sheet gives only the figure "with sparsity", half of it. Matched in order against
+# torch.cuda.get_device_name() as whole words (peak_flops_per_device), so a variant comes before the card it extends.
+# A variant listed with None is another chip with another peak that the table does not know: its MFU is null rather
+# than its namesake's. MI250X and MI250 are listed per GCD, since each GCD is one PyTorch device.
+# GeForce cards multiply bf16 with fp32 accumulation at half the rate their FP16-with-FP16-accumulation figure
+# (the one on the box) states; bf16 has no other mode and PyTorch accumulates in fp32, so the fp32-accumulate figure
+# is the peak here. The RTX A6000, a workstation card, runs fp32 accumulation at full rate.
+PEAK_BF16_TFLOPS: list[tuple[str, float | None]] = [
+    ("H200 NVL", 835.5),  # NVIDIA H200 datasheet: BF16 Tensor Core 1,671 TFLOPS with sparsity
+    ("H200", 989.4),  # NVIDIA H200 datasheet: 1,979 with sparsity; the H100 SXM's tensor cores, 989.4 dense
+    ("H100 NVL", 835.5),  # NVIDIA H100 datasheet: H100 NVL BF16 Tensor Core 1,671 TFLOPS with sparsity
+    ("H100 PCIe", 756.0),  # NVIDIA H100 Tensor Core GPU Architecture whitepaper: 756 dense (PCIe)
+    ("H100", 989.4),  # the same whitepaper: SXM5, 989.4 dense
+    ("A100", 312.0),  # NVIDIA A100 datasheet: BF16 Tensor Core 312 TFLOPS (624 with sparsity)
+    ("L40S", 362.05),  # NVIDIA L40S datasheet: BF16 Tensor Core 362.05 TFLOPS (733 with sparsity)
+    ("RTX A6000", 154.8),  # NVIDIA Ampere GA102 GPU Architecture whitepaper: RTX A6000, 154.8 (309.7 with sparsity)
+    ("RTX 4090 D", None),  # fewer SMs than the RTX 4090
+    ("RTX 4090 Laptop", None),  # an AD103 chip
+    ("RTX 4090", 165.2),  # NVIDIA Ada GPU Architecture whitepaper: BF16 with FP32 accumulate 165.2 (330.4 sparse;
+    # FP16 with FP16 accumulate: 330.3)
+    ("RTX 3090 Ti", None),  # more SMs and clock than the RTX 3090
+    ("RTX 3090", 71.0),  # NVIDIA Ampere GA102 GPU Architecture whitepaper: BF16 with FP32 accumulate 71 (142 sparse;
+    # FP16 with FP16 accumulate: 142)
+    ("MI300X", 1307.4),  # AMD Instinct MI300X data sheet: BF16 1,307.4 TFLOPS dense
+    ("MI250X", 191.5),  # AMD Instinct MI250X data sheet: BF16 383 TFLOPS per OAM, two GCDs
+    ("MI250", 181.0),  # AMD Instinct MI250 data sheet: BF16 362.1 TFLOPS per OAM, two GCDs
+    ("MI210", 181.0),  # AMD Instinct MI210 data sheet: BF16 181 TFLOPS
+    ("MI100", 92.3),  # AMD Instinct MI100 data sheet: BF16 92.3 TFLOPS
 ]
 
 
 def peak_flops_per_device(device_name: str) -> float | None:
-    """Dense bf16 FLOP/s of one device, or None when unknown (CPU included: MFU is then reported as null)."""
-    lowered = device_name.lower()
+    """Dense bf16 FLOP/s of one device, or None when unknown (CPU included: MFU is then reported as null).
+    An entry matches as whole words ("MI250" is not "MI250X"); the first match decides."""
     for key, tflops in PEAK_BF16_TFLOPS:
-        if key.lower() in lowered:
-            return tflops * 1e12
+        if re.search(rf"(?<!\w){re.escape(key)}(?!\w)", device_name, re.IGNORECASE):
+            return None if tflops is None else tflops * 1e12
     return None
 
 
@@ -386,16 +412,35 @@ def format_step_line(record: dict, total_steps: int, eta_s: float | None = None)
     return line if eta_s is None else f"{line} | eta {format_duration(eta_s)}"
 
 
+def timed_records(records: list[dict], warmup_steps: int, profiled=()) -> tuple[list[dict], list[dict]]:
+    """(measured, timed): the step records after the warm-up, and those of them not run under the profiler, which
+    slows a step. A run too short to have either keeps what it has."""
+    measured = records[warmup_steps:] or records
+    timed = [r for r in measured if r["step"] not in set(profiled)] or measured
+    return measured, timed
+
+
+def flops_averages(timed: list[dict], peak_flops: float | None, n_devices: int) -> dict:
+    """flops_per_token (the timed steps' FLOPs over their real tokens) and mfu (their FLOPs over their time and the
+    devices' peak); null where a step has no FLOPs."""
+    tokens, seconds = sum(r["tokens"] for r in timed), sum(r["step_ms"] for r in timed) / 1000.0
+    if not timed or any(r.get("flops") is None for r in timed) or not tokens or seconds <= 0:
+        return dict(flops_per_token=None, mfu=None)
+    flops_per_token = sum(r["flops"] for r in timed) / tokens
+    return dict(flops_per_token=flops_per_token, mfu=mfu(tokens / seconds, flops_per_token, peak_flops, n_devices))
+
+
 @dataclass
 class MetricsLogger:
     """Collects one record per optimizer step, prints the step line on rank 0 and writes the results files."""
     out_dir: Path
     total_steps: int
     warmup_steps: int  # the first steps (compilation, allocator growth, caches) left out of the averages
-    flops_per_token: float
+    model_config: PretrainedConfig  # the model trained, for the FLOPs of each step (common/models.py)
     device: torch.device
     world_size: int
     is_main: bool
+    lora_rank: int = 0  # --lora-rank (QLoRA's too): the base model is frozen, 4 FLOPs per weight and token, not 6
     report_to: str = "none"  # --report-to: "tensorboard" also writes every step's metrics as TensorBoard scalars
 
     def __post_init__(self):
@@ -409,7 +454,13 @@ class MetricsLogger:
             self.writer = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"))
         self.wall_s: list[float] = []  # wall time from one step line to the next (data loading and eval included)
         self._last_line: float | None = None
+        self.flops = training_flops(self.model_config, self.lora_rank)
         self.peak_flops = peak_flops_per_device(device_name(self.device)) if self.device.type == "cuda" else None
+        # A GPU the peak table does not know: MFU is null, and the first step line says why (a CPU's is always null).
+        self._peak_notice = None
+        if self.device.type == "cuda" and self.peak_flops is None:
+            self._peak_notice = (f"mfu: no dense bf16 peak for {device_name(self.device)} in common/metrics.py's "
+                                 f"PEAK_BF16_TFLOPS, so MFU is null (add the device's data-sheet figure to get it)")
         # Python's garbage collector runs when it decides to: a full collection scans every object of a process that
         # holds torch and transformers. Its time between two step lines goes into the record (gc_ms), so that a
         # slow step can be told apart from a slow kernel.
@@ -435,15 +486,21 @@ class MetricsLogger:
             raise SystemExit("--report-to tensorboard needs the tensorboard package: uv sync --group tensorboard")
 
     def log_step(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, loss_tokens: int,
-                 step_ms: float, comm_ms: float | None, print_fn=print, extra: dict | None = None) -> dict:
-        """`tokens` are the real tokens of the whole step on all ranks. `extra`: more fields for the record (a
-        mixture of experts: aux_loss, expert_tokens). Returns the record."""
+                 step_ms: float, comm_ms: float | None, print_fn=print, extra: dict | None = None,
+                 documents: list[int] | None = None) -> dict:
+        """`tokens` are the real tokens of the whole step on all ranks, `documents` the lengths of the conversations
+        they make up (SFTData.step_documents): the step's FLOPs and MFU follow from them (none without them).
+        `extra`: more fields for the record (a mixture of experts: aux_loss, expert_tokens). Returns the record."""
+        if documents is not None and sum(documents) != tokens:
+            raise ValueError(f"log_step: the step's documents hold {sum(documents):,} tokens, not its {tokens:,}")
         tokens_per_s = tokens / (step_ms / 1000.0)
+        flops = None if documents is None else self.flops.of_documents(documents)
         record = dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=tokens, loss_tokens=loss_tokens,
                       step_ms=step_ms, comm_ms=comm_ms, tokens_per_s=tokens_per_s,
                       peak_mem_gib=peak_memory_gib(self.device),
-                      mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_flops, self.world_size),
-                      gc_ms=self._gc_s * 1000.0, **(extra or {}))
+                      mfu=None if flops is None or not tokens else mfu(tokens_per_s, flops / tokens, self.peak_flops,
+                                                                         self.world_size),
+                      flops=flops, gc_ms=self._gc_s * 1000.0, **(extra or {}))
         self._gc_s = 0.0
         self.records.append(record)
         now = time.perf_counter()
@@ -452,6 +509,9 @@ class MetricsLogger:
         if self.is_main:
             with open(self.out_dir / "metrics.jsonl", "a") as handle:
                 handle.write(json.dumps(record) + "\n")
+            if self._peak_notice:
+                print_fn(self._peak_notice)
+                self._peak_notice = None
             print_fn(format_step_line(record, self.total_steps, self.eta_s(step)))
         if self.writer is not None:
             for key in ("loss", "lr", "grad_norm", "step_ms", "comm_ms", "tokens_per_s", "mfu", "peak_mem_gib"):
@@ -473,8 +533,7 @@ class MetricsLogger:
     def averages(self, profiled: list[int] = ()) -> dict:
         """Means over the measured steps (after the warm-up). `profiled` (1-based step numbers) ran under
         torch.profiler: they give comm_ms and are left out of step_ms, tokens/s and MFU, which the profiler slows."""
-        measured = self.records[self.warmup_steps:] or self.records
-        timed = [r for r in measured if r["step"] not in set(profiled)] or measured
+        measured, timed = timed_records(self.records, self.warmup_steps, profiled)
         result = {}
         for key in ("step_ms", "comm_ms"):
             values = [r[key] for r in (measured if key == "comm_ms" else timed) if r[key] is not None]
@@ -483,8 +542,7 @@ class MetricsLogger:
         # as much as a slow one and overstate the throughput whenever step times vary.
         seconds = sum(r["step_ms"] for r in timed) / 1000.0
         result["tokens_per_s"] = sum(r["tokens"] for r in timed) / seconds if timed and seconds > 0 else None
-        result["mfu"] = (None if result["tokens_per_s"] is None else
-                         mfu(result["tokens_per_s"], self.flops_per_token, self.peak_flops, self.world_size))
+        result.update(flops_averages(timed, self.peak_flops, self.world_size))
         if measured:
             result["peak_mem_gib"] = max(r["peak_mem_gib"] for r in measured)
         profiled_records = [r for r in measured if r["step"] in set(profiled)]
@@ -509,6 +567,11 @@ class MetricsLogger:
             summary["collectives_per_step"] = comm_timer.collectives_per_step()
             summary["collective_bytes_per_step"] = comm_timer.collective_bytes_per_step()
         summary.update(self.averages(profiled))
+        # The model's figure with every token attending to its whole row (the count of tools that do not see
+        # documents), for comparison with theirs.
+        dense = (fields.get("model") or {}).get("flops_per_token")
+        summary["mfu_dense"] = (None if dense is None or summary["tokens_per_s"] is None else
+                                mfu(summary["tokens_per_s"], dense, self.peak_flops, self.world_size))
         summary["final_loss"] = self.records[-1]["loss"] if self.records else None
         summary["memory_measure"] = memory_label(self.device)
         if self.is_main:
@@ -599,6 +662,76 @@ def devlog_skeleton(summaries: list[dict]) -> str:
             f"{first.get('warmup_steps_excluded')}; memory: {first.get('memory_measure')}\n\n"
             f"## Commands\n\n```bash\n{commands}\n```\n\n## Results\n\n{runs_table(summaries)}\n\n"
             f"## What it shows\n\n(written by hand)\n")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The FLOPs of runs recorded before their steps carried them
+
+_rebuilt_data: dict[tuple, object] = {}  # SFTData by everything that fixes its rows: the runs of a series share one
+
+
+def recount_flops(summary: dict, records: list[dict], root: Path | None = None) -> dict | None:
+    """The FLOPs and MFU of a run whose summary.json predates the per-step count (no `flops_per_token` in it),
+    recounted with common/models.py's training_flops from the documents each step trained on.
+
+    The rows of step k are fixed by the data, seed, seq_len, packing and held-out share, and the rows per step
+    (common/data.py), so they are rebuilt from the run's config and the data in the repository at `root` (where a
+    relative --data is found; this one by default). The rebuilt data must have the run's recorded statistics and give
+    every step the real tokens the run recorded, or ValueError says what differs. A run whose model folder is no
+    longer here (an export of a preset) is rebuilt with the preset of its parameter count, under the same check.
+    Returns None where there is nothing to recount (the run has the count, or ran on a CPU, where MFU is null);
+    else {"summary": flops_per_token, mfu, mfu_recorded, mfu_recount (how), "steps": {flops, mfu} per record}.
+    """
+    hardware, config = summary.get("hardware", {}), summary.get("config", {})
+    if "flops_per_token" in summary or hardware.get("device_kind") not in ("cuda", "rocm"):
+        return None
+    peak = peak_flops_per_device(hardware.get("device_name") or "")
+    recorded = dict(mfu_recorded=summary.get("mfu"))
+    if peak is None:
+        return dict(summary=dict(recorded, flops_per_token=None, mfu=None,
+                                 mfu_recount=f"not recounted: no peak for {hardware.get('device_name')}"),
+                    steps=[dict(flops=None, mfu=None) for _ in records])
+    if "packing" not in config:  # TRL's run in the peer baseline: its rows are TRL's packing, not common/data.py's
+        return dict(summary=dict(recorded, flops_per_token=None, mfu=None,
+                                 mfu_recount="not recounted: common/data.py did not pack its rows"),
+                    steps=[dict(flops=None, mfu=None) for _ in records])
+    name = config["model"]
+    if is_preset(name) or Path(name).exists():
+        source = name
+    else:
+        parameters = summary.get("model", {}).get("parameters")
+        source = next((preset for preset in [*PRESETS, *MOE_PRESETS]
+                       if count_parameters(model_config(preset))["total"] == parameters), None)
+        if source is None:
+            raise ValueError(f"its model {name} is not on this machine and no preset has its {parameters} parameters")
+    data_path = Path(config["data"]) if Path(config["data"]).is_absolute() else (root or REPO_ROOT) / config["data"]
+    key = (source, str(data_path), config["seq_len"], config["packing"], config.get("eval_fraction", 0.05),
+           config["seed"], config.get("data_split", "train"), config.get("data_config"), config.get("data_columns"),
+           config.get("train_empty_think", False))
+    if key not in _rebuilt_data:
+        _rebuilt_data[key] = build_data(data_path, load_tokenizer(source), config["seq_len"], packing=key[3],
+                                        eval_fraction=key[4], seed=key[5], split=key[6], subset=key[7],
+                                        columns=key[8], train_empty_think=key[9])
+    data = _rebuilt_data[key]
+    differ = [f"{field} {value} (run) vs {data.stats[field]} (rebuilt)"
+              for field, value in summary.get("data", {}).items() if data.stats.get(field, value) != value]
+    if differ:
+        raise ValueError(f"the data rebuilt from its config differ from the run's: {'; '.join(differ)}")
+    rows_per_step = summary["t_eff"] // config["seq_len"]
+    flops = training_flops(model_config(source), config.get("lora_rank") or 0)
+    steps = []
+    for record in records:
+        documents = data.step_documents(record["step"] - 1, rows_per_step)
+        if sum(documents) != record["tokens"]:
+            raise ValueError(f"step {record['step']}: the rebuilt rows hold {sum(documents):,} real tokens, the run "
+                             f"recorded {record['tokens']:,}")
+        step_flops = flops.of_documents(documents)
+        steps.append(dict(flops=step_flops, mfu=mfu(record["tokens_per_s"], step_flops / record["tokens"], peak,
+                                                     hardware.get("world_size") or 1)))
+    _, timed = timed_records([{**record, **step} for record, step in zip(records, steps)],
+                             summary.get("warmup_steps_excluded", 0), summary.get("profiled_steps") or [])
+    return dict(summary=dict(recorded, **flops_averages(timed, peak, hardware.get("world_size") or 1),
+                             mfu_recount="recounted from each step's rebuilt documents"), steps=steps)
 
 
 if __name__ == "__main__":

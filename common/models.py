@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -286,22 +287,94 @@ def count_parameters(config: PretrainedConfig) -> dict[str, int]:
     return counts
 
 
-def flops_per_token(config: PretrainedConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 * N_matmul + 12 * L * H * hd * S.
+def matmul_weights(config: PretrainedConfig) -> dict[str, int]:
+    """Per decoder layer: the weights one token multiplies, by projection (`experts`: its k experts' SwiGLU weights,
+    `router`: the mixture of experts' gate). Norms scale elementwise and multiply nothing: they are not here."""
+    d, H, KV = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    hd = getattr(config, "head_dim", None) or d // H
+    weights = dict(q_proj=d * H * hd, k_proj=d * KV * hd, v_proj=d * KV * hd, o_proj=H * hd * d)
+    if is_moe(config):
+        weights.update(experts=config.num_experts_per_tok * 3 * d * config.moe_intermediate_size,
+                       router=d * config.num_experts)
+    else:
+        I = config.intermediate_size
+        weights.update(gate_proj=d * I, up_proj=d * I, down_proj=I * d)
+    return weights
 
-    - 6 * N_matmul: each weight in a matrix multiply costs 2 FLOPs (multiply + add) per token in the forward and
-      4 in the backward (gradient w.r.t. the input and w.r.t. the weight). N_matmul counts every weight that
-      multiplies activations: the decoder layers and the LM head (V*d, counted even when it is tied to the
-      embedding, since the head is a matmul while the embedding is a lookup that costs no FLOPs).
-    - 12 * L * H * hd * S: attention scores Q K^T and the weighted sum A V, each 2 * S * hd FLOPs per head per token
-      in the forward, times 3 for forward + backward. The full S x S square is counted (no causal halving), the
-      convention of the PaLM paper (Chowdhery et al. 2022, appendix B), so MFU compares with published numbers.
-      S is --seq-len; with packing the true attention span is each conversation, so this is an upper bound.
+
+def lora_parameters(config: PretrainedConfig, rank: int) -> dict[str, int]:
+    """Per decoder layer: the LoRA parameters peft adds to each projection a token goes through, rank x (inputs +
+    outputs) (A is rank x inputs, B outputs x rank). A mixture of experts' adapted experts are left out: peft adds
+    their adapters to the expert weights (W + B A) once per forward, so no token multiplies them."""
+    d, H, KV = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    hd = getattr(config, "head_dim", None) or d // H
+    shapes = dict(q_proj=(d, H * hd), k_proj=(d, KV * hd), v_proj=(d, KV * hd), o_proj=(H * hd, d))
+    if not is_moe(config):
+        I = config.intermediate_size
+        shapes.update(gate_proj=(d, I), up_proj=(d, I), down_proj=(I, d))
+    return {name: rank * (inputs + outputs) for name, (inputs, outputs) in shapes.items()}
+
+
+@dataclass(frozen=True)
+class TrainingFlops:
+    """Training FLOPs (forward + backward) of a model, in its two parts: the weights, paid per token, and attention,
+    paid per (query, key) pair inside one document. `common.models.training_flops` builds it from the config."""
+    per_token: float  # every matrix multiply with a weight, per token
+    per_pair: float  # attention's scores and weighted sum, per (query, key) pair of one document, all layers
+
+    def of_documents(self, lengths) -> float:
+        """FLOPs of a step whose documents (packed conversations, all ranks) have these lengths; a row's padding is
+        no document and counts nothing."""
+        return self.per_token * sum(lengths) + self.per_pair * sum(n * n for n in lengths)
+
+    def dense_per_token(self, seq_len: int) -> float:
+        """Per token if every token attended to its whole row of seq_len, document boundaries ignored: the count of
+        tools that do not see documents, and an upper bound here."""
+        return self.per_token + self.per_pair * seq_len
+
+
+def training_flops(config: PretrainedConfig, lora_rank: int = 0) -> TrainingFlops:
+    """The training FLOPs of the work a step does, as MFU counts it (PaLM's model FLOPs: Chowdhery et al. 2022,
+    appendix B).
+
+    Weights, per token: a weight that multiplies activations costs 2 FLOPs forward (multiply, add) and, in backward,
+    2 for the gradient of its input and 2 for its own gradient.
+    - Full fine-tuning: 6 per weight of the decoder layers (a mixture of experts: the k experts a token goes to, and
+      the router) and of the LM head, V x d, also when tied to the embedding: the head is a matrix multiply, the
+      embedding a lookup that costs nothing.
+    - LoRA (--lora-rank) and QLoRA: a frozen weight has no weight gradient, 4 per weight; the LM head is frozen too
+      (4 V d). The adapters are trained, 6 per parameter (`lora_parameters`). No gradient has to reach the frozen
+      embedding's output, so the first layer's q, k and v projections (and their adapters' A) take no input gradient:
+      2 FLOPs less per weight there. A mixture of experts' adapted experts run as W + B A, which takes a weight
+      gradient: 6 per weight of the k experts, as in full fine-tuning. QLoRA's 4-bit weights count as the bf16
+      matrix multiplies they are dequantized into.
+    Attention, per (query, key) pair of a document: the scores Q K^T and the sum A V, 2 hd FLOPs each per head
+    forward, three times that with backward: 12 L H hd. Packed conversations do not attend to each other, so a step
+    costs this times the sum over its documents of length^2 (`TrainingFlops.of_documents`), not rows x seq_len^2.
+    The full square of a document is counted, not its causal half: the PaLM convention, so MFU compares with
+    published figures.
+    Not counted, as in any MFU: activation checkpointing's recomputation, and the gradient peft asks of the
+    embedding's output when checkpointing is on (nothing uses it). The loss, norms, rotary embeddings and the
+    optimizer cost FLOPs but no matrix multiply; they are left out, as in PaLM's count.
     """
-    counts = count_parameters(config)
-    # A mixture of experts multiplies each token by its k experts only: the active weights, not all of them.
-    layers = config.num_hidden_layers * counts["active_per_layer"] if is_moe(config) else counts["layers"]
-    n_matmul = layers + config.vocab_size * config.hidden_size
+    d, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
     H = config.num_attention_heads
-    hd = getattr(config, "head_dim", None) or config.hidden_size // H
-    return 6.0 * n_matmul + 12.0 * config.num_hidden_layers * H * hd * seq_len
+    hd = getattr(config, "head_dim", None) or d // H
+    weights = matmul_weights(config)
+    per_layer, lm_head = sum(weights.values()), V * d
+    if not lora_rank:
+        per_token = 6.0 * (L * per_layer + lm_head)
+    else:
+        adapters = lora_parameters(config, lora_rank)
+        trained_experts = weights.get("experts", 0)  # W + B A: the experts' matrix multiply takes a weight gradient
+        first_qkv = sum(weights[name] + lora_rank * d for name in ("q_proj", "k_proj", "v_proj"))  # + their A
+        per_token = (4.0 * (L * (per_layer - trained_experts) + lm_head) + 6.0 * L * trained_experts
+                     + 6.0 * L * sum(adapters.values()) - 2.0 * first_qkv)
+    return TrainingFlops(per_token=per_token, per_pair=12.0 * L * H * hd)
+
+
+def flops_per_token(config: PretrainedConfig, seq_len: int, lora_rank: int = 0) -> float:
+    """Training FLOPs per token with every token attending to its whole row of seq_len (`dense_per_token`): the
+    model's figure at a given row length, before the documents of a step are known. MFU counts each step's documents
+    (common/metrics.py)."""
+    return training_flops(config, lora_rank).dense_per_token(seq_len)

@@ -9,10 +9,13 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, Qwen3Config
 
+import common.metrics
+from common.attention import setup_attention
+from common.data import build_data
 from common.metrics import (MetricsLogger, _merged_length, collective_bytes, collective_counts, collective_ms,
                             format_step_line, mfu, peak_flops_per_device, state_bytes)
 from common.models import PRESET_COMMON, PRESETS, count_parameters, flops_per_token, load_model, model_config, \
-    resolve_model_name
+    resolve_model_name, training_flops
 
 
 @pytest.mark.parametrize("tied,bias", [(True, False), (False, True)])
@@ -33,10 +36,16 @@ def test_qwen3_0_6b_counts_by_hand():
     assert counts["total"] == vocab * d + layers * per_layer + d == 596_049_920  # the published "0.6B"
     assert counts["total"] - counts["embedding"] == 440_467_456  # the published "0.44B non-embedding"
 
-    # 6 x (layers + LM head) + 12 x L x H x head_dim x S
-    expected = 6 * (layers * per_layer + vocab * d) + 12 * layers * 16 * 128 * 1024
+    # 6 x (the weights a token multiplies: q, k, v, o, gate, up, down; the LM head) + 12 x L x H x head_dim x S
+    matmul = layers * (d * 16 * 128 + 2 * d * 8 * 128 + 16 * 128 * d + 3 * d * 3072) + vocab * d
+    expected = 6 * matmul + 12 * layers * 16 * 128 * 1024
     assert flops_per_token(config, 1024) == expected
     assert 4.2e9 < expected < 4.35e9  # "about 4.3 GFLOP per token" at seq 1024
+    # LoRA of rank 16: the frozen weights cost 4 per token, the adapters 6 per parameter; no gradient has to reach
+    # the frozen embedding, so the first layer's q, k, v (and their adapters' A) take no input gradient.
+    adapters = layers * 16 * ((d + 2048) + 2 * (d + 1024) + (2048 + d) + 2 * (d + 3072) + (3072 + d))
+    first_qkv = d * 2048 + 2 * d * 1024 + 3 * 16 * d
+    assert training_flops(config, 16).per_token == 4 * matmul + 6 * adapters - 2 * first_qkv
 
 
 def test_mfu_by_hand():
@@ -50,13 +59,131 @@ def test_mfu_by_hand():
     assert mfu(100_000, flops, None, 1) is None
 
 
-@pytest.mark.parametrize("name,tflops", [("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.0),
-                                         ("NVIDIA H200", 989.4), ("NVIDIA A100-SXM4-80GB", 312.0),
-                                         ("AMD Instinct MI100", 92.3), ("AMD Instinct MI250X", 191.5),
-                                         ("x86_64", None), ("NVIDIA GeForce GTX 1080", None)])
+@pytest.mark.parametrize("name,tflops", [
+    ("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.5),
+    ("NVIDIA H200", 989.4), ("NVIDIA H200 NVL", 835.5), ("NVIDIA A100-SXM4-80GB", 312.0),
+    ("NVIDIA A100-PCIE-40GB", 312.0), ("NVIDIA GeForce RTX 4090", 165.2), ("NVIDIA GeForce RTX 3090", 71.0),
+    ("NVIDIA RTX A6000", 154.8), ("AMD Instinct MI100", 92.3), ("AMD Instinct MI250X", 191.5),
+    ("AMD Instinct MI250", 181.0),
+    # other chips under a known card's name: no peak rather than their namesake's
+    ("NVIDIA GeForce RTX 3090 Ti", None), ("NVIDIA GeForce RTX 4090 D", None),
+    ("NVIDIA GeForce RTX 4090 Laptop GPU", None), ("NVIDIA RTX 6000 Ada Generation", None),
+    ("x86_64", None), ("NVIDIA GeForce GTX 1080", None)])
 def test_peak_flops_table(name, tflops):
     value = peak_flops_per_device(name)
     assert (value is None) if tflops is None else value == pytest.approx(tflops * 1e12)
+
+
+def adapted(model, rank):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+
+
+def test_lora_flops_count_the_real_peft_model(tokenizer):
+    """4 per frozen weight and 6 per adapter parameter, summed over the linear layers of a real peft model."""
+    model = adapted(load_model("qwen3-tiny", tokenizer, "sdpa"), 8)
+    per_token = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):  # the adapters' A and B, the frozen projections, the tied LM head
+            weight = module.weight
+            per_token += (6 if weight.requires_grad else 4) * weight.numel()
+            # The embedding's output needs no gradient: the first layer's q, k, v and their A take no input one.
+            if ".layers.0.self_attn." in name and any(p in name for p in ("q_proj", "k_proj", "v_proj")) \
+                    and "lora_B" not in name:
+                per_token -= 2 * weight.numel()
+    assert per_token == training_flops(model.config, 8).per_token
+    assert training_flops(model.config, 8).per_token < 0.75 * training_flops(model.config).per_token
+
+
+@pytest.mark.parametrize("preset,lora_rank", [("qwen3-tiny", 0), ("qwen3-tiny", 8), ("qwen3-moe-tiny", 0),
+                                              ("qwen3-moe-tiny", 4)])
+def test_training_flops_are_what_a_step_multiplies(tokenizer, preset, lora_rank):
+    """torch's FLOP counter over a real forward and backward of a packed row (varlen: one attention call per
+    document): every matrix multiply is the count's weights part, the attention forward a third of its part."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    attention = setup_attention(torch.device("cpu"), "varlen", print_fn=lambda line: None)
+    model = load_model(preset, tokenizer, attention.impl, allow_moe=True)
+    if preset == "qwen3-moe-tiny":
+        model.set_experts_implementation("eager")  # one F.linear per expert, which the counter sees
+    if lora_rank:
+        model = adapted(model, lora_rank)
+    lengths = [7, 19, 3, 11]  # short: the count is exact at any length, the LM head's cost is not small
+    position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    with FlopCounterMode(display=False) as counter:
+        logits = model(input_ids=torch.randint(0, 8000, position_ids.shape), position_ids=position_ids,
+                       attention_mask=None, use_cache=False,
+                       **attention.forward_kwargs(position_ids, torch.device("cpu"))).logits
+        logits.sum().backward()
+    counted = {str(op): flops for op, flops in counter.get_flop_counts()["Global"].items()}
+    flops = training_flops(model.config, lora_rank)
+    assert counted["aten.mm"] == flops.per_token * sum(lengths)
+    # The attention kernel's forward (its backward also recomputes the scores, which MFU does not count).
+    forward = sum(flops for op, flops in counted.items() if "scaled_dot_product" in op and "backward" not in op)
+    assert 3 * forward == flops.per_pair * sum(n * n for n in lengths)
+    assert flops.of_documents(lengths) == counted["aten.mm"] + 3 * forward
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_attention_is_counted_per_document_of_each_step(tokenizer, small_data, packing):
+    """The step's documents against a brute-force count of the (query, key) pairs that share a conversation in its
+    rows; without packing each row is one conversation of its real length."""
+    data = build_data(small_data, tokenizer, 256, packing=packing, seed=0)
+    rows = data.rows_for_step(3, 4)
+    documents = data.step_documents(3, 4)
+    assert sum(documents) == data.step_real_tokens(3, 4)
+    pairs = 0
+    for row in rows.tolist():
+        real = int(data.train.real_tokens[row])  # the row's conversations, then its padding
+        conversation = torch.cumsum(data.train.position_ids[row, :real] == 0, dim=0)
+        pairs += int((conversation[:, None] == conversation[None, :]).sum())
+    assert sum(n * n for n in documents) == pairs
+    if packing:
+        assert len(documents) > len(rows) and pairs < 0.5 * len(rows) * 256 ** 2  # far below the whole rows
+    else:
+        assert len(documents) == len(rows)
+    flops = training_flops(model_config("qwen3-tiny"))
+    assert flops.of_documents(documents) == flops.per_token * sum(documents) + flops.per_pair * pairs
+
+
+def test_mfu_counts_each_steps_documents_and_an_unknown_gpu_says_so_once(tmp_path, monkeypatch):
+    config = model_config("qwen3-tiny")
+    flops = training_flops(config)
+    monkeypatch.setattr(common.metrics, "peak_memory_gib", lambda device: 1.0)
+    steps = [([100, 300], 200.0), ([400], 100.0), ([50] * 8, 300.0)]  # (documents, step_ms)
+
+    def run(name: str, is_main: bool = True):
+        monkeypatch.setattr(common.metrics, "device_name", lambda device: name)
+        logger = MetricsLogger(out_dir=tmp_path / name, total_steps=3, warmup_steps=0, model_config=config,
+                               device=torch.device("cuda"), world_size=2, is_main=is_main)
+        lines = []
+        for step, (documents, step_ms) in enumerate(steps, start=1):
+            logger.log_step(step, 1.0, 1e-3, 1.0, sum(documents), 10, step_ms, None, print_fn=lines.append,
+                            documents=documents)
+        return logger, lines, logger.write_summary(model=dict(flops_per_token=flops.dense_per_token(400)))
+
+    logger, lines, summary = run("NVIDIA H100 NVL")
+    total = sum(flops.of_documents(documents) for documents, _ in steps)
+    assert [r["flops"] for r in logger.records] == [flops.of_documents(documents) for documents, _ in steps]
+    assert summary["flops_per_token"] == pytest.approx(total / 1200)
+    assert summary["mfu"] == pytest.approx(total / 0.6 / (835.5e12 * 2))
+    assert logger.records[1]["mfu"] == pytest.approx(flops.of_documents([400]) / 0.1 / (835.5e12 * 2))
+    # every token attending to a whole row of 400: the figure of tools that do not see documents
+    assert summary["mfu_dense"] == pytest.approx(1200 / 0.6 * flops.dense_per_token(400) / (835.5e12 * 2))
+    assert summary["mfu_dense"] > summary["mfu"]
+    assert not any(line.startswith("mfu:") for line in lines)
+
+    logger, lines, summary = run("NVIDIA GeForce GTX 1080")
+    notices = [line for line in lines if line.startswith("mfu:")]
+    assert len(notices) == 1 and "GTX 1080" in notices[0] and lines.index(notices[0]) == 0
+    assert summary["mfu"] is None and all(r["mfu"] is None for r in logger.records)
+    assert summary["flops_per_token"] == pytest.approx(total / 1200)  # the work is known, the peak is not
+    assert run("NVIDIA GeForce GTX 1080", is_main=False)[1] == []  # rank 0 says it
+    with pytest.raises(ValueError, match="documents hold 400 tokens, not its 300"):
+        logger.log_step(4, 1.0, 1e-3, 1.0, 300, 10, 100.0, None, documents=[400])
 
 
 def test_step_line_has_the_contract_format():
@@ -113,7 +240,7 @@ def test_state_bytes_count_each_storage_once():
 
 
 def test_summary_excludes_warmup_and_profiled_steps(tmp_path):
-    logger = MetricsLogger(out_dir=tmp_path, total_steps=5, warmup_steps=2, flops_per_token=1e6,
+    logger = MetricsLogger(out_dir=tmp_path, total_steps=5, warmup_steps=2, model_config=model_config("qwen3-tiny"),
                            device=torch.device("cpu"), world_size=2, is_main=True)
     lines = []
     for step, step_ms in enumerate([1000.0, 500.0, 900.0, 100.0, 300.0], start=1):
@@ -140,11 +267,12 @@ def test_summary_excludes_warmup_and_profiled_steps(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     assert set(records[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "loss_tokens", "step_ms", "comm_ms",
-                               "tokens_per_s", "peak_mem_gib", "mfu", "gc_ms"}
+                               "tokens_per_s", "peak_mem_gib", "mfu", "flops", "gc_ms"}
     assert records[1]["gc_ms"] > 0 and records[1]["gc_ms"] > records[2]["gc_ms"]  # counted once, then reset
     # A run too short to have unprofiled measured steps averages what it has.
-    short = MetricsLogger(out_dir=tmp_path / "short", total_steps=2, warmup_steps=1, flops_per_token=1e6,
-                          device=torch.device("cpu"), world_size=1, is_main=False)
+    short = MetricsLogger(out_dir=tmp_path / "short", total_steps=2, warmup_steps=1,
+                          model_config=model_config("qwen3-tiny"), device=torch.device("cpu"), world_size=1,
+                          is_main=False)
     for step in (1, 2):
         short.log_step(step, 1.0, 1e-3, 1.0, 100, 50, 100.0 * step, None, print_fn=lambda line: None)
     assert short.averages(profiled=[2])["step_ms"] == 200.0

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.data import build_data, evaluate
+from common.models import model_config, training_flops
 from conftest import REPO_ROOT, load_experiment, load_infer
 
 single_ft = load_experiment("single-ft")
@@ -73,7 +74,7 @@ def test_save_hf_reloads_with_the_same_eval_loss(tmp_path, small_data):
     assert reloaded == pytest.approx(summary["eval_loss"], rel=1e-5)
 
 
-def test_lora_trains_only_adapters_and_merges(tmp_path, small_data):
+def test_lora_trains_only_adapters_and_merges(tmp_path, small_data, tokenizer):
     export = tmp_path / "merged"
     summary, losses = run(tmp_path, "lora", small_data, "--steps", 6, "--micro-batch-size", 2, "--lora-rank", 4,
                           "--save-hf", export, "--merge-lora")
@@ -83,6 +84,14 @@ def test_lora_trains_only_adapters_and_merges(tmp_path, small_data):
     per_layer = 4 * ((d + q) + 2 * (d + kv) + (q + d) + 2 * (d + inter) + (inter + d))
     assert summary["model"]["trainable_parameters"] == layers * per_layer
     assert losses[-1] < losses[0]
+    # Each step's FLOPs: LoRA's count (4 per frozen weight, 6 per adapter parameter) over the documents of its rows.
+    flops = training_flops(model_config("qwen3-tiny"), 4)
+    data = build_data(small_data, tokenizer, 128, seed=0)
+    records = [json.loads(line) for line in (tmp_path / "lora" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["flops"] for r in records] == [flops.of_documents(data.step_documents(k, 2)) for k in range(6)]
+    timed = records[summary["warmup_steps_excluded"]:]
+    assert summary["flops_per_token"] == pytest.approx(sum(r["flops"] for r in timed) / sum(r["tokens"] for r in timed))
+    assert summary["model"]["flops_per_token"] == flops.dense_per_token(128) > summary["flops_per_token"]
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
     assert not any("lora" in name for name, _ in model.named_parameters())
     # experiments/infer.py on the merged export: the eval loss training printed, and plain greedy decoding's answer.
@@ -137,7 +146,8 @@ def test_command_line_run_writes_the_results_contract(tmp_path, small_data, caps
     summary = json.loads((out / "summary.json").read_text())
     for key in ("experiment", "command", "config", "hardware", "model", "step_ms", "comm_ms", "tokens_per_s",
                 "tokens_per_s_per_device", "peak_mem_gib", "mfu", "t_eff", "final_loss", "eval_loss",
-                "packing_efficiency", "n_conversations", "n_truncated", "warmup_steps_excluded"):
+                "packing_efficiency", "n_conversations", "n_truncated", "warmup_steps_excluded", "flops_per_token",
+                "mfu_dense"):
         assert key in summary, key
     assert summary["experiment"] == "single-ft" and summary["t_eff"] == 128
     assert summary["config"]["seq_len"] == 128 and summary["config"]["model"] == "qwen3-tiny"

@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
     n_params = count_parameters(model.config)["total"]
     trainable = [p for p in model.parameters() if p.requires_grad]
     n_trainable = sum(p.numel() for p in trainable)
-    model_flops_per_token = flops_per_token(model.config, config.seq_len)
+    model_flops_per_token = flops_per_token(model.config, config.seq_len, config.lora_rank)
     print0(f"model: {config.model} | {n_params:,} parameters, {n_trainable:,} trainable | "
            f"{model_flops_per_token / 1e9:.3f} GFLOP/token (training) | dtype {config.dtype}")
     print0(f"batch: B = {config.micro_batch_size} x {config.grad_accum} x {world_size} ranks = {rows_per_step} rows "
@@ -225,8 +225,8 @@ def main(argv: list[str] | None = None) -> dict:
     # Training loop
     metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
                             warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
-                            flops_per_token=model_flops_per_token, device=device, world_size=world_size,
-                            is_main=rank == 0, report_to=config.report_to)
+                            model_config=model.module.config, lora_rank=config.lora_rank, device=device,
+                            world_size=world_size, is_main=rank == 0, report_to=config.report_to)
     comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
     stopwatch = Stopwatch(device)
     eval_losses = []
@@ -309,7 +309,8 @@ def main(argv: list[str] | None = None) -> dict:
         comm_ms = comm_timer.stop(step)
 
         metrics.log_step(step + 1, step_loss_value, lr, grad_norm_value, data.step_real_tokens(step, rows_per_step),
-                         loss_tokens, step_ms, comm_ms, print_fn=print0)
+                         loss_tokens, step_ms, comm_ms, print_fn=print0,
+                         documents=data.step_documents(step, rows_per_step))
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate(model.module, data, config.micro_batch_size, device, autocast)))
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")

@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
     # Training loop
     metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
                             warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
-                            flops_per_token=model_flops_per_token, device=device, world_size=world_size,
+                            model_config=model.config, device=device, world_size=world_size,
                             is_main=rank == 0, report_to=config.report_to)
     comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
     stopwatch = Stopwatch(device)
@@ -423,7 +423,8 @@ def main(argv: list[str] | None = None) -> dict:
 
         metrics.log_step(step + 1, step_loss_value, lr, grad_norm_value, data.step_real_tokens(step, rows_per_step),
                          loss_tokens, step_ms, comm_ms, print_fn=print0,
-                         extra=dict(aux_loss=aux_value, expert_tokens=split_load(values[3:], load.shape[1])))
+                         extra=dict(aux_loss=aux_value, expert_tokens=split_load(values[3:], load.shape[1])),
+                         documents=data.step_documents(step, rows_per_step))
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate(model, data, config.micro_batch_size, device, autocast)))
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")

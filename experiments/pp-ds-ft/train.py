@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> dict:
     n_params = count_parameters(model_config)["total"]
     params = [p for p in pipe.parameters() if p.requires_grad]  # all of them, or the LoRA adapters
     held = all_ranks(sum(p.numel() for p in pipe.parameters()))
-    model_flops_per_token = flops_per_token(model_config, config.seq_len)
+    model_flops_per_token = flops_per_token(model_config, config.seq_len, config.lora_rank)
     held_by_stages = sum(held) // data_parallel_size  # the replicas hold the same
     # The LM head copy (DeepSpeed marks it ds_pipe_replicated) is the embedding's twin: not counted as trainable.
     n_trainable = sum(all_ranks(sum(p.numel() for p in params if not getattr(p, "ds_pipe_replicated", False)))
@@ -478,7 +478,7 @@ def main(argv: list[str] | None = None) -> dict:
     # Training loop
     metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
                             warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
-                            flops_per_token=model_flops_per_token, device=device, world_size=world_size,
+                            model_config=model_config, lora_rank=config.lora_rank, device=device, world_size=world_size,
                             is_main=dist_info.is_main, report_to=config.report_to)
     comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
     stopwatch = Stopwatch(device)
@@ -505,7 +505,8 @@ def main(argv: list[str] | None = None) -> dict:
         comm_ms = comm_timer.stop(step)
 
         metrics.log_step(step + 1, step_loss_value, lr, float(grad_norm), data.step_real_tokens(step, rows_per_step),
-                         loss_tokens, step_ms, comm_ms, print_fn=print0)
+                         loss_tokens, step_ms, comm_ms, print_fn=print0,
+                         documents=data.step_documents(step, rows_per_step))
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate_pipeline(engine, data, config.micro_batch_size,
                                                             tokenizer.pad_token_id)))

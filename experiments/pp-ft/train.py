@@ -654,7 +654,7 @@ def main(argv: list[str] | None = None) -> dict:
     held, trainable_held = map(list, zip(*all_ranks((sum(p.numel() for p in module.parameters()),
                                                      sum(p.numel() for p in params_for_norm)))[:pp_size]))
     n_trainable = sum(trainable_held)  # the LM head copy left out: it is the embedding's twin
-    model_flops_per_token = flops_per_token(model_config, config.seq_len)
+    model_flops_per_token = flops_per_token(model_config, config.seq_len, config.lora_rank)
     print0(f"model: {config.model} | {n_params:,} parameters ({sum(held):,} held by the stages, the LM head copy "
            f"included), {n_trainable:,} trainable | {model_flops_per_token / 1e9:.3f} GFLOP/token (training) | "
            f"dtype {config.dtype}")
@@ -743,7 +743,7 @@ def main(argv: list[str] | None = None) -> dict:
     # Training loop
     metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
                             warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
-                            flops_per_token=model_flops_per_token, device=device, world_size=world_size,
+                            model_config=model_config, lora_rank=config.lora_rank, device=device, world_size=world_size,
                             is_main=dist.get_rank() == 0, report_to=config.report_to)
     comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
     stopwatch = Stopwatch(device)
@@ -809,7 +809,8 @@ def main(argv: list[str] | None = None) -> dict:
         comm_ms = comm_timer.stop(step)
 
         metrics.log_step(step + 1, step_loss_value, lr, grad_norm_value, data.step_real_tokens(step, rows_per_step),
-                         loss_tokens, step_ms, comm_ms, print_fn=print0)
+                         loss_tokens, step_ms, comm_ms, print_fn=print0,
+                         documents=data.step_documents(step, rows_per_step))
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate_pipeline(stages, stage_rank, data, config.micro_batch_size, device,
                                                             pp_group)))
