@@ -574,6 +574,10 @@ class MetricsLogger:
                                 mfu(summary["tokens_per_s"], dense, self.peak_flops, self.world_size))
         summary["final_loss"] = self.records[-1]["loss"] if self.records else None
         summary["memory_measure"] = memory_label(self.device)
+        if self.device.type == "cuda":
+            # Beside max_memory_reserved, the tensors' own peak: the difference is the caching allocator's (cached,
+            # fragmented blocks), which common.memory does not price.
+            summary["peak_mem_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if self.is_main:
             (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if self.writer is not None:

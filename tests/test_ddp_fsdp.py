@@ -126,6 +126,7 @@ def launched(tmp_path_factory, small_data, formats):
                       "--reduce-every-micro-batch"],
         "lora": [*split(1, 2), *LORA, *NO_PROFILE, "--activation-checkpointing", "--save-hf", ddp_root / "lora-merged",
                  "--merge-lora"],
+        "lora-bf16": [*split(1, 2), *LORA, *NO_PROFILE, "--dtype", "bf16"],  # a bf16 base; the later --dtype wins
         # --sample-every generates between steps (under FSDP on every rank): the steps must not change.
         "chunked": [*split(1, 2), *FAST, "--loss-chunk-tokens", 64, "--sample-every", 2],
         "varlen": [*split(1, 2), *FAST, "--attn", "varlen"],
@@ -146,6 +147,7 @@ def launched(tmp_path_factory, small_data, formats):
                     "--no-reshard-after-forward", "--activation-checkpointing", "--cpu-offload",
                     "--reduce-every-micro-batch", "--eval-every", 2],
         "lora": [*split(1, 2), *LORA, *NO_PROFILE, "--save-hf", fsdp_root / "lora-merged", "--merge-lora"],
+        "lora-bf16": [*split(1, 2), *LORA, *NO_PROFILE, "--dtype", "bf16"],
         # --sample-every generates between steps (under FSDP on every rank): the steps must not change.
         "chunked": [*split(1, 2), *FAST, "--loss-chunk-tokens", 64, "--sample-every", 2],
         "varlen": [*split(1, 2), *FAST, "--attn", "varlen"],
@@ -209,6 +211,22 @@ def test_lora_equals_single_ft_lora_and_merges(experiment, request, reference, s
     loss, model = reloaded_eval_loss(runs / "lora-merged", small_data)
     assert not any("lora" in name for name, _ in model.named_parameters())
     assert loss == pytest.approx(run["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("experiment", ["ddp", "fsdp"])
+def test_lora_on_a_bf16_base_tracks_fp32_and_holds_the_prediction(experiment, request, reference):
+    """--dtype bf16 under LoRA: each rank holds the frozen base in bf16 (its FSDP shard of it), the adapters and
+    their AdamW state in fp32; the steps track single-ft's fp32 LoRA within bf16 rounding."""
+    runs = request.getfixturevalue(experiment)
+    got, want = read_losses(runs / "lora-bf16"), read_losses(reference / "lora")
+    assert got == pytest.approx(want, rel=2e-2) and got != pytest.approx(want, rel=1e-6)
+    run = summary(runs / "lora-bf16")
+    base, adapters = run["model"]["parameters"], run["model"]["trainable_parameters"]
+    shards = 2 if experiment == "fsdp" else 1
+    counters = 4 * 2 * 4 * 7 // shards * shards  # AdamW's step: one fp32 scalar per adapter tensor, on every rank
+    for held in run["state_bytes_per_rank"]:
+        assert held["weights"] == (2 * base + 4 * adapters) / shards
+        assert {**held, "optimizer": held["optimizer"] - counters} == run["predicted_state_bytes"]
 
 
 @pytest.mark.parametrize("experiment", ["ddp", "fsdp"])

@@ -94,6 +94,8 @@ def pp_runs(root, small_data) -> list:
               *LORA, *lora_extra[schedule]] for schedule in LORA_SCHEDULES]
     runs.append([*common_args(small_data, root / "lora-resumed"), "--schedule", "1f1b", "--steps", LORA_STEPS, *LORA,
                  "--resume", root / "lora-1f1b" / "checkpoints" / "step-2"])
+    runs.append([*common_args(small_data, root / "lora-bf16"), "--schedule", "1f1b", "--steps", LORA_STEPS, *LORA,
+                 "--dtype", "bf16"])  # a bf16 base (its stages pass bf16 hidden states); the later --dtype wins
     runs += [[*common_args(small_data, root / "varlen"), "--schedule", "zbv", "--steps", 3, "--attn", "varlen"],
              [*common_args(small_data, root / "compile"), "--steps", 2, "--compile"]]
     return runs
@@ -431,10 +433,18 @@ def trainable_tensors_per_layer(lora: bool) -> int:
     return sum(p.requires_grad for p in model.model.layers[0].parameters())
 
 
-@pytest.mark.parametrize("run,lora", [("1f1b", False), ("lora-1f1b", True)])
+def test_lora_on_a_bf16_base_tracks_fp32(pp, single):
+    got, want = read_losses(pp / "lora-bf16"), [r["loss"] for r in single["lora_records"]]
+    assert got == pytest.approx(want, rel=2e-2) and got != pytest.approx(want, rel=1e-6)
+    eval_loss = summary_of(pp / "lora-bf16")["eval_loss"]  # the stages hand bf16 hidden states to each other
+    assert eval_loss == pytest.approx(single["lora_summary"]["eval_loss"], rel=2e-2)
+
+
+@pytest.mark.parametrize("run,lora", [("1f1b", False), ("lora-1f1b", True), ("lora-bf16", True)])
 def test_state_bytes_match_the_memory_model(pp, run, lora):
-    """fp32, 1F1B on 2 ranks: weights, gradients and master as predicted, the LM head copy included (the last rank
-    holds 1 x V x d more); AdamW's state as predicted plus its 4-byte step counter per trainable tensor."""
+    """1F1B on 2 ranks (fp32, and LoRA on a bf16 base): weights, gradients and master as predicted, the LM head copy
+    included (the last rank holds 1 x V x d more); AdamW's state as predicted plus its 4-byte step counter per
+    trainable tensor."""
     summary = summary_of(pp / run)
     measured, predicted = summary["state_bytes_per_rank"], summary["predicted_state_bytes_per_rank"]
     assert summary["state_bytes_step"] == 2

@@ -71,6 +71,8 @@ def tp_sp(tmp_path_factory, small_data):
         common_args(small_data, out / "lora", "--steps", STEPS, "--lora-rank", LORA_RANK, "--no-loss-parallel",
                     "--save-hf", out / "lora" / "hf"),
         common_args(small_data, out / "varlen-compile", "--steps", 2, "--attn", "varlen", "--compile"),
+        # A bf16 LoRA base (3 steps: bf16 costs several times fp32 on this CPU); the later --dtype wins.
+        common_args(small_data, out / "lora-bf16", "--steps", 3, "--lora-rank", LORA_RANK, "--dtype", "bf16"),
     ])
     return out
 
@@ -101,6 +103,19 @@ def test_tp_sp_losses_equal_single_ft(tp_sp, single, run):
     # SequenceParallel re-creates the norm weights; under LoRA they must stay frozen
     assert summary(tp_sp / run)["model"]["trainable_parameters"] == \
         summary(single / run)["model"]["trainable_parameters"]
+
+
+def test_lora_on_a_bf16_base_tracks_fp32_and_holds_the_prediction(tp_sp, single):
+    """Each rank holds its slice of a bf16 base and of the fp32 adapters (the column-split projections' A whole, B
+    split; the row-split ones' A split, B whole): common.memory's prediction, to the byte."""
+    got, want = read_losses(tp_sp / "lora-bf16"), read_losses(single / "lora")[:3]
+    assert got == pytest.approx(want, rel=2e-2) and got != pytest.approx(want, rel=1e-6)
+    run = summary(tp_sp / "lora-bf16")
+    counters = 4 * 2 * 4 * 7  # AdamW's step: one fp32 scalar per adapter tensor
+    for held in run["state_bytes_per_rank"]:
+        assert {**held, "optimizer": held["optimizer"] - counters} == run["predicted_state_bytes"]
+    assert run["predicted_state_bytes"]["grads"] == 4 * 4 * (
+        LORA_RANK * ((256 + 256 / 2) + 2 * (256 + 128 / 2) + 2 * (256 + 768 / 2) + (256 / 2 + 256) + (768 / 2 + 256)))
 
 
 def test_qk_norm_replicas_stay_identical_only_with_the_all_reduce(tp, tp_sp):

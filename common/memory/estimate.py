@@ -44,6 +44,10 @@ the input ids and labels. tests/test_memory.py holds every GPU run committed und
      fsdp-ft reduce-scatters only in the last micro-batch: until then every unit keeps its unsharded gradients,
      upcast to fp32 to accumulate: 4 T + (c + 4) layer (estimate(grad_accum=...)).
    - tp, tp-sp, pp: none counted (their all-gather and send/receive buffers are a few hidden-state tensors).
+   - QLoRA: bitsandbytes dequantizes each 4-bit weight into a compute-dtype copy just before its product, in
+     forward and again in backward, and frees it after: the largest projection's, d I c.
+   Which of these outlive backward (`step_buffers_bytes`): DeepSpeed's buckets and flattened copies, allocated
+   once and reused every step; the others live inside forward and backward.
    Tensor parallelism shards the decoder layers' linear weights and, as tp-ft and tp-sp-ft do, the embedding and
    the LM head over the vocabulary (tied or not: each rank holds V/t rows); the norms are replicated. With loss
    parallel (their default) each rank computes and keeps only its V/t columns of the logits.
@@ -162,8 +166,9 @@ def device_slices(shape: ModelShape, strategy: str, world_size: int, lora_rank: 
     adapters = shape.lora_parameters(lora_rank) / shape.layers
     lm_head = shape.embedding_parameters  # the LM head matrix, tied or not
 
-    def piece(layers: int, root: float, root_matmul: float, linear_share: float = 1.0, **kwargs) -> DeviceSlice:
-        linears, layer_adapters = layer_linears * linear_share, adapters * linear_share
+    def piece(layers: int, root: float, root_matmul: float, linear_share: float = 1.0,
+              layer_adapters: float = adapters, **kwargs) -> DeviceSlice:
+        linears = layer_linears * linear_share
         if lora_rank:
             quantized = linears if qlora else 0.0
             return DeviceSlice(layers, layer_adapters, linears - quantized + layer_norms, quantized, layer_adapters,
@@ -182,12 +187,13 @@ def device_slices(shape: ModelShape, strategy: str, world_size: int, lora_rank: 
         if shape.heads % t or shape.kv_heads % t:
             raise ValueError(f"tensor parallelism over {t} needs the {shape.heads} heads and "
                              f"{shape.kv_heads} KV heads to divide by {t}")
-        # tp-ft's plan (fsdp-tp-ft's too): every projection of a layer is split (LoRA adapters counted as split
-        # with it, they are tiny), the embedding and the LM head are split over the vocabulary (V/t rows each; one
-        # tensor when tied), the norms are replicated; loss parallel keeps each rank's V/t columns of the logits.
+        # tp-ft's plan (fsdp-tp-ft's too): every projection of a layer is split (and half of each LoRA adapter:
+        # ModelShape.lora_parameters), the embedding and the LM head are split over the vocabulary (V/t rows each;
+        # one tensor when tied), the norms are replicated; loss parallel keeps each rank's V/t columns of the logits.
         replicated_norms = shape.root_parameters - shape.embedding_parameters * (1 if shape.tied_embeddings else 2)
         root = (shape.root_parameters - replicated_norms) / t + replicated_norms
         return [piece(shape.layers, root, lm_head / t, linear_share=1 / t,
+                      layer_adapters=shape.lora_parameters(lora_rank, t) / shape.layers,
                       tensor_parallel=t, sequence_parallel=strategy == "tp-sp", vocab_share=1 / t)]
     if strategy == "pp":
         if world_size > shape.layers:

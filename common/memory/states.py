@@ -72,7 +72,7 @@ ZeRO-3 keeps gathered. (common/memory/__init__.py says how the parts fit togethe
      it, which is a peak at start-up, not during training). This model counts neither, and adds DeepSpeed's host
      staging copies (w T / N + w E per rank for ZeRO-Offload). Without offload DeepSpeed prints 4 P x N x 1.5 of
      host memory for loading the model; this model counts no host memory there.
-   - Outside model states DeepSpeed counts nothing: no activations, logits or autocast copies (sections 2-3).
+   - Outside model states DeepSpeed counts nothing: no activations, logits or autocast copies (activations.py).
 
 """
 
@@ -108,7 +108,7 @@ DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000  # stage3_max_reuse_distance, in pa
 
 STRATEGIES = ("single", "ddp", "zero-1", "zero-2", "zero-3", "fsdp", "tp", "tp-sp", "pp",
               "zero-2-offload", "zero-3-offload", "fsdp-offload", "ep")
-# What prices a mixture of experts (section 7): single-ft and ep-ft train one, every other experiment refuses it.
+# What prices a mixture of experts (estimate.py, section 3): single-ft and ep-ft train one, every other experiment refuses it.
 MOE_STRATEGIES = ("single", "ep")
 # Layouts on a 2-D mesh, which take a tensor-parallel degree beside the world size: estimate() prices them, the
 # table and recommend() do not list them (they compare the strategies of one GPU count, one dimension).
@@ -270,14 +270,20 @@ class ModelShape:
         """What is not in a decoder layer: embedding, final norm, the LM head when untied."""
         return self.total_parameters - self.layers * self.layer_parameters
 
-    def lora_parameters(self, rank: int) -> int:
-        """Adapter parameters of rank `rank` on the seven projections: rank x (inputs + outputs) each."""
+    def lora_parameters(self, rank: int, tensor_parallel: int = 1) -> int:
+        """Adapter parameters of rank `rank` on the seven projections: rank x (inputs + outputs) each. Under tensor
+        parallelism over t, one rank's share, as tp-ft's plan splits them (with_lora_adapters): a column-split
+        projection (q, k, v, gate, up) keeps A (rank x inputs) whole and splits B's outputs; a row-split one (o,
+        down) splits A's inputs and keeps B whole."""
         if self.is_moe and rank:
             raise ValueError(f"LoRA on a mixture of experts is not priced ({self.name}): peft also wraps the "
                              f"experts' 3-D weights (ParamWrapper), which this module does not model")
         d, q, kv, inner = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        per_layer = (d + q) + 2 * (d + kv) + (q + d) + 2 * (d + inner) + (inner + d)
-        return rank * per_layer * self.layers
+        t = tensor_parallel
+        column_split = (d + q / t) + 2 * (d + kv / t) + 2 * (d + inner / t)  # A whole, B split
+        row_split = (q / t + d) + (inner / t + d)  # A split, B whole
+        per_layer = column_split + row_split
+        return round(rank * per_layer * self.layers)  # whole: t divides every width it splits
 
 
 def model_shape(config_like) -> ModelShape:
