@@ -1011,7 +1011,7 @@ def test_the_lora_answer_for_4b_on_two_24gb_gpus(capsys):
     (["--model", "qwen3-4b", "--gpu-mem-gb", "-3"], "--gpu-mem-gb must be > 0"),
     (["--model", "qwen3-4b", "--gpus", "0"], "--gpus must be >= 1"),
     (["--model", "qwen3-4b", "--seq-len", "0"], "--seq-len must be >= 1"),
-    (["--model", "/no/such/folder"], "--model"),
+    (["--model", "/no/such/folder"], "no folder /no/such/folder"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_code_2(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
