@@ -168,6 +168,12 @@ def test_the_repository_passes_the_check_without_matplotlib():
     assert result.returncode == 0, f"make_posts.py --check failed:\n{result.stdout}{result.stderr}"
 
 
+# The HTML elements a sentence renders into: a paragraph, a list item, a table cell (aligned cells carry a style), a
+# heading.
+SENTENCE_OPENINGS = ("<p>", "<li>", "<td>", "<td ", "<th>", "<th ", *(f"<h{n}>" for n in range(1, 7)))
+SENTENCE_CLOSINGS = ("</p>", "</li>", "</td>", "</th>", *(f"</h{n}>" for n in range(1, 7)))
+
+
 def test_every_page_renders_each_generated_value_inside_its_sentence():
     """Every page of blogs/ and devlog/, rendered by a CommonMark parser (markdown-it-py, with GFM tables as git hosts
     render them): no inline value lands in an HTML block or a code block, where it would stand outside its
@@ -185,11 +191,9 @@ def test_every_page_renders_each_generated_value_inside_its_sentence():
             inline_values += 1
             opener = text[found.outer_start:found.start]
             at = html.index(opener)  # comments pass through as raw HTML
-            block = html.rfind("<p>", 0, at), html.rfind("<li>", 0, at), html.rfind("<td>", 0, at), \
-                html.rfind("<h", 0, at), html.rfind("<th>", 0, at)
-            closing = max(html.rfind("</p>", 0, at), html.rfind("</li>", 0, at), html.rfind("</td>", 0, at),
-                          html.rfind("</th>", 0, at), html.rfind("</h", 0, at))
-            assert max(block) > closing, f"{name}:{found.line}: a generated value renders outside its sentence"
+            opened = max(html.rfind(tag, 0, at) for tag in SENTENCE_OPENINGS)
+            closed = max(html.rfind(tag, 0, at) for tag in SENTENCE_CLOSINGS)
+            assert opened > closed, f"{name}:{found.line}: a generated value renders outside its sentence"
     assert inline_values > 100  # the pages do quote their numbers inline
 
 
