@@ -98,7 +98,7 @@ bubble runs=RUNS
     Per pipeline run: schedule, p (ranks), v (stages per rank), m (micro-batches), the measured bubble (mean and per
     rank), the textbook value and its formula.
 sweep run-dir=FOLDER
-    A common.sweep grid's table (its sweep.csv, formatted as common/sweep.py formats it), with the run caption.
+    A common.sweep grid's table (its sweep.csv, formatted as common/sweep.py formats it); its runs join the provenance.
 memory-cli args="ARGS"
     A fenced block with `$ uv run python -m common.memory ARGS` and what it prints: a prediction, regenerated from
     the code so it never drifts.
