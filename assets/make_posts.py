@@ -1601,12 +1601,16 @@ def render(site: Site, path: str, text: str, check: bool) -> Page:
     contents: dict[int, str] = {}
     provenances = [index for index, region in enumerate(regions) if region.kind == "provenance"]
     site.recording = []
+    failed = False  # a region of the page failed: its error says why; the provenance is left as it is
     try:
         for index in [i for i in range(len(regions)) if i not in provenances] + provenances:
             if index in provenances and site.recording is not None:
                 ctx.page_runs, site.recording = list(site.recording), None
             region = regions[index]
             have = text[region.start:region.end]
+            if index in provenances and failed:
+                contents[index] = have
+                continue
             ctx.line = region.line
             recorded = len(site.recording) if site.recording is not None else 0
             try:
@@ -1614,6 +1618,7 @@ def render(site: Site, path: str, text: str, check: bool) -> Page:
             except RegionError as error:
                 errors.append(f"{path}:{region.line}: {region.describe()}: {error}")
                 content = have  # left as it is; the error says why
+                failed = True
                 if site.recording is not None:
                     del site.recording[recorded:]  # a region that failed quotes nothing
             else:
