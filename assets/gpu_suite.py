@@ -43,7 +43,8 @@ From a fresh GPU machine to the committed entry:
 1. Bring the checkout (and .whl/ from `--wheels` for the TRL comparison) to the machine; no uv, lock or network is
    needed there (Python 3.10+, torch 2.10+ for PyTorch's varlen kernel, transformers 5, peft).
 2. From the repository root: `python3 assets/gpu_suite.py` (on a machine whose results come back only from one
-   folder: `--root <folder>`, then copy <folder>/devlog/ into the repository).
+   folder: `--root <folder>`, then copy <folder>/devlog/ into the repository; the runs' own output stays under the
+   checkout's runs/).
 3. On a machine with the environment: `uv run python assets/make_posts.py` (fills the posts' GPU slots from the kept
    runs; `--check` must pass), then commit devlog/data/<date>-gpu-suite-<device>/ and the entry.
 """
@@ -432,6 +433,34 @@ def parity(run_dir: Path, baseline_dir: Path) -> float | None:
     return max(abs(mine["loss"] - theirs["loss"]) / abs(theirs["loss"]) for mine, theirs in pairs)
 
 
+def fastest_kept(members: list[Rung], kept: Path) -> Path | None:
+    """The kept run of a ladder with the most tokens/s: the one its profile rung ran (`fastest`)."""
+    rates = {kept / rung.name: json.loads((kept / rung.name / "summary.json").read_text())["tokens_per_s"] or 0.0
+             for rung in members if not rung.profile and (kept / rung.name / "summary.json").exists()}
+    return max(rates, key=rates.get) if rates else None
+
+
+def profile_heading(profiled: dict, where: str, run_dir: Path | None) -> str:
+    """The line above the profile's categories. The profiled steps are slower than the run's own (the profiler
+    costs host time), so the idle share is also given against the unprofiled run's median step."""
+    text = (f"Where the fastest rung's step goes ({where}, torch.profiler over {profiled['steps']} steps; "
+            f"{profiled['device']} time per step")
+    if profiled["step_ms"]:
+        text += f", {profiled['step_ms']:.1f} ms wall per profiled step"
+    if profiled["idle_share"] is not None:
+        text += f", device idle {profiled['idle_share']:.0%} of it"
+        if run_dir is not None:
+            run = load_run(run_dir)
+            warmup = run.summary.get("warmup_steps_excluded", 0)
+            steps = sorted(step["step_ms"] for step in run.steps if step["step"] > warmup)
+            if steps:
+                median = steps[len(steps) // 2] if len(steps) % 2 else sum(steps[len(steps) // 2 - 1:][:2]) / 2
+                idle = max(0.0, 1 - profiled["busy_ms"] / median)
+                text += (f"; the profiler slows the host, and against the median unprofiled step of {run_dir.name} "
+                         f"({median:.1f} ms) the same device time leaves {idle:.0%} idle")
+    return text + "):"
+
+
 def write_entry(root: Path, entry: Path, series: str, plan: Plan, done: dict[str, str], all_rungs: list[Rung],
                 started: str, invocation: str) -> None:
     data = f"devlog/data/{series}"
@@ -491,11 +520,7 @@ def write_entry(root: Path, entry: Path, series: str, plan: Plan, done: dict[str
         profile_file = root / data / "profile.json"
         if profile_file.exists() and any(rung.profile for rung in members):
             profiled = json.loads(profile_file.read_text())
-            lines += [f"Where the fastest rung's step goes ({data}/profile.json, torch.profiler over "
-                      f"{profiled['steps']} steps; {profiled['device']} time per step"
-                      + (f", {profiled['step_ms']:.1f} ms wall" if profiled["step_ms"] else "")
-                      + (f", device idle {profiled['idle_share']:.0%}" if profiled["idle_share"] is not None else "")
-                      + "):", ""]
+            lines += [profile_heading(profiled, f"{data}/profile.json", fastest_kept(members, root / data)), ""]
             lines += [f"- {name}: {ms:.2f} ms" for name, ms in profiled["categories_ms"].items()]
             lines += ["", "Top kernels:", ""]
             lines += [f"- {row['ms_per_step']:.2f} ms, {row['calls']} calls: `{row['name']}`"
@@ -506,6 +531,8 @@ def write_entry(root: Path, entry: Path, series: str, plan: Plan, done: dict[str
             status = done.get(rung.name, "measured" if earlier else "not run")
             lines.append(f"- `{rung.name}` ({status}): {rung.prediction}.")
         lines.append("")
+    if kept:
+        lines += ["<!-- generated:provenance -->", "<!-- /generated -->", ""]
     entry.parent.mkdir(parents=True, exist_ok=True)
     entry.write_text("\n".join(lines))
     import make_posts  # the regions are filled by the same generator as every other page
@@ -527,8 +554,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="print which wheels the TRL comparison needs on an offline machine, and how to bring them")
     parser.add_argument("--budget-min", type=float, default=9.0, help="stop starting runs after this many minutes")
     parser.add_argument("--root", type=Path, default=REPO_ROOT,
-                        help="where devlog/ and runs/ are written (the repository by default; tests use a scratch "
-                             "folder)")
+                        help="where devlog/ is written (the repository by default; tests use a scratch folder); "
+                             "the runs' own output goes to the repository's runs/ (ignored by git)")
     parser.add_argument("--date", default=date.today().isoformat())
     parser.add_argument("--only", default=None, help="comma-separated run names or patterns (fnmatch) to run, e.g. "
                         "'peer-*,fsdp-*': a later call adds to an entry whose earlier runs are in devlog/data")
@@ -547,7 +574,9 @@ def main(argv: list[str] | None = None) -> int:
     slug = device_slug(args.dry_run)
     series = f"{args.date}-gpu-suite-{slug}"
     root = args.root.resolve()
-    scratch, kept = root / "runs" / "gpu-suite" / series, root / "devlog" / "data" / series
+    # Each run's own output stays in the checkout's runs/ (ignored by git), and its --out-dir is given relative to
+    # the repository root, so the command recorded in summary.json names no folder of this machine.
+    scratch, kept = REPO_ROOT / "runs" / "gpu-suite" / series, root / "devlog" / "data" / series
     entry = root / "devlog" / f"{series}.md"
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
@@ -588,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
         if out.exists():
             shutil.rmtree(out)
         out.mkdir(parents=True)
-        cmd = command(rung, out, launcher)
+        cmd = command(rung, out.relative_to(REPO_ROOT), launcher)
         print(f"[{index}/{len(all_rungs)}] {shlex.join(cmd)}", flush=True)
         run_start = time.perf_counter()
         with open(out / "train.log", "w") as log:

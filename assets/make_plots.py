@@ -12,21 +12,25 @@ which committed runs (globs under devlog/data) each figure of the series is made
 draws them all. A figure whose runs are missing, or whose runs hold none of its fields, is skipped with a note.
 
 The figures:
-- loss_curves: loss per step of every run, and each run's relative difference from single-ft doing the same steps,
-  against the 1e-5 the parity tests allow (fp32);
+- loss_curves: the reference's loss per step, and each run's relative difference from single-ft doing the same steps,
+  against the 1e-5 the parity tests allow (fp32; exact zeros on a row of their own);
 - throughput_memory: tokens/s and peak memory per run;
-- memory_predicted: measured peak memory beside summary.json's `predicted_peak_mem_gib` (common/memory);
+- memory_predicted: max_memory_reserved of the GPU runs beside summary.json's `predicted_peak_mem_gib`
+  (common/memory; a CPU's peak RSS counts the whole process, not the tensors the prediction models);
 - state_bytes: model-state bytes per rank by kind (weights, gradients, optimizer, master), measured from the
   tensors each rank holds, beside the prediction;
 - memory_breakdown: common.memory.estimate per strategy for Qwen3-0.6B and 4B on 2 x 24 GB (a prediction, no run);
-- collective_bytes: MiB per optimizer step handed to each backend collective, per strategy (log scale);
-- fsdp_collectives: FSDP's all-gather and reduce-scatter calls per step against grad-accum, measured and formula;
-- ddp_buckets: DDP's all-reduce calls and comm_ms against the bucket size, and per step vs per micro-batch;
+- collective_bytes: MiB per optimizer step handed to each backend collective, per strategy (log scale from 1 KiB);
+- fsdp_collectives: FSDP's all-gather and reduce-scatter calls per step against grad-accum (linear), measured and
+  formula, for each resharding setting;
+- ddp_buckets: DDP's all-reduce calls and comm_ms against the bucket size (every run a point, the line through each
+  size's mean), and per step vs per micro-batch;
 - tp_activations: activation MiB saved for backward by tensor parallelism with and without sequence parallelism;
-- pp_bubble: measured bubble fraction against the number of micro-batches m, with the textbook formulas;
+- pp_bubble: the idle share of the less busy rank against m, beside the floor its stage imbalance sets
+  (1 - m r / (m + r), r the ranks' busy-time ratio) and the textbook (p-1)/(m+p-1);
 - pp_schedule: one traced step of each pipeline schedule as a timeline per rank (forward, backward, weight
   gradient, loss, each box labelled with its micro-batch);
-- sweep: tokens/s and peak memory of every cell of a common.sweep grid.
+- sweep: tokens/s and peak memory of every cell of a common.sweep grid, grouped by tokens per step.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import argparse
 import csv
 import io
 import json
+import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -42,7 +48,6 @@ from typing import Callable
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PLOTS_DIR = Path("assets/plots")  # relative to the repository root
 PARITY_RELATIVE_TOLERANCE = 1e-5  # the tests' bound: fp32 per-step losses match single-ft within this
-SMALLEST_SHOWN_DIFFERENCE = 1e-12  # a log axis cannot show 0: exact matches are drawn at this floor
 MIB, GIB = 2**20, 2**30
 STATE_KINDS = ("weights", "grads", "optimizer", "master")
 # Config fields that, with the model and T_eff, fix every step's rows and update (`steps` too: the learning rate
@@ -149,11 +154,14 @@ def throughput_memory_data(runs: list[Run]) -> list[dict]:
 
 
 def memory_predicted_data(runs: list[Run]) -> list[dict]:
+    """Runs measured on a GPU (max_memory_reserved: the allocator's blocks, what the prediction models) with a
+    prediction; a CPU's peak RSS counts the whole process and is no test of a tensor-only prediction."""
     return [dict(run=run.label, experiment=run.summary.get("experiment"),
                  measured_peak_gib=run.summary.get("peak_mem_gib"),
                  predicted_peak_gib=run.summary["predicted_peak_mem_gib"],
                  memory_measure=run.summary.get("memory_measure"))
-            for run in runs if run.summary.get("predicted_peak_mem_gib") is not None]
+            for run in runs if run.summary.get("predicted_peak_mem_gib") is not None
+            and run.summary.get("hardware", {}).get("device_kind") in ("cuda", "rocm")]
 
 
 def predicted_state(summary: dict, rank: int) -> dict | None:
@@ -220,6 +228,7 @@ def fsdp_collectives_data(runs: list[Run]) -> list[dict]:
         for key in sorted(set(measured) | set(formula)):
             rows.append(dict(run=run.label, grad_accum=run.config.get("grad_accum"),
                              reshard_after_forward=run.config.get("reshard_after_forward"),
+                             reshard_after_backward=run.config.get("reshard_after_backward", True),
                              reduce_every_micro_batch=run.config.get("reduce_every_micro_batch"), collective=key,
                              calls_measured=measured.get(key, {}).get("calls", 0),
                              calls_formula=formula[key]["calls"] if key in formula else ""))
@@ -264,12 +273,20 @@ def pp_bubble_data(runs: list[Run]) -> list[dict]:
         if run.summary.get("bubble_fraction") is None:
             continue
         schedule, p, v, m = pipeline_shape(run.summary)
+        busy = run.summary.get("busy_ms_per_rank") or []
         rows.append(dict(run=run.label, schedule=schedule, p=p, v=v, m=m, split=run.config.get("split") or "",
                          bubble=run.summary["bubble_fraction"],
                          bubble_per_rank=";".join(repr(b) for b in run.summary.get("bubble_fraction_per_rank", [])),
                          textbook=run.summary.get("bubble_fraction_textbook"),
-                         formula=run.summary.get("bubble_formula")))
+                         formula=run.summary.get("bubble_formula"),
+                         busy_ms_per_rank=";".join(repr(b) for b in busy)))
     return rows
+
+
+def imbalance_floor(m: float, r: float) -> float:
+    """The idle share of the less busy of two stages (busy-time ratio r <= 1) with m micro-batches: the step lasts
+    one of its own micro-batches plus m of the slow stage's, t_0 + m t_1, of which it works m t_0 (post 7)."""
+    return 1 - m * r / (m + r)
 
 
 def pp_schedule_data(runs: list[Run]) -> list[dict]:
@@ -289,12 +306,14 @@ def pp_schedule_data(runs: list[Run]) -> list[dict]:
 
 
 def sweep_data(runs: list[Run]) -> list[dict]:
-    return [dict(run=run.label, experiment=run.summary.get("experiment"),
+    """One row per cell, sorted by tokens per optimizer step: only cells of equal T_eff do the same work."""
+    rows = [dict(run=run.label, experiment=run.summary.get("experiment"), t_eff=run.summary.get("t_eff"),
                  micro_batch_size=run.config.get("micro_batch_size"), grad_accum=run.config.get("grad_accum"),
                  activation_checkpointing=run.config.get("activation_checkpointing"),
                  tokens_per_s=run.summary["tokens_per_s"], peak_mem_gib=run.summary.get("peak_mem_gib"),
                  memory_measure=run.summary.get("memory_measure"))
             for run in runs if run.summary.get("tokens_per_s") is not None]
+    return sorted(rows, key=lambda row: (row["t_eff"] or 0, row["experiment"] or "", row["run"]))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -334,35 +353,55 @@ def number(value) -> float | None:
 
 
 def draw_loss_curves(rows: list[dict], path: Path) -> None:
+    """Left: the reference runs' losses (the runs that do their steps lie on them, which the right panel shows).
+    Right: each run's relative difference from its reference on a log axis; a difference of exactly 0 has no
+    place on a log axis, so exact zeros are drawn on a row of their own below the axis' range, lines broken there."""
     plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
-    figure, (curves, differences) = plt.subplots(1, 2, figsize=(13, 5))
+    figure, (curves, differences) = plt.subplots(1, 2, figsize=(15, 5), width_ratios=(1, 1.1))
     runs = grouped(rows, "run")
-    # Lines that coincide (the point of a parity plot) stay visible: thinner and dashed as the list goes on.
-    for index, (run, points) in enumerate(runs.items()):
-        curves.plot([p["step"] for p in points], [p["loss"] for p in points], label=run,
-                    color=plt.cm.tab20(index % 20), linewidth=max(0.8, 3.0 - 0.4 * index),
-                    linestyle=("-", "--", "-.", ":")[index % 4])
-    curves.set(xlabel="optimizer step", ylabel="training loss (token-weighted)", title="Loss per step, every run")
+    references = {p["reference"] for points in runs.values() for p in points if p["reference"]}
+    shown = [run for run in runs if run in references or not any(p["reference"] for p in runs[run])]
+    for index, run in enumerate(shown):
+        followers = sorted({r for r, points in runs.items() if points[0]["reference"] == run})
+        label = run + (f" (and, on the same line, {len(followers)} runs of its steps)" if followers else "")
+        curves.plot([p["step"] for p in runs[run]], [p["loss"] for p in runs[run]], color=plt.cm.tab10(index),
+                    label=label)
+    curves.set(xlabel="optimizer step", ylabel="training loss (token-weighted)",
+               title="Loss per step of the reference")
+    nonzero = [number(p["relative_difference"]) for points in runs.values() for p in points
+               if number(p["relative_difference"])]
+    zero_row = min(nonzero + [PARITY_RELATIVE_TOLERANCE]) / 30  # below every difference drawn
     compared = 0
     for index, (run, points) in enumerate(runs.items()):
         pairs = [(p["step"], number(p["relative_difference"])) for p in points if p["reference"]]
         pairs = [(step, d) for step, d in pairs if d is not None]
-        if pairs:
-            differences.plot([s for s, _ in pairs], [max(d, SMALLEST_SHOWN_DIFFERENCE) for _, d in pairs],
-                             marker=".", color=plt.cm.tab20(index % 20), label=f"{run} vs {points[0]['reference']}")
-            compared += 1
+        if not pairs:
+            continue
+        colour = plt.cm.tab20(index % 20)
+        differences.plot([s for s, _ in pairs], [d if d > 0 else float("nan") for _, d in pairs], marker=".",
+                         color=colour, label=f"{run} vs {points[0]['reference']}")
+        exact = [s for s, d in pairs if d == 0]
+        differences.scatter(exact, [zero_row] * len(exact), marker="|", color=colour, s=30)
+        compared += 1
     differences.axhline(PARITY_RELATIVE_TOLERANCE, color="red", linestyle="--", label="tests' tolerance (fp32)")
-    differences.set(yscale="log", xlabel="optimizer step",
-                    ylabel=f"|loss - reference| / reference (0 drawn at {SMALLEST_SHOWN_DIFFERENCE:g})",
+    differences.set(yscale="log", xlabel="optimizer step", ylabel="|loss - reference| / reference",
                     title="Relative difference from the reference on the same steps")
-    if not compared:
+    if compared:
+        differences.axhline(zero_row * 3, color="grey", linewidth=0.5)
+        low, high = differences.get_ylim()
+        differences.set_ylim(zero_row / 3, high)
+        ticks = [t for t in differences.get_yticks() if zero_row * 3 < t <= high]
+        differences.set_yticks([zero_row] + ticks, ["exactly 0"] + [f"$10^{{{round(math.log10(t))}}}$"
+                                                                    for t in ticks])
+    else:
         differences.text(0.5, 0.5, "no two runs did the same steps", ha="center", va="center",
                          transform=differences.transAxes)
     for axis in (curves, differences):
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
-        axis.legend(fontsize="x-small", ncol=2)
+    curves.legend(fontsize="x-small")
+    differences.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the points
     save(figure, path)
 
 
@@ -397,9 +436,16 @@ def draw_memory_predicted(rows: list[dict], path: Path) -> None:
     for bars in (measured, predicted):
         axis.bar_label(bars, fmt="{:.1f}", fontsize="x-small", padding=2)
     axis.set_xticks(positions, [row["run"] for row in rows], rotation=30, ha="right")
-    axis.set(ylabel="GiB per device (rank 0)", title="Peak memory: measured beside common/memory's prediction")
+    axis.set(ylabel="GiB per device (rank 0)",
+             title="Peak memory on the GPU (max_memory_reserved) beside common/memory's prediction; measured / predicted "
+                   "above each pair")
     tallest = max([row["measured_peak_gib"] or 0.0 for row in rows] + [row["predicted_peak_gib"] for row in rows])
     axis.set_ylim(0, tallest * 1.3)  # room for the legend above the bars' labels
+    for position, row in zip(positions, rows):  # measured over predicted, above each pair
+        if row["measured_peak_gib"]:
+            axis.annotate(f"{row['measured_peak_gib'] / row['predicted_peak_gib']:.2f}x",
+                          (position, max(row["measured_peak_gib"], row["predicted_peak_gib"]) + tallest * 0.07),
+                          ha="center", fontsize="x-small", color="dimgray")
     axis.legend(loc="upper left", ncols=2)
     save(figure, path)
 
@@ -467,27 +513,41 @@ def draw_collective_bytes(rows: list[dict], path: Path) -> None:
         points = [(runs.index(row["run"]), row["bytes"] / MIB, row["calls"]) for row in rows
                   if row["collective"] == kind and row["bytes"] > 0]
         bars = axis.barh([y + (index - (len(kinds) - 1) / 2) * height for y, _, _ in points],
-                         [mib for _, mib, _ in points], height, color=plt.cm.tab10(index), label=kind)
-        axis.bar_label(bars, labels=[f"{mib:,.2f} MiB, {calls:g} calls" for _, mib, calls in points],
-                       fontsize="xx-small", padding=2)
+                         [max(mib, SMALLEST_SHOWN_MIB) for _, mib, _ in points], height, color=plt.cm.tab10(index),
+                         label=kind)
+        axis.bar_label(bars, labels=[f"{byte_text(mib * MIB)}, {calls:g} call{'s' * (calls != 1)}"
+                                     for _, mib, calls in points], fontsize="xx-small", padding=2)
     axis.set_yticks(range(len(runs)), runs)
     axis.invert_yaxis()
     axis.set_xscale("log")
-    axis.margins(x=0.3)
-    axis.set(xlabel="MiB per optimizer step handed to the collective (rank 0, measured, log scale)",
+    largest = max(row["bytes"] for row in rows) / MIB
+    axis.set_xlim(SMALLEST_SHOWN_MIB, largest * 10)  # room for the labels
+    axis.set(xlabel="MiB per optimizer step handed to the collective (rank 0, measured)\nlog scale from 1 KiB: "
+                    "the collectives of a few bytes sit at the left edge, labelled with their size",
              title="Collective bytes per step, by strategy")
     axis.legend(fontsize="small")
     save(figure, path)
+
+
+SMALLEST_SHOWN_MIB = 1 / 1024  # collective_bytes' axis starts at 1 KiB: a few bytes would stretch it over decades
+
+
+def byte_text(n_bytes: float) -> str:
+    if n_bytes < 1024:
+        return f"{n_bytes:,.0f} B"
+    return f"{n_bytes / 1024:,.1f} KiB" if n_bytes < MIB else f"{n_bytes / MIB:,.2f} MiB"
 
 
 def draw_fsdp_collectives(rows: list[dict], path: Path) -> None:
     plt = pyplot()
     kinds = list(dict.fromkeys(row["collective"] for row in rows))
     figure, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4.8), squeeze=False)
+    settings = (((True, True), "reshard after forward (default)"), ((False, True), "--no-reshard-after-forward"),
+                ((False, False), "--no-reshard-after-forward --no-reshard-after-backward"))
     for axis, kind in zip(axes[0], kinds):
         points = [row for row in rows if row["collective"] == kind]
-        for index, (setting, label) in enumerate(((True, "reshard after forward"), (False, "no reshard"))):
-            line = sorted((p for p in points if p["reshard_after_forward"] == setting
+        for index, (setting, label) in enumerate(settings):
+            line = sorted((p for p in points if (p["reshard_after_forward"], p["reshard_after_backward"]) == setting
                            and not p["reduce_every_micro_batch"]), key=lambda p: p["grad_accum"])
             if not line:
                 continue
@@ -502,10 +562,11 @@ def draw_fsdp_collectives(rows: list[dict], path: Path) -> None:
         if every:
             axis.scatter([p["grad_accum"] for p in every], [p["calls_measured"] for p in every], marker="s",
                          color="tab:red", zorder=3, label="measured, reduce every micro-batch")
-        axis.set_xscale("log", base=2)
-        all_ga = sorted({p["grad_accum"] for p in points})
+        all_ga = sorted({p["grad_accum"] for p in points})  # a linear axis: the calls are linear in m
         axis.set_xticks(all_ga, [str(g) for g in all_ga])
-        axis.set(xlabel="grad-accum (micro-batches per step)", ylabel="calls per optimizer step (rank 0)",
+        axis.set_xlim(0, max(all_ga) + 1)
+        axis.set_ylim(bottom=0)
+        axis.set(xlabel="grad-accum m (micro-batches per step)", ylabel="calls per optimizer step (rank 0)",
                  title=f"{kind}")
         axis.legend(fontsize="x-small")
     figure.suptitle("FSDP collectives per step against grad-accum: measured (profiler) and common/comm.py's formula")
@@ -520,24 +581,29 @@ def draw_ddp_buckets(rows: list[dict], path: Path) -> None:
     ga = {r["grad_accum"] for r in buckets}
     by_ga = {g: [r for r in buckets if r["grad_accum"] == g] for g in sorted(ga)}
     for g, line in by_ga.items():
-        if len({r["bucket_cap_mb"] for r in line}) < 2:
+        sizes = sorted({r["bucket_cap_mb"] for r in line})
+        if len(sizes) < 2:
             continue
-        calls.plot([r["bucket_cap_mb"] for r in line], [r["all_reduce_calls"] for r in line], marker="o",
-                   label=f"GA {g}")
-        comm.plot([r["bucket_cap_mb"] for r in line], [r["comm_ms"] for r in line], marker="o", label=f"GA {g}")
+        for axis, key in ((calls, "all_reduce_calls"), (comm, "comm_ms")):
+            means = [statistics.mean(r[key] for r in line if r["bucket_cap_mb"] == size) for size in sizes]
+            drawn = axis.plot(sizes, means, label=f"GA {g}: mean of the runs at each size")
+            repeated = any(sum(r["bucket_cap_mb"] == size for r in line) > 1 for size in sizes)
+            axis.scatter([r["bucket_cap_mb"] for r in line], [r[key] for r in line], color=drawn[0].get_color(),
+                         zorder=3, label=f"GA {g}: each run" + (" (two runs of the same setting at one size)"
+                                                               if repeated else ""))
     for axis, ylabel, title in ((calls, "all-reduce calls per optimizer step", "All-reduce calls vs bucket size"),
                                 (comm, "comm_ms per step (profiler)", "Time in collectives vs bucket size")):
         axis.set(xlabel="--bucket-cap-mb (MiB)", ylabel=ylabel, title=title)
         if axis.lines:
             axis.set_xscale("log")
-            axis.legend(fontsize="small")
+            axis.legend(fontsize="x-small", loc="upper right")
         else:
             axis.text(0.5, 0.5, "needs runs with two or more bucket sizes", ha="center", va="center",
                       transform=axis.transAxes)
     labels, values, colours = [], [], []
     for row in sorted(rows, key=lambda r: (r["grad_accum"], r["reduce_every_micro_batch"], r["bucket_cap_mb"])):
         when = "every micro-batch" if row["reduce_every_micro_batch"] else "once per step"
-        labels.append(f"GA {row['grad_accum']}, {when}\nbucket {row['bucket_cap_mb']:g} MiB")
+        labels.append(f"GA {row['grad_accum']}, {when}, bucket {row['bucket_cap_mb']:g} MiB\n{row['run']}")
         values.append(row["all_reduce_calls"])
         colours.append("tab:red" if row["reduce_every_micro_batch"] else "tab:blue")
     bars = accumulation.barh(labels, values, color=colours)
@@ -645,32 +711,51 @@ def textbook_bubble(p: int, m: float, v: int = 1) -> float:
 
 
 def draw_pp_bubble(rows: list[dict], path: Path) -> None:
+    """The idle share of the less busy rank (rank 0 with the LM head on the last stage; rank 1 under zbv, whose V
+    puts the head on rank 0), per schedule against m, beside the floor its busy-time ratio r sets,
+    1 - m r / (m + r) (tending to 1 - r), and the textbook (p-1)/(m+p-1), which assumes equal stages."""
     plt = pyplot()
-    figure, axis = plt.subplots(figsize=(8, 5))
-    # One line per schedule with the even split of the layers; a run with --split moves the stage boundary, so it
-    # is a point of its own.
+    figure, axis = plt.subplots(figsize=(9, 5.5))
     even = [row for row in rows if not row["split"]]
+
+    def idle_rank(row: dict) -> tuple[float, float]:
+        """(the idle share of the less busy rank, its busy-time ratio r to the other)."""
+        busy = [float(b) for b in row["busy_ms_per_rank"].split(";") if b]
+        bubble = [float(b) for b in row["bubble_per_rank"].split(";") if b]
+        light = min(range(len(busy)), key=busy.__getitem__)
+        return bubble[light], busy[light] / max(busy)
+
     for index, (schedule, points) in enumerate(grouped(even, "schedule").items()):
-        points = sorted(points, key=lambda p: p["m"])
-        axis.plot([p["m"] for p in points], [p["bubble"] for p in points], marker="o", color=plt.cm.tab10(index),
-                  label=f"measured: {schedule} (p={points[0]['p']}, v={points[0]['v']})")
-        if points[0]["formula"] != "(p-1)/(m+p-1)":
-            axis.plot([p["m"] for p in points], [p["textbook"] for p in points], marker="x", linestyle=":",
-                      color=plt.cm.tab10(index), label=f"textbook {schedule}: {points[0]['formula']}")
+        points = sorted((p for p in points if p["busy_ms_per_rank"]), key=lambda p: p["m"])
+        if not points:
+            continue
+        colour = plt.cm.tab10(index)
+        rank = "rank 1" if schedule == "zbv" else "rank 0"
+        axis.plot([p["m"] for p in points], [idle_rank(p)[0] for p in points], marker="o", color=colour,
+                  label=f"measured, {schedule} ({rank}, the less busy)")
+        if points[0]["v"] == 1:  # the floor's derivation: one stage per rank
+            axis.plot([p["m"] for p in points], [imbalance_floor(p["m"], idle_rank(p)[1]) for p in points],
+                      marker="x", linestyle=":", color=colour,
+                      label=f"{schedule}: 1 - m r/(m + r), r = its measured busy ratio")
     for row in rows:
-        if row["split"]:
-            axis.scatter([row["m"]], [row["bubble"]], marker="D", color="black", zorder=3,
-                         label=f"measured: {row['schedule']} --split {row['split']} (m={row['m']})")
+        if row["split"] and row["busy_ms_per_rank"]:
+            axis.scatter([row["m"]], [idle_rank(row)[0]], marker="D", color="black", zorder=3,
+                         label=f"measured, {row['schedule']} --split {row['split']} (m={row['m']}): balanced stages")
     all_m = sorted({p["m"] for p in rows})
-    m_range = [all_m[0] * (all_m[-1] / all_m[0]) ** (i / 50) for i in range(51)]
+    m_range = [all_m[0] + (all_m[-1] - all_m[0]) * i / 50 for i in range(51)]
     for p in sorted({row["p"] for row in rows}):
         axis.plot(m_range, [textbook_bubble(p, m) for m in m_range], color="gray", linestyle="--",
-                  label=f"textbook (p-1)/(m+p-1), p={p}")
-    axis.set_xscale("log", base=2)
+                  label=f"textbook (p-1)/(m+p-1), p={p}: equal stages")
+    ratios = [idle_rank(row)[1] for row in even if row["busy_ms_per_rank"] and row["v"] == 1]
+    if ratios:
+        floor = 1 - statistics.mean(ratios)
+        axis.axhline(floor, color="black", linewidth=0.8, linestyle="-.",
+                     label=f"1 - r, the limit as m grows (mean r of the one-stage-per-rank runs: {1 - floor:.2f})")
     axis.set_xticks(all_m, [str(m) for m in all_m])
-    axis.set(xlabel="micro-batches per step m (--grad-accum)", ylabel="bubble fraction (idle / schedule time)",
-             title="Pipeline bubble: measured (mean over ranks) vs textbook", ylim=(0, 1))
-    axis.legend(fontsize="x-small")
+    axis.set_xlim(0, max(all_m) + 1)
+    axis.set(xlabel="micro-batches per step m (--grad-accum)", ylabel="idle share of the schedule's time",
+             title="Pipeline bubble of the less busy rank, against the floor its stage imbalance sets", ylim=(0, 1))
+    axis.legend(fontsize="x-small", loc="upper right")
     save(figure, path)
 
 
@@ -716,7 +801,28 @@ def draw_pp_schedule(rows: list[dict], path: Path) -> None:
 
 
 def draw_sweep(rows: list[dict], path: Path) -> None:
-    draw_throughput_memory(rows, path)
+    """tokens/s and peak memory per cell, cells of equal tokens per step (T_eff) side by side, one colour per
+    experiment: across groups the cells do different work."""
+    plt = pyplot()
+    figure, (speed, memory) = plt.subplots(1, 2, figsize=(13, 1.8 + 0.4 * len(rows)), sharey=True)
+    experiments = list(dict.fromkeys(row["experiment"] for row in rows))
+    colours = [plt.cm.tab10(experiments.index(row["experiment"])) for row in rows]
+    labels = [f"T_eff {row['t_eff']:,}: {row['run']}" for row in rows]
+    for axis, key, fmt in ((speed, "tokens_per_s", "{:,.0f}"), (memory, "peak_mem_gib", "{:.2f}")):
+        bars = axis.barh(labels, [row[key] or 0.0 for row in rows], color=colours)
+        axis.bar_label(bars, fmt=fmt, fontsize="small", padding=2)
+        axis.margins(x=0.18)
+        edges = [i - 0.5 for i in range(1, len(rows)) if rows[i]["t_eff"] != rows[i - 1]["t_eff"]]
+        for edge in edges:
+            axis.axhline(edge, color="black", linewidth=0.8)
+    speed.set(xlabel="tokens/s (real tokens, all ranks)", title="Throughput, grouped by tokens per step")
+    memory.set(xlabel=f"GiB per process: {rows[0]['memory_measure']}", title="Peak memory (rank 0)")
+    speed.invert_yaxis()
+    from matplotlib.patches import Patch
+
+    speed.legend(handles=[Patch(color=plt.cm.tab10(i), label=name) for i, name in enumerate(experiments)],
+                 fontsize="small", loc="lower right")
+    save(figure, path)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -739,8 +845,8 @@ FIGURES = {figure.name: figure for figure in (
            (SERIES + "workload/*",), loss_curves_data, draw_loss_curves),
     Figure("throughput_memory", "Tokens/s and peak memory of every strategy on the workload",
            (SERIES + "workload/*",), throughput_memory_data, draw_throughput_memory),
-    Figure("memory_predicted", "Qwen3-0.6B: measured peak memory beside common/memory's prediction",
-           (SERIES + "memory-0.6b/*",), memory_predicted_data, draw_memory_predicted),
+    Figure("memory_predicted", "Qwen3-0.6B on one GPU: max_memory_reserved beside common/memory's prediction",
+           ("devlog/data/*-gpu-suite-*/*",), memory_predicted_data, draw_memory_predicted),
     Figure("state_bytes", "Qwen3-0.6B: model-state bytes per rank by kind, measured vs predicted",
            (SERIES + "memory-0.6b/*",), state_bytes_data, draw_state_bytes),
     Figure("memory_breakdown", "Predicted memory per GPU by strategy, Qwen3-0.6B and 4B on 2 x 24 GB (a prediction)",
@@ -753,14 +859,14 @@ FIGURES = {figure.name: figure for figure in (
            (SERIES + "ddp/*",), ddp_buckets_data, draw_ddp_buckets),
     Figure("tp_activations", "Activation MiB saved for backward: tensor parallel vs tensor + sequence parallel",
            (SERIES + "tp/*",), tp_activations_data, draw_tp_activations),
-    Figure("pp_bubble", "Pipeline bubble against micro-batches: measured vs textbook",
+    Figure("pp_bubble", "The less busy pipeline rank's idle share against m: measured, its imbalance floor, textbook",
            (SERIES + "pp/*",), pp_bubble_data, draw_pp_bubble),
     Figure("pp_schedule", "One step of GPipe, 1F1B, interleaved 1F1B and ZBV at m = 4, per rank",
            tuple(f"{SERIES}pp/pp-ft-{schedule}-m4" for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zbv")),
            pp_schedule_data, draw_pp_schedule),
     Figure("moe", "A mixture of experts on 2 ranks: tokens per expert, and ep-ft against single-ft per step",
            ("devlog/data/2026-11-26-moe/*",), moe_data, draw_moe),
-    Figure("sweep", "Sweep cells: tokens/s and peak memory",
+    Figure("sweep", "Sweep cells, grouped by tokens per step: tokens/s and peak memory",
            (SERIES + "sweep/*",), sweep_data, draw_sweep, from_any_runs=False),
 )}
 

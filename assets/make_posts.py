@@ -19,6 +19,15 @@ or inside one line of prose (inline): `FSDP moves <!-- generated:value run=devlo
 field=collective_bytes_per_step.gloo:all_gather.bytes fmt=",.0f" -->1,234<!-- /generated --> bytes per step.`
 (a dotted path splits at dots only, so keys with a colon such as `gloo:all_gather` are one segment).
 
+An inline value never starts a line: a line that starts with "<!--" opens an HTML block in CommonMark, which ends
+the paragraph, so the value would render outside its sentence. Writing a page joins such a line to the one before;
+`--check` fails on every inline value that markdown-it-py (a CommonMark parser) places outside a paragraph, heading,
+list item or table cell.
+
+A page that quotes runs holds one `provenance` region (usually at its end): a collapsed block listing every run its
+other regions read, by series, with the device, world sizes, software versions, commit, memory measure and warm-up
+of each series and every run's exact command. Tables and figures carry no caption of their own.
+
 - Write the opening comment with an empty content, run the script, commit what it wrote. Never edit inside a
   region: the next run rewrites it, and `--check` fails on any difference.
 - Arguments are key=value, quoted like a shell (`label="a value with spaces"`). An unknown argument is an error.
@@ -29,8 +38,7 @@ field=collective_bytes_per_step.gloo:all_gather.bytes fmt=",.0f" -->1,234<!-- /g
 - The content is a function of the arguments and the committed files only (never of time, machine or
   environment), so `--check` on any machine regenerates the same text.
 - Regions do not nest. A marker inside a fenced code block or a `code span` is text, not a region.
-- Every table of runs ends with a caption: the run folders, device, world size, software versions, commit, memory
-  measure, and a collapsed <details> with each run's exact command.
+- Every run a page quotes is listed in its provenance region; a page that quotes runs without one, or with two, fails.
 - Outside regions, a table row must hold no measured-looking number: digits followed by ms, s, tok/s, tokens/s,
   GiB, MiB, GB, MB or %, a ratio such as 1.36x, or a plain number under a column whose header names a measurement
   (ms, tok/s, loss, memory, GiB, bubble, MFU, comm, time, ...). A row that is not a measurement (a table of formulas,
@@ -39,9 +47,10 @@ field=collective_bytes_per_step.gloo:all_gather.bytes fmt=",.0f" -->1,234<!-- /g
 
 `--check` (CI) exits non-zero, naming file, line and region, when a region differs from what the committed runs
 give (with a one-line hint of the first difference), when a region names a run or file that git does not track,
-when a link or image in blogs/ or devlog/ points to a missing file, when a table row outside any region holds a
-measured-looking number, when a region is unclosed or nested, and when a figure's CSV in assets/plots differs
-from what its runs give (a figure linked from a page must be computable from committed runs).
+when a link or image in blogs/ or devlog/ points to a missing file or to a heading a page does not have, when a
+table row outside any region holds a measured-looking number, when a region is unclosed or nested, when an inline
+value renders outside its sentence, when a page's provenance is missing, and when a figure's CSV in assets/plots
+differs from what its runs give (a figure linked from a page must be computable from committed runs).
 
 Generators
 ----------
@@ -60,17 +69,20 @@ table runs=RUNS [cols=C1,C2,...] [sort=[-]COL] [label=FORMAT] [ref=RUN]
     packing, collectives (calls per step, compact), coll_mib (MiB handed to collectives per step, rank 0),
     wire_mib (what rank 0 sends, ring algorithms), state_mib, weights_mib, grads_mib, optimizer_mib, master_mib
     (model-state MiB per rank), predicted_state_mib, state_ratio (measured / predicted), activation_mib, schedule,
-    m, bubble, bubble_ranks, bubble_textbook, bubble_formula, timed_steps. Per-rank values read "rank 0 / rank 1".
+    m, bubble, bubble_ranks, bubble_textbook, bubble_formula, timed_steps, mfu_median (MFU of the median step).
+    Per-rank values read "rank 0 / rank 1". A mean over a few steps moves with one slow step: where a conclusion
+    rests on a speed, show the median beside it.
     MFU, here and in `value`: a GPU run recorded before its steps carried their FLOPs is recounted from its rebuilt
     rows when loaded (`recounted`); a table with an MFU column says so under it.
 value run=RUN field=PATH [fmt=SPEC]                          (inline or block)
 value expr=EXPRESSION NAME=RUN ... [fmt=SPEC]
     One number. PATH is a dotted path into summary.json: dict keys and list indices (`state_bytes_per_rank.0.weights`,
-    `bubble_fraction_per_rank.-1`); `steps` is metrics.jsonl (`steps.0.loss`, `steps.-1.loss`), `name` the folder
-    name. In `expr`, each NAME=RUN argument binds a run: numbers, + - * /, parentheses, min, max, abs, sum, mean,
-    len and paths on the named runs, nothing else; `*` or a slice `a:b` in a path gives a list
-    (`mean(a.steps.-10:.loss)`: the mean loss of the last 10 steps). fmt is a Python format spec (",.0f", ".2f",
-    ".1%"); write units outside the region.
+    `bubble_fraction_per_rank.-1`); `steps` is metrics.jsonl (`steps.0.loss`, `steps.-1.loss`), `timed` the steps
+    the summary's averages count (warm-up and profiled steps left out), `name` the folder name. In `expr`, each
+    NAME=RUN argument binds a run: numbers, + - * /, parentheses, min, max, abs, sum, mean, median, len and paths on
+    the named runs, nothing else; `*` or a slice `a:b` in a path gives a list (`mean(a.steps.-10:.loss)`: the mean
+    loss of the last 10 steps; `median(a.timed.*.tokens_per_s)`: tokens/s of the median timed step). fmt is a Python
+    format spec (",.0f", ".2f", ".1%"); write units outside the region.
         DDP runs at <!-- generated:value expr="b.tokens_per_s / a.tokens_per_s" fmt=".2f"
         a=devlog/data/2026-11-23-workload/single-ft b=devlog/data/2026-11-23-workload/ddp-ft -->1.03<!-- /generated -->x
         the speed of single-ft.
@@ -88,11 +100,15 @@ bubble runs=RUNS
     Per pipeline run: schedule, p (ranks), v (stages per rank), m (micro-batches), the measured bubble (mean and per
     rank), the textbook value and its formula.
 sweep run-dir=FOLDER
-    A common.sweep grid's table (its sweep.csv, formatted as common/sweep.py formats it), with the run caption.
+    A common.sweep grid's table (its sweep.csv, formatted as common/sweep.py formats it); its runs join the provenance.
 memory-cli args="ARGS"
     A fenced block with `$ uv run python -m common.memory ARGS` and what it prints: a prediction, regenerated from
     the code so it never drifts.
         <!-- generated:memory-cli args="--model qwen3-4b --gpus 2 --gpu-mem-gb 24" -->
+memory-table cases="ARGS; ARGS; ..." [strategies=S1,S2,...]
+    One table for several settings of common.memory (each case: --model, --gpus, --gpu-mem-gb, --seq-len,
+    --micro-batch-size, --grad-accum, --lora-rank, --activation-checkpointing, --dtype, --interconnect): GiB per GPU
+    of every strategy (or those named), marked where over the usable memory, and the first rung recommend() picks.
 code file=FILE symbol=NAME | code file=FILE start="TEXT" end="TEXT" [lang=LANG]
     A fenced block of the file's current source: a top-level function, class or assignment (`symbol=apply_fsdp`,
     `symbol=Config`, a method as `symbol=BusyTimer.wrap`), or the lines from the only line containing `start` to the
@@ -106,14 +122,15 @@ diffstat base=FILE files=GLOB
 commands runs=RUNS           a bash block of the runs' exact commands (summary.json's `command`)
 hardware runs=RUNS           one line: device, world size, software versions, commit (inline or block)
 cpu-box runs=RUNS [rss-run=RUN]
-    The "what these numbers can and cannot tell" box for the runs' device kind: on CPU what carries over to GPUs
-    and what does not (each point only when it applies to these runs), quoting the peak RSS of the smallest run
-    given (or of rss-run); on a GPU what the numbers show.
+    One paragraph: "what these numbers can and cannot tell" for the runs' device kind: on CPU what carries over to
+    GPUs and what does not (each point only when it applies to these runs), quoting the peak RSS of the smallest run
+    given (or of rss-run), linked to post 2's explanation of each point; on a GPU what the numbers show.
 gpu-slot runs=RUNS [cols=...] [sort=...] [label=...] [ref=...]
     `table` over the runs measured on a GPU (device_kind cuda or rocm); while there are none, a standard sentence
     saying so and naming the command that measures them. Only here may globs match nothing.
 nav                          previous / index / next links of a post, in the order blogs/README.md lists them
 figure name=NAME             the image and its CSV for a figure of assets/make_plots.py's FIGURES
+provenance                   the page's collapsed block of every run its other regions quote (see above)
 """
 
 from __future__ import annotations
@@ -344,6 +361,8 @@ class Site:
         self.root = root.resolve()
         self.tracked = tracked_files(self.root) if check_commits else None
         self.loaded: dict[str, Run] = {}
+        self.recording: list[Run] | None = None  # while a page renders: every run its regions read (provenance)
+        self.current_text: str | None = None  # the page being linted, for its own anchors
 
     def relative(self, path: Path) -> str:
         return path.resolve().relative_to(self.root).as_posix()
@@ -374,6 +393,8 @@ class Site:
             if (folder / "metrics.jsonl").exists():
                 self.require_tracked(f"{name}/metrics.jsonl")
             self.loaded[name] = recounted(load_run(folder), name, self.root)
+        if self.recording is not None and self.loaded[name] not in self.recording:
+            self.recording.append(self.loaded[name])
         return self.loaded[name]
 
     def runs(self, spec: str, allow_missing: bool = False) -> list[Run]:
@@ -408,6 +429,7 @@ class Context:
     page: str  # the page's path relative to the repository root
     line: int = 0  # the line of the region being generated
     figures: dict[str, int] = field(default_factory=dict)  # figure name -> line of a region that shows it
+    page_runs: list[Run] = field(default_factory=list)  # every run the page's other regions read (provenance)
 
     def link(self, target: str) -> str:
         """A relative link from the page to a path given relative to the repository root."""
@@ -421,8 +443,9 @@ class Context:
 
 
 def run_fields(run: Run) -> dict:
-    """What a path in a region can read: summary.json's fields, `steps` (metrics.jsonl) and `name` (the folder)."""
-    return {**run.summary, "steps": run.steps, "name": run.name}
+    """What a path in a region can read: summary.json's fields, `steps` (metrics.jsonl), `timed` (the steps the
+    summary's averages count: after the timing warm-up, profiled steps left out) and `name` (the folder)."""
+    return {**run.summary, "steps": run.steps, "timed": timed_steps(run), "name": run.name}
 
 
 def lookup(value, path: str, prefix: str = ""):
@@ -479,7 +502,7 @@ def show(value, spec: str = "", suffix: str = "") -> str:
 
 PATH_IN_EXPRESSION = re.compile(r"(?<![\w.])([A-Za-z_]\w*)((?:\.(?:[A-Za-z_][\w:]*|-?\d+(?::-?\d*)?|:-?\d*|\*))+)")
 FUNCTIONS: dict[str, Callable] = {"min": min, "max": max, "abs": abs, "sum": sum, "len": len,
-                                  "mean": lambda values: sum(values) / len(values)}
+                                  "mean": lambda values: sum(values) / len(values), "median": statistics.median}
 BINARY = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
           ast.Div: lambda a, b: a / b}
 
@@ -578,7 +601,8 @@ def strategy_detail(run: Run) -> str:
         parts.append(f"split {config['split']}")
     if config.get("bucket_cap_mb") is not None:
         parts.append(f"bucket {config['bucket_cap_mb']:g} MiB")
-    flags = (("reshard_after_forward", False, "no reshard after forward"), ("cpu_offload", True, "CPU offload"),
+    flags = (("reshard_after_forward", False, "no reshard after forward"),
+             ("reshard_after_backward", False, "no reshard after backward"), ("cpu_offload", True, "CPU offload"),
              ("reduce_every_micro_batch", True, "reduce every micro-batch"),
              ("sync_qk_norm_grads", False, "no q/k-norm gradient sync"), ("loss_parallel", False, "no loss parallel"),
              ("activation_checkpointing", True, "activation checkpointing"), ("compile", True, "compile"),
@@ -692,10 +716,17 @@ def peak_mem_header(runs: list[Run]) -> str:
     return "peak mem GiB"
 
 
+def timed_steps(run: Run) -> list[dict]:
+    """The metrics.jsonl records the summary's averages count: after --timing-warmup-steps, without the steps run
+    under the profiler (common/metrics.py leaves both out)."""
+    warmup = run.summary.get("warmup_steps_excluded", run.config.get("timing_warmup_steps", 0))
+    profiled = set(run.summary.get("profiled_steps") or [])
+    return [step for step in run.steps if step.get("step", 0) > warmup and step.get("step") not in profiled]
+
+
 def measured_steps(run: Run, field: str) -> list[float]:
-    """One metrics.jsonl field over the steps the averages count (after --timing-warmup-steps)."""
-    warmup = run.config.get("timing_warmup_steps", 0)
-    return [step[field] for step in run.steps if step.get("step", 0) > warmup and step.get(field) is not None]
+    """One metrics.jsonl field over the steps the averages count (timed_steps)."""
+    return [step[field] for step in timed_steps(run) if step.get(field) is not None]
 
 
 def median_of(field: str):
@@ -726,6 +757,7 @@ COLUMNS: dict[str, Column] = {
     "step_ms_median": Column("median step ms", median_of("step_ms"), ",.0f"),
     "step_ms_max": Column("slowest step ms", lambda run: max(measured_steps(run, "step_ms"), default=None), ",.0f"),
     "tok_s_median": Column("tok/s, median step", median_of("tokens_per_s"), ",.0f"),
+    "mfu_median": Column("MFU, median step", median_of("mfu"), ".1%"),
     "tok_s_device": Column("tok/s per device", summary_field("tokens_per_s_per_device"), ",.0f"),
     "peak_mem": Column("peak GiB", summary_field("peak_mem_gib"), ".2f"),  # header names the measure
     "peak_mem_ranks": Column("peak GiB per rank", summary_field("peak_mem_gib_per_rank"), ".2f"),
@@ -834,7 +866,7 @@ def markdown_table(headers: list[str], rows: list[list[str]], numeric: list[bool
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The caption every table of runs ends with
+# Where the numbers come from: one collapsed block per page
 
 
 def distinct(values) -> list:
@@ -872,34 +904,42 @@ def world_sizes_text(runs: list[Run]) -> str:
     return "world size " + (" and ".join(map(str, sizes)) if len(sizes) <= 2 else ", ".join(map(str, sizes)))
 
 
-def runs_text(ctx: Context, runs: list[Run]) -> str:
-    """The run folders grouped by series, each series linked."""
-    by_series: dict[str, list[str]] = {}
-    for run in runs:
-        series = ctx.site.relative(run.folder.parent) + "/"
-        by_series.setdefault(series, []).append(run.name)
-    return "; ".join(f"[`{series}`]({ctx.link(series)}) {', '.join(names)}" for series, names in by_series.items())
-
-
 def commands_block(runs: list[Run]) -> str:
     return fence("\n".join(run.summary.get("command") or f"# {run.name}: no command recorded" for run in runs),
                  "bash")
 
 
-def caption(ctx: Context, runs: list[Run]) -> str:
+def series_caption(runs: list[Run]) -> str:
+    """Where one series' runs were measured: device, world sizes, software, commit, memory measure, warm-up."""
     commits = distinct(run.summary.get("commit") for run in runs) or ["not recorded"]
     measures = distinct(run.summary.get("memory_measure") for run in runs)
     warmups = distinct(run.summary.get("warmup_steps_excluded") for run in runs)
-    details = [f"Runs: {runs_text(ctx, runs)}", f"device: {device_text(runs)}", world_sizes_text(runs),
-               software_text(runs), f"commit {', '.join(commits)}"]
+    details = [device_text(runs), world_sizes_text(runs), software_text(runs), f"commit {', '.join(commits)}"]
     if measures:
         details.append(f"memory: {'; '.join(measures)}")
     if warmups:
         profiled = any(run.summary.get("profiled_steps") for run in runs)
         details.append(f"averages leave out the first {' or '.join(map(str, warmups))} steps"
                        + (" and the steps run under the profiler (comm ms comes from those)" if profiled else ""))
-    return ("; ".join(part for part in details if part) + ".\n\n<details><summary>Commands</summary>\n\n"
-            + commands_block(runs) + "\n\n</details>")
+    return "; ".join(part for part in details if part)
+
+
+def provenance(ctx: Context, runs: list[Run]) -> str:
+    """One collapsed block: every run a page quotes, by series (linked), where each series was measured, and every
+    run's exact command."""
+    by_series: dict[str, list[Run]] = {}
+    for run in sorted(runs, key=lambda run: run.folder):
+        by_series.setdefault(ctx.site.relative(run.folder.parent) + "/", []).append(run)
+    items, commands = [], []
+    for series, members in by_series.items():
+        items.append(f"- [`{series}`]({ctx.link(series)}): {', '.join(run.name for run in members)}. "
+                     f"{series_caption(members)}.")
+        commands += [f"# {series}"] + [run.summary.get("command") or f"# {run.name}: no command recorded"
+                                       for run in members]
+    count = f"{len(runs)} run{'s' if len(runs) != 1 else ''}"
+    return (f"<details><summary>Where the numbers on this page come from: {count}, their devices, software and "
+            f"exact commands</summary>\n\n" + "\n".join(items) + "\n\n" + fence("\n".join(commands), "bash")
+            + "\n\n</details>")
 
 
 def fence(text: str, lang: str = "") -> str:
@@ -927,9 +967,8 @@ def gen_table(ctx: Context, args: dict, runs: list[Run] | None = None) -> str:
             raise RegionError(f"cols: {spec}: {values[0][index].why}")
     rows = [[show(value, col.fmt, col.suffix) for value, col in zip(row, columns)] for row in values]
     table = markdown_table([c.header for c in columns], rows, [bool(c.fmt) for c in columns])
-    quoted = runs + ([ref] if ref is not None and ref not in runs else [])
     note = mfu_recount_note(runs) if any(spec.split(":")[-1] == "mfu" for spec in specs) else ""
-    return table + "\n\n" + (note + "\n\n" if note else "") + caption(ctx, quoted)
+    return table + ("\n\n" + note if note else "")
 
 
 def mfu_recount_note(runs: list[Run]) -> str:
@@ -1009,8 +1048,7 @@ def gen_parity(ctx: Context, args: dict) -> str:
                f"same, first {PARITY_FIRST_STEPS} steps", "eval loss rel. difference",
                f"within {PARITY_TOLERANCE_TEXT} (all / first {PARITY_FIRST_STEPS})"]
     table = markdown_table(headers, rows, [False, True, True, True, True, False])
-    return (f"{table}\n\nReference: {ref.name}; relative difference = |loss - reference| / reference per step.\n\n"
-            + caption(ctx, runs + ([ref] if ref not in runs else [])))
+    return f"{table}\n\nRelative difference: |loss - {ref.name}'s| / {ref.name}'s, per step."
 
 
 def close_enough(measured: float, formula: float) -> bool:
@@ -1055,11 +1093,10 @@ def gen_collectives(ctx: Context, args: dict) -> str:
     headers = ["run"] + (["rank"] if per_rank else []) + [
         "collective", "calls/step", "calls (formula)", "MiB/step", "MiB (formula)", "wire MiB/step per rank", "match"]
     numeric = [False] + ([True] if per_rank else []) + [False, True, True, True, True, True, False]
-    note = ("MiB/step: bytes handed to the collective per optimizer step (the local shard for an all-gather, the full "
-            "input for a reduce-scatter), measured by torch.profiler on rank 0" + (" and on every rank for pipelines"
-                                                                                   if per_rank else "")
+    note = ("MiB handed to the collective per optimizer step (an all-gather's local shard, a reduce-scatter's full "
+            "input), measured by torch.profiler on rank 0" + (" (every rank for pipelines)" if per_rank else "")
             + "; formula: common/comm.py; wire: what one rank sends with ring algorithms.")
-    return f"{markdown_table(headers, rows, numeric)}\n\n{note}\n\n{caption(ctx, runs)}"
+    return f"{markdown_table(headers, rows, numeric)}\n\n{note}"
 
 
 def gen_state(ctx: Context, args: dict) -> str:
@@ -1090,12 +1127,9 @@ def gen_state(ctx: Context, args: dict) -> str:
             rows.append([run.name, str(rank)] + cells + [total_text, show(ratio, ".3f")] + extra)
     headers = (["run", "rank"] + [f"{kind} MiB" for kind in STATE_KINDS] + ["total MiB", "measured / predicted"]
                + (["engine buffers MiB"] if buffers else []))
-    note = ("Each cell: measured / predicted. Measured: the bytes of the tensors the rank holds after a step "
-            "(common.metrics.state_bytes); predicted: common.memory."
-            + (" Engine buffers: what DeepSpeed keeps allocated beside the model states (its gradient-reduction "
-               "bucket), measured, not part of the total." if buffers else ""))
-    return (f"{markdown_table(headers, rows, [False] + [True] * (len(STATE_KINDS) + 3 + buffers))}\n\n{note}\n\n"
-            f"{caption(ctx, runs)}")
+    note = ("Each cell: measured (the bytes of the tensors the rank holds after a step) / predicted (common.memory)."
+            + (" Engine buffers: DeepSpeed's gradient-reduction bucket, measured, outside the total." if buffers else ""))
+    return f"{markdown_table(headers, rows, [False] + [True] * (len(STATE_KINDS) + 3 + buffers))}\n\n{note}"
 
 
 def gen_bubble(ctx: Context, args: dict) -> str:
@@ -1109,8 +1143,7 @@ def gen_bubble(ctx: Context, args: dict) -> str:
                      show(run.summary.get("bubble_fraction_textbook"), ".3f"),
                      show(run.summary.get("bubble_formula"))])
     headers = ["run", "schedule", "p", "v", "m", "bubble (mean over ranks)", "per rank", "textbook", "formula"]
-    return (f"{markdown_table(headers, rows, [False, False, True, True, True, True, True, True, False])}\n\n"
-            f"{caption(ctx, runs)}")
+    return markdown_table(headers, rows, [False, False, True, True, True, True, True, True, False])
 
 
 SWEEP_NUMBERS = {"step_ms": float, "comm_ms": float, "toks/s": float, "peak_mem_gib": float, "t_eff": int,
@@ -1128,7 +1161,8 @@ def gen_sweep(ctx: Context, args: dict) -> str:
                            else value) for key, value in row.items()})
     if not rows:
         raise RegionError(f"{run_dir}/sweep.csv has no cells")
-    return sweep.markdown_table(rows) + "\n\n" + caption(ctx, ctx.site.runs(f"{run_dir}/*"))
+    ctx.site.runs(f"{run_dir}/*")  # the cells' runs: committed, and listed in the page's provenance
+    return sweep.markdown_table(rows)
 
 
 def gen_memory_cli(ctx: Context, args: dict) -> str:
@@ -1144,6 +1178,88 @@ def gen_memory_cli(ctx: Context, args: dict) -> str:
                 message = errors.getvalue().strip().splitlines() or [str(stop.code)]
                 raise RegionError(f"python -m common.memory {args['args']}: {message[-1]}") from None
     return fence(f"$ uv run python -m common.memory {shlex.join(argv)}\n{printed.getvalue().rstrip()}", "text")
+
+
+def memory_case(text: str) -> argparse.Namespace:
+    """One case of a memory-table: the flags of `python -m common.memory` that choose a setting."""
+    parser = argparse.ArgumentParser(prog="memory-table case", add_help=False, exit_on_error=False)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--gpus", type=int, default=1)
+    parser.add_argument("--gpu-mem-gb", type=float, default=24)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--lora-rank", type=int, default=0)
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--interconnect", default="pcie")
+    try:
+        return parser.parse_args(shlex.split(text))
+    except (argparse.ArgumentError, SystemExit) as error:
+        raise RegionError(f"memory-table case '{text.strip()}': {error}") from None
+
+
+def gen_memory_table(ctx: Context, args: dict) -> str:
+    """common.memory's prediction for several settings in one table: GiB per GPU of every strategy, and the rung
+    recommend() picks (a prediction, regenerated from the code)."""
+    from common import memory  # imports torch and transformers: only when a page shows a prediction
+
+    cases = [memory_case(text) for text in args["cases"].split(";") if text.strip()]
+    if not cases:
+        raise RegionError("memory-table needs cases=\"--model ... --gpus ...; --model ...\"")
+    advice = []
+    for case in cases:
+        try:
+            advice.append(memory.recommend(
+                memory.model_shape(case.model), case.gpus, case.gpu_mem_gb, seq_len=case.seq_len,
+                micro_batch_size=case.micro_batch_size, grad_accum=case.grad_accum, lora_rank=case.lora_rank,
+                activation_checkpointing=case.activation_checkpointing, precision=case.dtype,
+                interconnect=case.interconnect))
+        except (ValueError, KeyError) as error:
+            raise RegionError(f"memory-table: {case.model}: {error}") from None
+    strategies = [name for name in memory.STRATEGIES if any(e.strategy == name for a in advice for e in a.estimates)]
+    if "strategies" in args:
+        wanted = [name.strip() for name in args["strategies"].split(",") if name.strip()]
+        unknown = [name for name in wanted if name not in memory.STRATEGIES]
+        if unknown:
+            raise RegionError(f"memory-table: unknown strategies {', '.join(unknown)}; common.memory has "
+                              f"{', '.join(memory.STRATEGIES)}")
+        strategies = [name for name in wanted if name in strategies]
+
+    def label(estimate) -> str:
+        return (estimate.strategy + (" + checkpointing" if estimate.activation_checkpointing else "")
+                + (f" + LoRA r{estimate.lora_rank}" if estimate.lora_rank else ""))
+
+    rows = []
+    for case, recommendation in zip(cases, advice):
+        shape = memory.model_shape(case.model)
+        name = shape.name.replace("qwen3", "Qwen3").replace("-0.6b", "-0.6B").replace("-1.7b", "-1.7B")
+        name = re.sub(r"-(\d+)b\b", lambda m: f"-{m.group(1)}B", name)
+        details = [f"{case.gpus} x {case.gpu_mem_gb:g} GB"]
+        details += [f"seq {case.seq_len:,}"] * (case.seq_len != 1024)
+        details += [f"micro-batch {case.micro_batch_size}"] * (case.micro_batch_size != 1)
+        details += [f"LoRA r{case.lora_rank}"] * bool(case.lora_rank)
+        details += ["checkpointing"] * case.activation_checkpointing
+        details += [case.interconnect.replace("nvlink", "NVLink").replace("pcie", "PCIe")] * (case.gpus > 1)
+        cells = []
+        for strategy in strategies:
+            found = next((e for e in recommendation.estimates if e.strategy == strategy), None)
+            if found is None:
+                cells.append("-")
+                continue
+            text = f"{found.total_gib:.1f}" + ("" if found.fits(case.gpu_mem_gb) else " ✗")
+            chosen = recommendation.choice
+            if chosen is not None and label(chosen) == label(found):
+                text = f"**{text}**"
+            cells.append(text)
+        chosen = recommendation.choice
+        verdict = "none fits" if chosen is None else f"{label(chosen)} ({chosen.total_gib:.1f} GiB)"
+        rows.append([f"{name}, {', '.join(details)}"] + cells + [verdict])
+    table = markdown_table(["setting"] + strategies + ["first rung that fits"], rows,
+                           [False] + [True] * len(strategies) + [False])
+    return (f"{table}\n\nGiB per GPU predicted by common.memory (`--dtype {cases[0].dtype}`, each strategy as its "
+            f"experiment keeps it), usable: {memory.USABLE_FRACTION:.0%} of the card; ✗: over it; bold: the rung "
+            f"`recommend()` picks when it needs no more than the setting gives (else its own total, last column).")
 
 
 LANGUAGES = {".py": "python", ".sh": "bash", ".toml": "toml", ".yaml": "yaml", ".yml": "yaml", ".json": "json",
@@ -1290,40 +1406,48 @@ def box_parity(runs: list[Run]) -> tuple[float, float, int] | None:
     return (first, everywhere, count) if count else None
 
 
+# The section of post 2 that explains, once, why each point of the box carries over to a GPU or does not.
+BOX_EXPLAINED = "blogs/02-the-reference-step.md#what-cpu-numbers-can-and-cannot-tell"
+
+
+def box_link(ctx: Context) -> str:
+    """ " [Why](...)" to BOX_EXPLAINED, when the repository has that post (a test site may not)."""
+    target = BOX_EXPLAINED.split("#")[0]
+    if not (ctx.site.root / target).is_file():
+        return ""
+    link = "#" + BOX_EXPLAINED.split("#")[1] if ctx.page == target else ctx.link(target) + "#" + \
+        BOX_EXPLAINED.split("#")[1]
+    return f" [Why each point holds]({link})."
+
+
 def cpu_box(ctx: Context, runs: list[Run], rss_run: Run | None) -> str:
+    """One paragraph: where the runs ran, what of them carries over to GPUs and what does not (each point only when
+    it applies to these runs), with the numbers of these runs."""
     hardware = runs[0].summary.get("hardware", {})
     cpus, cores = distinct(r.summary.get("hardware", {}).get("cpu") for r in runs), hardware.get("cpu_cores")
     sizes = sorted({world_size(run) for run in runs})
     ranks = [f"{size} ranks over gloo" for size in sizes if size > 1]
     processes = (["one process"] if 1 in sizes else []) + ranks
     multi = max(sizes) > 1
-    lines = [f"**What these numbers can and cannot tell.** They were measured on a CPU, not a GPU: "
-             f"{' / '.join(cpus)}, {cores} cores; {' and '.join(processes)}."]
     carries = []
     if multi and any(rank0_collectives(run) or run.summary.get("collectives_per_step") for run in runs):
-        carries.append("which collectives each strategy runs, how many per step and how many bytes each carries: "
-                       "they follow from the model and the strategy, not from the device")
+        carries.append("which collectives each strategy runs, how many and how many bytes")
     if any(run.summary.get("state_bytes_per_rank") for run in runs):
-        carries.append("the model-state bytes each rank holds (weights, gradients, optimizer state)")
+        carries.append("the model-state bytes each rank holds")
     parity = box_parity(runs)
     if parity is not None:
         first, everywhere, count = parity
-        carries.append(f"loss parity: the {count} runs here that do the same optimizer steps as another compute the "
-                       f"same per-step losses, in fp32 within {small(first)} (relative) over the first "
-                       f"{PARITY_FIRST_STEPS} steps and {small(everywhere)} over all (fp32 differences, from reductions "
-                       f"in another order or a clipping norm in another precision, grow over a run; the tests hold "
-                       f"the first steps to {PARITY_TOLERANCE_TEXT})")
+        carries.append(f"loss parity (the {count} runs here that do another's steps agree in fp32 within "
+                       f"{small(first)} over the first {PARITY_FIRST_STEPS} steps, {small(everywhere)} over all; the "
+                       f"tests hold the first steps to {PARITY_TOLERANCE_TEXT})")
     if any(run.summary.get("bubble_fraction") is not None for run in runs):
-        carries.append("bubble fractions, as ratios of times within one run, and which pipeline stage is the slow "
-                       "one (stage imbalance)")
+        carries.append("bubble fractions, as ratios of times in one run, and which stage is the slow one")
     not_carried = []
     if multi:
-        not_carried.append(f"speed-ups: the {max(sizes)} ranks share the {cores} cores, and each torchrun rank runs "
-                           f"one thread while a single process uses all {cores}")
-        not_carried.append("the cost of communication: gloo has no native reduce-scatter (it runs an all-reduce "
-                           "instead) and moves every byte through host memory")
+        not_carried.append(f"speed-ups (the {max(sizes)} ranks share the {cores} cores)")
+        not_carried.append("the cost of communication (gloo, through host memory, with no native reduce-scatter)")
     else:
-        not_carried.append(f"speed: the times and tokens/s are those of {cores} CPU cores")
+        not_carried.append(f"speed (these are {cores} CPU cores)")
     if rss_run is None:
         candidates = [run for run in runs if run.summary.get("peak_mem_gib") is not None]
         candidates.sort(key=lambda run: (run.summary.get("model", {}).get("parameters") or 0, world_size(run),
@@ -1334,24 +1458,23 @@ def cpu_box(ctx: Context, runs: list[Run], rss_run: Run | None) -> str:
         size = f"{parameters_text(parameters)}-parameter " if parameters else ""
         experiment = rss_run.summary.get("experiment", rss_run.name)
         named = "" if experiment == rss_run.name else f" ({rss_run.name})"
-        peak = rss_run.summary["peak_mem_gib"]
-        not_carried.append(f"memory: the CPU measure is the process's peak RSS, the interpreter and libraries "
-                           f"included: a {size}{experiment} run{named} peaks at {peak:.2f} GiB")
-    not_carried.append("MFU: null, there is no CPU peak in the table of device peaks (common/metrics.py)")
+        not_carried.append(f"memory (peak RSS counts the whole process: {rss_run.summary['peak_mem_gib']:.2f} GiB "
+                           f"for a {size}{experiment} run{named})")
+    not_carried.append("MFU (no CPU peak)")
+    lines = [f"**Measured on a CPU** ({' / '.join(cpus)}, {cores} cores; {' and '.join(processes)})."]
     if carries:
-        lines += ["", "What carries over to GPUs:"] + [f"- {item};" for item in carries[:-1]] + [f"- {carries[-1]}."]
-    lines += ["", "What does not:"] + [f"- {item};" for item in not_carried[:-1]] + [f"- {not_carried[-1]}."]
-    return "\n".join(f"> {line}".rstrip() for line in lines)
+        lines.append(f"Carries over to GPUs: {'; '.join(carries)}.")
+    lines.append(f"Does not: {'; '.join(not_carried)}.{box_link(ctx)}")
+    return "> " + " ".join(lines)
 
 
 def gpu_box(runs: list[Run]) -> str:
-    shows = "step times, communication time, tokens/s and peak memory (`max_memory_reserved`, per device)"
+    shows = "step times, communication time, tokens/s and `max_memory_reserved` per device"
     if any(run.summary.get("mfu") is not None for run in runs):
-        shows += ", and MFU against the device's dense bf16 peak"
-    return (f"> **What these numbers can and cannot tell.** They were measured on {device_text(runs)}. They show "
-            f"this device's {shows}; collective counts and bytes, model-state bytes and loss parity are the same on "
-            f"any device. They do not tell how other GPUs, other links between them (PCIe, NVLink, Infinity Fabric), "
-            f"other models or other sequence lengths would do.")
+        shows += ", and MFU against its dense bf16 peak"
+    return (f"> **Measured on {device_text(runs)}.** These are this device's {shows}; collective counts and bytes, "
+            f"model-state bytes and loss parity are the same on any device. They do not tell how other GPUs, links "
+            f"(PCIe, NVLink, Infinity Fabric), models or sequence lengths would do.")
 
 
 def gen_cpu_box(ctx: Context, args: dict) -> str:
@@ -1364,14 +1487,23 @@ def gen_cpu_box(ctx: Context, args: dict) -> str:
 
 
 def gen_gpu_slot(ctx: Context, args: dict) -> str:
-    runs = ctx.site.runs(args["runs"], allow_missing=True)
-    on_gpu = [run for run in runs if run.summary.get("hardware", {}).get("device_kind") in GPU_KINDS]
+    recording, ctx.site.recording = ctx.site.recording, None  # the CPU runs the globs match are not quoted
+    try:
+        runs = ctx.site.runs(args["runs"], allow_missing=True)
+    finally:
+        ctx.site.recording = recording
+    on_gpu = [ctx.site.run(ctx.site.relative(run.folder)) for run in runs
+              if run.summary.get("hardware", {}).get("device_kind") in GPU_KINDS]
     if on_gpu:
         return gen_table(ctx, args, on_gpu)
-    return (f"Not measured on a GPU yet: no run of `{args['runs']}` ran on a GPU. The GPU commands of this page's "
-            f"\"Run it\" measure them; this table fills in when such runs are committed under devlog/data/ "
-            f"(`uv run python assets/run_series.py` keeps a run's summary.json and metrics.jsonl there) and "
-            f"`uv run python assets/make_posts.py` is run.")
+    return (f"Not measured on a GPU yet: no run of `{args['runs']}` ran on one. The GPU commands of this page's "
+            f"\"Run it\" measure them, and this table fills in when their runs are committed under devlog/data/.")
+
+
+def gen_provenance(ctx: Context, args: dict) -> str:
+    if not ctx.page_runs:
+        raise RegionError("the page quotes no run: remove the region")
+    return provenance(ctx, ctx.page_runs)
 
 
 def posts_in_order(site: Site) -> list[tuple[str, str]]:
@@ -1416,8 +1548,8 @@ def gen_figure(ctx: Context, args: dict) -> str:
     for run in runs:
         ctx.site.run(ctx.site.relative(run.folder))  # the committed check
     png, csv_path = f"{PLOTS_DIR.as_posix()}/{name}.png", f"{PLOTS_DIR.as_posix()}/{name}.csv"
-    source = f"made from {runs_text(ctx, runs)}" if runs else "a prediction of common/memory, not a measurement"
-    return f"![{figure.title}]({ctx.link(png)})\n\n[The figure's data ({name}.csv)]({ctx.link(csv_path)}), {source}."
+    source = "" if runs else ": a prediction of common/memory, not a measurement"
+    return f"![{figure.title}]({ctx.link(png)})\n\n[The figure's data ({name}.csv)]({ctx.link(csv_path)}){source}."
 
 
 # KIND -> (generator, required arguments, optional arguments, may stand inline in a line of prose)
@@ -1430,6 +1562,7 @@ GENERATORS: dict[str, tuple[Callable[[Context, dict], str], tuple[str, ...], tup
     "bubble": (gen_bubble, ("runs",), (), False),
     "sweep": (gen_sweep, ("run-dir",), (), False),
     "memory-cli": (gen_memory_cli, ("args",), (), False),
+    "memory-table": (gen_memory_table, ("cases",), ("strategies",), False),
     "code": (gen_code, ("file",), ("symbol", "start", "end", "lang"), False),
     "diff": (gen_diff, ("a", "b"), ("match", "context"), False),
     "diffstat": (gen_diffstat, ("base", "files"), (), False),
@@ -1439,6 +1572,7 @@ GENERATORS: dict[str, tuple[Callable[[Context, dict], str], tuple[str, ...], tup
     "gpu-slot": (gen_gpu_slot, ("runs",), ("cols", "sort", "label", "ref"), False),
     "nav": (gen_nav, (), (), True),
     "figure": (gen_figure, ("name",), (), False),
+    "provenance": (gen_provenance, (), (), False),
 }
 
 
@@ -1498,32 +1632,111 @@ def first_difference(have: str, want: str, what: str = "the region") -> str:
 
 
 def render(site: Site, path: str, text: str, check: bool) -> Page:
-    """Regenerate a page's regions; with `check`, every region that differs from its regeneration is an error."""
+    """Regenerate a page's regions; with `check`, every region that differs from its regeneration is an error.
+    The provenance region comes last: it lists every run the page's other regions read."""
     regions, malformed = find_regions(text)
     errors = [f"{path}:{line}: {message}" for line, message in malformed]
     ctx = Context(site, path)
+    contents: dict[int, str] = {}
+    provenances = [index for index, region in enumerate(regions) if region.kind == "provenance"]
+    site.recording = []
+    failed = False  # a region of the page failed: its error says why; the provenance is left as it is
+    try:
+        for index in [i for i in range(len(regions)) if i not in provenances] + provenances:
+            if index in provenances and site.recording is not None:
+                ctx.page_runs, site.recording = list(site.recording), None
+            region = regions[index]
+            have = text[region.start:region.end]
+            if index in provenances and failed:
+                contents[index] = have
+                continue
+            ctx.line = region.line
+            recorded = len(site.recording) if site.recording is not None else 0
+            try:
+                content = generate(ctx, region)
+            except RegionError as error:
+                errors.append(f"{path}:{region.line}: {region.describe()}: {error}")
+                content = have  # left as it is; the error says why
+                failed = True
+                if site.recording is not None:
+                    del site.recording[recorded:]  # a region that failed quotes nothing
+            else:
+                if check and content != have:
+                    errors.append(f"{path}:{region.line}: {region.describe()} differs from what the committed files "
+                                  f"give: {first_difference(have, content)}; run assets/make_posts.py --only {path}")
+            contents[index] = content
+        quoted = site.recording if site.recording is not None else ctx.page_runs
+    finally:
+        site.recording = None
+    if len(provenances) > 1:
+        errors.append(f"{path}:{regions[provenances[1]].line}: a second provenance region: a page has one, listing "
+                      f"every run it quotes")
+    if quoted and not provenances:
+        errors.append(f"{path}:1: the page quotes {len(quoted)} run(s) and has no provenance region: add one "
+                      f"(<!-- generated:provenance --> and <!-- /generated --> on their own lines), a collapsed block "
+                      f"listing every run with its device, software and command")
     pieces, cursor = [], 0
-    for region in regions:
-        have = text[region.start:region.end]
-        ctx.line = region.line
-        try:
-            content = generate(ctx, region)
-        except RegionError as error:
-            errors.append(f"{path}:{region.line}: {region.describe()}: {error}")
-            content = have  # left as it is; the error says why
-        else:
-            if check and content != have:
-                errors.append(f"{path}:{region.line}: {region.describe()} differs from what the committed files "
-                              f"give: {first_difference(have, content)}; run assets/make_posts.py --only {path}")
-        pieces += [text[cursor:region.start], content]
+    for index, region in enumerate(regions):
+        pieces += [text[cursor:region.start], contents[index]]
         cursor = region.end
     pieces.append(text[cursor:])
     regenerated = "".join(pieces)
+    if not check:
+        regenerated = keep_values_in_their_paragraphs(regenerated)
     figures = dict(ctx.figures)
     # Checking, the page as it is (what readers see); writing, the page as it is about to be.
     shown = text if check else regenerated
-    errors += lint(site, path, shown, find_regions(shown)[0], figures)
+    shown_regions = find_regions(shown)[0]
+    errors += lint(site, path, shown, shown_regions, figures)
+    errors += [f"{path}:{line}: {message}" for line, message in values_outside_paragraphs(shown, shown_regions, check)]
     return Page(path, text, regenerated, errors, figures)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inline values inside their sentence. A line that starts with "<!--" opens an HTML block in CommonMark, which ends
+# the paragraph: a value written at the start of a line would be rendered outside its sentence.
+
+
+def keep_values_in_their_paragraphs(text: str) -> str:
+    """Join every line that starts with an inline region to the line before it, when that line is prose (not blank,
+    not a fence, heading, table row, quote, list marker alone or HTML): the value then never starts a line."""
+    lines = text.split("\n")
+    for _ in range(len(lines)):
+        starts = {region.line - 1 for region in find_regions("\n".join(lines))[0] if region.inline
+                  and lines[region.line - 1].lstrip().startswith("<!--")}
+        index = next((i for i in sorted(starts) if i > 0 and is_prose(lines[i - 1])), None)
+        if index is None:
+            return "\n".join(lines)
+        lines[index - 1:index + 1] = [lines[index - 1].rstrip() + " " + lines[index].lstrip()]
+    return "\n".join(lines)
+
+
+def is_prose(line: str) -> bool:
+    stripped = line.strip()
+    return bool(stripped) and not FENCE.match(line) and not re.match(r"(#|\||>|<|[-*+]$|\d+[.)]$)", stripped)
+
+
+def values_outside_paragraphs(text: str, regions: list[Region], required: bool = True) -> list[tuple[int, str]]:
+    """(line, message) for every inline region that a CommonMark parser (markdown-it-py) puts in an HTML block or
+    a code block instead of the paragraph, heading or table cell around it. Without markdown-it-py: an error if
+    `required` (the check), else nothing (writing a page on a machine without it, such as the GPU suite's)."""
+    inline = [region for region in regions if region.inline]
+    if not inline:
+        return []
+    try:
+        from markdown_it import MarkdownIt
+    except ImportError:
+        return [(1, "checking that generated values render inside their paragraphs needs markdown-it-py (the dev "
+                    "dependency group: uv sync)")] if required else []
+    outside: dict[int, str] = {}
+    for token in MarkdownIt("commonmark").enable("table").parse(text):
+        if token.type in ("html_block", "code_block") and token.map:
+            outside.update(dict.fromkeys(range(*token.map), token.type.replace("_", " ")))
+    return [(region.line, f"{region.describe()}: CommonMark renders this value as an {outside[region.line - 1]}, "
+                          f"outside its sentence, because its line starts with '<!--' (which ends a paragraph): put "
+                          f"a word before it on that line (assets/make_posts.py joins such a line to the one before "
+                          f"when it writes)")
+            for region in inline if region.line - 1 in outside]
 
 
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+(?:\"[^\"]*\"|'[^']*'))?\s*\)")
@@ -1557,6 +1770,7 @@ def lint(site: Site, path: str, text: str, regions: list[Region], figures: dict[
             region_lines.update(range(region.line, location(text, region.end) + 1))
     masked_text = "".join(masked)
     page_folder = (site.root / path).parent
+    site.current_text = text
     fence: str | None = None
     header: list[str] | None = None
     for number, (line, visible) in enumerate(zip(text.splitlines(), masked_text.splitlines()), start=1):
@@ -1599,13 +1813,38 @@ def lint(site: Site, path: str, text: str, regions: list[Region], figures: dict[
     return errors
 
 
+def heading_anchors(text: str) -> set[str]:
+    """The anchors a git host (and the site's table of contents) gives a page's headings: lower case, punctuation
+    dropped, spaces to hyphens, a repeated one suffixed -1, -2, ..."""
+    anchors: set[str] = set()
+    fence: str | None = None
+    for line in text.splitlines():
+        if fence is not None or FENCE.match(line):
+            fence = fence_toggle(line, fence)
+            continue
+        match = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not match:
+            continue
+        title = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", match.group(1))  # a link's text
+        slug = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+        candidate, number = slug, 0
+        while candidate in anchors:
+            number += 1
+            candidate = f"{slug}-{number}"
+        anchors.add(candidate)
+    return anchors
+
+
 def check_link(site: Site, page_folder: Path, target: str, figures: dict[str, int], line: int) -> str | None:
-    if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I) or target.startswith("#"):
-        return None  # a URL (https:, mailto:) or an anchor on the same page
+    if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):
+        return None  # a URL (https:, mailto:)
     from urllib.parse import unquote
 
     clean = unquote(target.split("#")[0].split("?")[0])
+    anchor = unquote(target.split("#", 1)[1]) if "#" in target else ""
     if not clean:
+        if anchor and site.current_text is not None and anchor not in heading_anchors(site.current_text):
+            return f"the link '{target}' names no heading of this page"
         return None
     resolved = (site.root / clean.lstrip("/")) if clean.startswith("/") else (page_folder / clean)
     resolved = Path(os.path.normpath(resolved))
@@ -1616,6 +1855,8 @@ def check_link(site: Site, page_folder: Path, target: str, figures: dict[str, in
     relative = resolved.relative_to(site.root).as_posix()
     if site.tracked is not None and relative not in site.tracked and relative != ".":
         return f"the link '{target}' points to {relative}, which git does not track: commit it"
+    if anchor and resolved.suffix == ".md" and anchor not in heading_anchors(resolved.read_text()):
+        return f"the link '{target}' names no heading of {relative}"
     plots = PLOTS_DIR.as_posix() + "/"
     if relative.startswith(plots) and Path(relative).stem in FIGURES:
         figures.setdefault(Path(relative).stem, line)

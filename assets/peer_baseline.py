@@ -71,7 +71,7 @@ from transformers import AutoModelForCausalLM, HfArgumentParser, TrainerCallback
 from common.attention import document_boundaries, setup_attention
 from common.data import chat_template_for, read_conversations
 from common.dist import init_distributed
-from common.metrics import MetricsLogger, Stopwatch, hardware_info, summary_table
+from common.metrics import MetricsLogger, Stopwatch, hardware_info, repository_relative, summary_table
 from common.models import count_parameters, flops_per_token, is_preset, load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -215,7 +215,7 @@ def run_trl(config: Config, model_dir: Path, out_dir: Path, expected_real_tokens
     wall_s = time.perf_counter() - started
     n_params = count_parameters(model.config)["total"]
     return metrics.write_summary(
-        experiment="trl-sft", command=shlex.join(["uv", "run", "--group", "peer", "python", *sys.argv]),
+        experiment="trl-sft", command=shlex.join(["uv", "run", "--group", "peer", "python", *repository_relative(sys.argv)]),
         config=asdict(config), trl_args=arguments.to_dict(),
         hardware=hardware_info(device, world_size=1), attention=asdict(attention),
         model=dict(name=str(model_dir), parameters=n_params, trainable_parameters=n_params,

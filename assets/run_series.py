@@ -125,7 +125,8 @@ SERIES: dict[str, list[Run] | Tool] = {
               for ga in (2, 4) for suffix, flag in (("", ()), ("-every-micro-batch", ("--reduce-every-micro-batch",)))],
     "fsdp": [Run(f"fsdp-ft-ga{ga}{suffix}", "fsdp-ft", 2, (*SHORT, "--grad-accum", str(ga), *flag))
              for ga in (1, 2, 4, 8)
-             for suffix, flag in (("", ()), ("-no-reshard", ("--no-reshard-after-forward",)))]
+             for suffix, flag in (("", ()), ("-no-reshard", ("--no-reshard-after-forward",)),
+                                  ("-gather-once", ("--no-reshard-after-forward", "--no-reshard-after-backward")))]
             + [Run("fsdp-ft-ga4-every-micro-batch", "fsdp-ft", 2, (*SHORT, "--grad-accum", "4",
                                                                    "--reduce-every-micro-batch"))],
     "tp": [Run(f"{experiment}-seq{seq}", experiment, 2, (*TINY, "--steps", "12", "--seq-len", str(seq)))

@@ -113,7 +113,7 @@ def fsdp_shard_numel(shape: tuple[int, ...], world_size: int) -> int:
 
 def fsdp_collectives(units: list[list[tuple[tuple[int, ...], bool]]], *, world_size: int, grad_accum: int,
                      reshard_after_forward: bool, reduce_every_micro_batch: bool, gather_bytes: int,
-                     reduce_bytes: int = 4) -> dict[str, dict[str, float]]:
+                     reduce_bytes: int = 4, reshard_after_backward: bool = True) -> dict[str, dict[str, float]]:
     """fsdp-ft (FSDP2): per unit, all-gathers of its shards and a reduce-scatter of its gradients; the gradient norm
     and the step loss.
 
@@ -126,23 +126,31 @@ def fsdp_collectives(units: list[list[tuple[tuple[int, ...], bool]]], *, world_s
                         forward (--reshard-after-forward, the default); the root is never resharded after forward.
                         Every micro-batch starts resharded (backward reshards all units). e is the gather dtype: 2
                         under --dtype bf16 (MixedPrecisionPolicy casts the shards before the all-gather), else 4.
+                        With --no-reshard-after-forward --no-reshard-after-backward nothing is resharded before the
+                        step's last backward: N calls, e sum_u a_u bytes, once per step whatever m.
         reduce_scatter  k N_t calls, k 4 sum_u r_u bytes (in fp32, the reduce dtype; N_t units with trainable
                         parameters), k = 1, or m with --reduce-every-micro-batch
         all_reduce      2 calls, 4 n + 4 bytes: clip_grad_norm_'s one fp32 partial norm per trainable tensor (n of
                         them), summed in one all-reduce, and the step loss
-    Without LoRA, sum_u a_u = Psi/W and sum_u r_u = Psi (up to padding). For m = 1 in fp32 with resharding, one
-    rank sends (`wire_bytes`) (W-1)/W 4 (2 Psi - Psi_root) for the all-gathers and (W-1)/W 4 Psi for the
-    reduce-scatters, against DDP's 2 (W-1)/W 4 Psi: 1.5 times DDP's traffic, less the root's second gather.
+    Without LoRA, sum_u a_u = Psi/W and sum_u r_u = Psi (up to padding). One rank sends (`wire_bytes`)
+    (W-1)/W e g Psi for the all-gathers (g gathers of the model per step: about 2m with resharding, m without, 1
+    gathering once) and (W-1)/W 4 Psi for the reduce-scatters (fp32), against DDP's 2 (W-1)/W 4 Psi (fp32). Leaving
+    out the root's saved gather: in fp32 with resharding, (2m + 1)/2 times DDP's traffic (1.5 at m = 1); under bf16
+    (e = 2) with resharding (m + 1)/2 times (DDP's bytes at m = 1), without (m + 2)/4, gathering once 3/4.
     A step right after an evaluation (--eval-every) gathers less: a forward without backward leaves units gathered
     (the root always, every unit without reshard-after-forward) for the next forward to use.
     """
+    if not reshard_after_backward and reshard_after_forward:
+        raise ValueError("reshard_after_backward=False keeps the weights between micro-batches only with "
+                         "reshard_after_forward=False")
     reductions = grad_accum if reduce_every_micro_batch else 1
+    gathers = grad_accum if reshard_after_backward else 1  # forwards that find the units resharded
     gathered = [sum(fsdp_shard_numel(shape, world_size) for shape, _ in unit) for unit in units]
     reduced = [world_size * sum(fsdp_shard_numel(shape, world_size) for shape, trainable in unit if trainable)
                for unit in units]
     n_trainable = sum(trainable for unit in units for _, trainable in unit)
     result: dict[str, dict[str, float]] = {}
-    _add(result, "all_gather", grad_accum * len(units), grad_accum * gather_bytes * sum(gathered))
+    _add(result, "all_gather", gathers * len(units), gathers * gather_bytes * sum(gathered))
     if reshard_after_forward:
         _add(result, "all_gather", grad_accum * (len(units) - 1), grad_accum * gather_bytes * sum(gathered[1:]))
     _add(result, "reduce_scatter", reductions * sum(1 for r in reduced if r), reductions * reduce_bytes * sum(reduced))

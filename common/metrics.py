@@ -149,8 +149,28 @@ def _package_versions() -> dict[str, str | None]:
     return versions
 
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def repository_relative(argv: list[str], root: Path = REPO_ROOT) -> list[str]:
+    """The arguments with every absolute path inside the repository written relative to its root (`--flag=PATH`
+    too): a recorded command then runs from any checkout, and names no folder of the machine it ran on."""
+    def relative(text: str) -> str:
+        if not text.startswith("/"):
+            return text
+        path = Path(os.path.normpath(text))
+        return path.relative_to(root).as_posix() if path.is_relative_to(root) and path != root else text
+
+    result = []
+    for argument in argv:
+        flag, equals, value = argument.partition("=")
+        result.append(f"{flag}={relative(value)}" if equals and flag.startswith("-") else relative(argument))
+    return result
+
+
 def launch_command() -> str:
-    """The command line that started this run, with the launcher torchrun would hide from sys.argv."""
+    """The command line that started this run, with the launcher torchrun would hide from sys.argv, its paths
+    relative to the repository root."""
     if "LOCAL_WORLD_SIZE" in os.environ:  # set by torchrun
         nodes = int(os.environ.get("WORLD_SIZE", "1")) // int(os.environ["LOCAL_WORLD_SIZE"])
         launcher = ["uv", "run", "torchrun", f"--nproc_per_node={os.environ['LOCAL_WORLD_SIZE']}"]
@@ -158,7 +178,7 @@ def launch_command() -> str:
             launcher.append(f"--nnodes={nodes}")
     else:
         launcher = ["uv", "run", "python"]
-    return shlex.join(launcher + sys.argv)
+    return shlex.join(launcher + repository_relative(sys.argv))
 
 
 def git_commit(repo: Path) -> str | None:

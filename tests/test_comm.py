@@ -109,6 +109,13 @@ def test_fsdp_gathers_again_in_backward_only_what_was_resharded():
     # One reduce-scatter per unit, in fp32, of the trainable parameters' padded gradients (2 x their shards).
     assert resharded["reduce_scatter"] == {"calls": 3, "bytes": 4 * 2 * (50 * 4 + 2 + 2 * 4 * 4)}
     assert resharded["all_reduce"] == {"calls": 2, "bytes": 4 * 4 + 4}  # 4 trainable tensors' norms, the loss
+    # Kept through backward as well: each unit gathered once per optimizer step, whatever the micro-batches; the
+    # gradients are reduced as before.
+    once = fsdp_collectives(units, reshard_after_forward=False, reshard_after_backward=False, **common)
+    assert once["all_gather"] == {"calls": 3, "bytes": 2 * sum(shards)}
+    assert once["reduce_scatter"] == resharded["reduce_scatter"] and once["all_reduce"] == resharded["all_reduce"]
+    with pytest.raises(ValueError, match="reshard_after_forward=False"):
+        fsdp_collectives(units, reshard_after_forward=True, reshard_after_backward=False, **common)
 
 
 def test_deepspeed_sends_its_bucket_before_a_gradient_would_overflow_it():

@@ -146,6 +146,9 @@ def launched(tmp_path_factory, small_data, formats):
         "options": [*split(1, 2), "--steps", STEPS, *PROFILE_ONE, "--timing-warmup-steps", 3,
                     "--no-reshard-after-forward", "--activation-checkpointing", "--cpu-offload",
                     "--reduce-every-micro-batch", "--eval-every", 2],
+        # The weights gathered once per optimizer step, kept through both micro-batches' forward and backward.
+        "gather-once": [*split(1, 2), "--steps", STEPS, *PROFILE_ONE, "--no-reshard-after-forward",
+                        "--no-reshard-after-backward"],
         "lora": [*split(1, 2), *LORA, *NO_PROFILE, "--save-hf", fsdp_root / "lora-merged", "--merge-lora"],
         "lora-bf16": [*split(1, 2), *LORA, *NO_PROFILE, "--dtype", "bf16"],
         # --sample-every generates between steps (under FSDP on every rank): the steps must not change.
@@ -337,6 +340,20 @@ def test_fsdp_memory_options_change_nothing_but_memory(fsdp):
     assert options["eval_loss"] == pytest.approx(summary(fsdp / "1x2")["eval_loss"], rel=1e-5)
 
 
+def test_fsdp_gathers_the_weights_once_per_step_without_resharding(fsdp):
+    """--no-reshard-after-forward --no-reshard-after-backward at GA 2: the same steps as the default, and every unit
+    (the root and 4 layers) all-gathered once per optimizer step, its shard in fp32: 4 bytes x Psi / 2 per step,
+    where the default gathers 2 x 5 - 1 units per micro-batch."""
+    assert read_losses(fsdp / "gather-once") == pytest.approx(read_losses(fsdp / "1x2"), rel=1e-5)
+    once, default = summary(fsdp / "gather-once"), summary(fsdp / "1x2")
+    psi = sum(math.prod(shape) for _, shape in tiny_parameters())
+    assert once["collective_bytes_per_step"]["gloo:all_gather"] == {"calls": 5, "bytes": 4 * psi // 2}
+    assert default["collective_bytes_per_step"]["gloo:all_gather"]["calls"] == 2 * (5 + 4)
+    assert once["collective_bytes_per_step"]["gloo:all_reduce"] == default["collective_bytes_per_step"]["gloo:all_reduce"]
+    with pytest.raises(SystemExit, match="add --no-reshard-after-forward"):
+        fsdp_ft.resolve(fsdp_ft.Config(model="qwen3-tiny", reshard_after_backward=False))
+
+
 def test_fsdp_checkpoint_of_a_killed_save_resumes_from_the_previous_one_in_one_process(fsdp, small_data, tmp_path):
     """The run died while writing step 6: only step-6.tmp (incomplete) exists. Re-running with --resume step-3 in
     the same --out-dir continues exactly, here as a single plain process (DCP reshards 2 ranks' shards to 1), and
@@ -371,10 +388,11 @@ def test_ddp_reduce_every_micro_batch_is_the_same_step_for_m_times_the_traffic(d
 
 
 @pytest.mark.parametrize("experiment,runs", [("ddp", ["1x2", "2x1", "1x2-every"]),
-                                             ("fsdp", ["1x2", "2x1", "bf16", "options"])])
+                                             ("fsdp", ["1x2", "2x1", "bf16", "options", "gather-once"])])
 def test_collective_bytes_equal_the_formula(experiment, runs, request):
     # ddp: the default 25 MiB bucket (one bucket) and 1 MiB buckets (9), GA 1 and 2, with and without no_sync();
-    # fsdp: GA 1 and 2, resharded after forward or not, bf16 gathers, offload, checkpointing, reduce per micro-batch.
+    # fsdp: GA 1 and 2, resharded after forward or not, gathered once per step, bf16 gathers, offload, checkpointing,
+    # reduce per micro-batch.
     root = request.getfixturevalue(experiment)
     for name in runs:
         assert_formula_matches(summary(root / name))

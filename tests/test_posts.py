@@ -104,7 +104,7 @@ def site(tmp_path: Path) -> Path:
         tokens_per_s=2621.0, tokens_per_s_per_device=1310.5, peak_mem_gib=0.97, final_loss=1.8, eval_loss=4.1,
         pipeline=dict(schedule="1f1b", ranks=2, stages_per_rank=1, microbatches=4),
         bubble_fraction=0.274, bubble_fraction_per_rank=[0.48, 0.06], bubble_fraction_textbook=0.2,
-        bubble_formula="(p-1)/(m+p-1)", collective_bytes_per_step=pp_ranks[0],
+        bubble_formula="(p-1)/(m+p-1)", busy_ms_per_rank=[100.0, 190.0], collective_bytes_per_step=pp_ranks[0],
         collective_bytes_per_step_per_rank=pp_ranks,
         collective_bytes_formula_per_rank=[pp_ranks[0], {"gloo:send": {"calls": 4.0, "bytes": 131072.0},
                                                          "gloo:recv": {"calls": 4.0, "bytes": 262144.0}}],
@@ -130,13 +130,27 @@ def region(kind_and_args: str) -> str:
     return f"<!-- generated:{kind_and_args} -->\n<!-- /generated -->\n"
 
 
+PROVENANCE = "\n" + region("provenance")  # every page that quotes runs ends with its provenance block
+
+
 def generated(root: Path, kind_and_args: str, page: str = "blogs/01-first.md") -> str:
-    """Write a page holding one block region, generate it, and return the region's content."""
+    """Write a page holding one block region (and a provenance region when it quotes runs), generate it, and return
+    the first region's content."""
     (root / page).write_text(f"# Page\n\n{region(kind_and_args)}")
     problems, lines = build(root, check=False, only=page)
+    if problems and any("has no provenance region" in line for line in lines):
+        (root / page).write_text(f"# Page\n\n{region(kind_and_args)}{PROVENANCE}")
+        problems, lines = build(root, check=False, only=page)
     assert problems == 0, lines
     text = (root / page).read_text()
-    return text.split("-->\n", 1)[1].rsplit("<!-- /generated -->", 1)[0].strip("\n")
+    first = make_posts.find_regions(text)[0][0]
+    return text[first.start:first.end].strip("\n")
+
+
+def provenance_of(root: Path, page: str = "blogs/01-first.md") -> str:
+    text = (root / page).read_text()
+    found = [r for r in make_posts.find_regions(text)[0] if r.kind == "provenance"]
+    return text[found[0].start:found[0].end]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -154,6 +168,98 @@ def test_the_repository_passes_the_check_without_matplotlib():
     assert result.returncode == 0, f"make_posts.py --check failed:\n{result.stdout}{result.stderr}"
 
 
+# The HTML elements a sentence renders into: a paragraph, a list item, a table cell (aligned cells carry a style), a
+# heading.
+SENTENCE_OPENINGS = ("<p>", "<li>", "<td>", "<td ", "<th>", "<th ", *(f"<h{n}>" for n in range(1, 7)))
+SENTENCE_CLOSINGS = ("</p>", "</li>", "</td>", "</th>", *(f"</h{n}>" for n in range(1, 7)))
+
+
+def test_every_page_renders_each_generated_value_inside_its_sentence():
+    """Every page of blogs/ and devlog/, rendered by a CommonMark parser (markdown-it-py, with GFM tables as git hosts
+    render them): no inline value lands in an HTML block or a code block, where it would stand outside its
+    sentence; and the rendered HTML of each page holds each value inside a paragraph, list item, heading or cell."""
+    from markdown_it import MarkdownIt
+
+    renderer = MarkdownIt("commonmark").enable("table")
+    inline_values = 0
+    for name in make_posts.pages(REPO_ROOT):
+        text = (REPO_ROOT / name).read_text()
+        regions = make_posts.find_regions(text)[0]
+        assert make_posts.values_outside_paragraphs(text, regions) == [], name
+        html = renderer.render(text)
+        for found in (r for r in regions if r.inline):
+            inline_values += 1
+            opener = text[found.outer_start:found.start]
+            at = html.index(opener)  # comments pass through as raw HTML
+            opened = max(html.rfind(tag, 0, at) for tag in SENTENCE_OPENINGS)
+            closed = max(html.rfind(tag, 0, at) for tag in SENTENCE_CLOSINGS)
+            assert opened > closed, f"{name}:{found.line}: a generated value renders outside its sentence"
+    assert inline_values > 100  # the pages do quote their numbers inline
+
+
+def test_a_value_that_starts_a_line_is_joined_to_its_sentence(site):
+    page = site / "blogs" / "01-first.md"
+    value = f"<!-- generated:value run={DDP} field=tokens_per_s fmt=\",.0f\" -->3,666<!-- /generated -->"
+    page.write_text(f"# P\n\nDDP ran at\n{value}\ntokens/s.\n\n- and in a list item, at\n  {value} tokens/s.\n"
+                    + PROVENANCE)
+    lines = [line for line in build(site, check=True)[1] if "outside its sentence" in line]
+    assert len(lines) == 2 and lines[0].startswith("blogs/01-first.md:4: region '<!-- generated:value") and \
+        "CommonMark renders this value as an html block, outside its sentence" in lines[0]
+    assert lines[1].startswith("blogs/01-first.md:8: ")
+    assert build(site, check=False)[0] == 0  # writing joins each such line to the one before
+    assert f"DDP ran at {value}\ntokens/s." in page.read_text()
+    assert f"- and in a list item, at {value} tokens/s." in page.read_text()
+    assert build(site, check=True)[0] == 0
+    page.write_text(f"# P\n\n{value} tokens/s start this paragraph.\n" + PROVENANCE)  # nothing to join it to
+    assert build(site, check=False)[0] == 1 and build(site, check=True)[0] == 1
+
+
+def test_links_to_headings_that_do_not_exist_fail(site):
+    page = site / "blogs" / "01-first.md"
+    page.write_text("# First\n\n## The `no_sync` trap, again\n\nSee [above](#the-no_sync-trap-again) and "
+                    "[the next post](02-second.md#second).\n")
+    assert build(site, check=True)[0] == 0
+    page.write_text(page.read_text().replace("#second)", "#third)").replace("#the-no_sync-trap-again", "#gone"))
+    problems, lines = build(site, check=True)
+    assert problems == 2
+    assert lines[0] == "blogs/01-first.md:5: the link '#gone' names no heading of this page"
+    assert lines[1] == "blogs/01-first.md:5: the link '02-second.md#third' names no heading of blogs/02-second.md"
+
+
+ABSOLUTE_PATH = re.compile(r"(?:^|[\s=\"'`(])(/(?:[\w.@+-]+/)+[\w.@+-]*)")
+
+
+def absolute_paths(text: str) -> list[str]:
+    """Absolute file paths in a text (URLs aside: a path inside one follows its host name, not a space)."""
+    return ABSOLUTE_PATH.findall(text)
+
+
+def test_commands_are_written_relative_to_the_repository_root():
+    """No page, and no command recorded in a committed run, names a folder of the machine it was written on."""
+    assert absolute_paths("uv run python /work/x/train.py --out-dir=/tmp/runs/a (see https://host/a/b)") == [
+        "/work/x/train.py", "/tmp/runs/a"]
+    for name in make_posts.pages(REPO_ROOT):
+        assert absolute_paths((REPO_ROOT / name).read_text()) == [], name
+    commands = 0
+    for path in sorted((REPO_ROOT / "devlog" / "data").rglob("summary.json")):
+        command = json.loads(path.read_text()).get("command")
+        if command:
+            commands += 1
+            assert absolute_paths(command) == [], path.relative_to(REPO_ROOT)
+    assert commands > 100
+
+
+def test_recorded_commands_name_paths_relative_to_the_repository(tmp_path):
+    from common.metrics import repository_relative
+
+    root = tmp_path / "checkout"
+    assert repository_relative([f"{root}/experiments/a/train.py", "--model", f"{root}/runs/x/model",
+                                f"--out-dir={root}/runs/y", "--data", "/elsewhere/data.jsonl", "--steps", "3"],
+                               root=root) == [
+        "experiments/a/train.py", "--model", "runs/x/model", "--out-dir=runs/y", "--data", "/elsewhere/data.jsonl",
+        "--steps", "3"]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The check: every way a page can disagree with the repository
 
@@ -162,7 +268,8 @@ def test_generated_pages_pass_and_an_edited_digit_fails_naming_file_line_and_reg
     page = site / "blogs" / "01-first.md"
     opener = f"<!-- generated:table runs={SERIES}/* cols=run,step_ms,tok_s -->"
     page.write_text("# First\n\nddp-ft: <!-- generated:value run=" + DDP + " field=tokens_per_s fmt=\",.0f\" -->"
-                    "<!-- /generated --> tokens/s.\n\n" + region(f"table runs={SERIES}/* cols=run,step_ms,tok_s"))
+                    "<!-- /generated --> tokens/s.\n\n" + region(f"table runs={SERIES}/* cols=run,step_ms,tok_s")
+                    + PROVENANCE)
     assert build(site, check=True)[0] > 0  # not generated yet
     assert build(site, check=False)[0] == 0
     assert "-->3,666<!-- /generated --> tokens/s" in page.read_text()
@@ -194,7 +301,7 @@ def test_a_region_naming_a_missing_run_fails(site):
 
 
 def test_a_run_git_does_not_track_fails(site):
-    (site / "blogs" / "01-first.md").write_text("# First\n\n" + region(f"commands runs={SINGLE},{DDP}"))
+    (site / "blogs" / "01-first.md").write_text("# First\n\n" + region(f"commands runs={SINGLE},{DDP}") + PROVENANCE)
     assert build(site, check=False)[0] == 0
     git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
     subprocess.run(git + ["init", "-q"], cwd=site, check=True)
@@ -202,7 +309,7 @@ def test_a_run_git_does_not_track_fails(site):
     subprocess.run(git + ["rm", "-q", "--cached", f"{DDP}/summary.json"], cwd=site, check=True)
     problems, lines = build(site, check=True)
     assert problems == 1 and lines[0].startswith("blogs/01-first.md:3: region '<!-- generated:commands")
-    assert f"{DDP}/summary.json is not committed" in lines[0]
+    assert f"{DDP}/summary.json is not committed" in lines[0]  # the only error: the provenance waits for it
     subprocess.run(git + ["add", "."], cwd=site, check=True)
     assert build(site, check=True)[0] == 0
 
@@ -262,7 +369,7 @@ def test_a_figure_csv_that_differs_from_its_runs_fails(site):
     for experiment, mib in (("tp-ft", 30.5), ("tp-sp-ft", 19.25)):
         write_run(site, f"devlog/data/2026-11-23-tp/{experiment}-seq256",
                   summary(experiment, 2, activation_mib=mib, config=dict(seq_len=256)), SINGLE_LOSSES)
-    (site / "blogs" / "01-first.md").write_text("# First\n\n" + region("figure name=tp_activations"))
+    (site / "blogs" / "01-first.md").write_text("# First\n\n" + region("figure name=tp_activations") + PROVENANCE)
     problems, lines = build(site, check=True)
     assert any("tp_activations.csv" in line for line in lines) and problems >= 1  # not drawn yet
     rows, why = make_plots.figure_rows(make_plots.FIGURES["tp_activations"], site)
@@ -286,11 +393,7 @@ def test_a_figure_csv_that_differs_from_its_runs_fails(site):
 # The generators, on the synthetic runs
 
 
-def caption_of(text: str) -> str:
-    return text[text.index("Runs: "):]
-
-
-def test_table_values_formats_and_caption(site):
+def test_table_values_formats_and_the_pages_provenance(site):
     text = generated(site, f"table runs={SERIES}/* cols=run,ranks,step_ms,comm_ms,tok_s,rel:tok_s,peak_mem,"
                            f"collectives,field:config.bucket_cap_mb:g ref={SINGLE} sort=-tok_s")
     table = text.split("\n\n")[0].splitlines()
@@ -302,13 +405,39 @@ def test_table_values_formats_and_caption(site):
         "| single-ft | 1 | 281 | 0 | 3,563 | 1.00x | 0.97 | none | - |",
         "| pp-ft | 2 | 383 | 219 | 2,621 | 0.74x | 0.97 | recv 4, send 4 | - |",
     ]
-    caption = caption_of(text)
-    assert caption.startswith(f"Runs: [`{SERIES}/`](../{SERIES}/) ddp-ft, single-ft, pp-ft; device: CPU only: "
-                              f"Test CPU, 2 cores, collectives over gloo; world size 1 and 2; torch 2.9.0, "
-                              f"transformers 5.0.0, peft 0.18.0, deepspeed 0.18.0, Python 3.11.7; commit abc123def456")
-    assert "<details><summary>Commands</summary>" in caption
-    assert ("```bash\nuv run torchrun --nproc_per_node=2 experiments/ddp-ft/train.py --steps 7 --seq-len 64 "
-            "--out-dir runs/ddp-ft\nuv run python experiments/single-ft/train.py") in caption
+    assert "Runs" not in text and "<details>" not in text  # a table ends with its rows: provenance is the page's
+    # One collapsed block per page lists every run the page quotes (the reference run too), where it ran and how.
+    block = provenance_of(site)
+    assert block.startswith("\n<details><summary>Where the numbers on this page come from: 3 runs, their devices, "
+                            "software and exact commands</summary>\n")
+    assert (f"- [`{SERIES}/`](../{SERIES}/): ddp-ft, pp-ft, single-ft. CPU only: Test CPU, 2 cores, collectives over "
+            f"gloo; world size 1 and 2; torch 2.9.0, transformers 5.0.0, peft 0.18.0, deepspeed 0.18.0, Python 3.11.7; "
+            f"commit abc123def456; memory: peak RSS of the process (CPU); averages leave out the first 2 steps.") in block
+    assert (f"```bash\n# {SERIES}/\nuv run torchrun --nproc_per_node=2 experiments/ddp-ft/train.py --steps 7 "
+            f"--seq-len 64 --out-dir runs/ddp-ft\nuv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py") in block
+    assert block.rstrip().endswith("</details>")
+    assert build(site, check=True)[0] == 0
+
+
+def test_a_page_that_quotes_runs_has_one_provenance_region(site):
+    page = site / "blogs" / "01-first.md"
+    value = f"DDP: <!-- generated:value run={DDP} field=tokens_per_s fmt=\",.0f\" --><!-- /generated --> tokens/s.\n"
+    page.write_text("# P\n\n" + value)
+    problems, lines = build(site, check=True)
+    assert problems == 2 and lines[1].startswith("blogs/01-first.md:1: the page quotes 1 run(s) and has no "
+                                                 "provenance region")
+    page.write_text("# P\n\n" + value + "\n" + region("provenance") + "\n" + region("provenance"))
+    problems, lines = build(site, check=False)
+    assert problems == 1 and "a second provenance region" in lines[1]
+    page.write_text("# P\n\n" + region("provenance"))
+    problems, lines = build(site, check=True)
+    assert problems == 1 and "the page quotes no run" in lines[0]
+    # a region that fails quotes nothing, and its error is the page's only one: the provenance is left as it was
+    broken = value.replace("field=tokens_per_s", "field=no_such_field")
+    page.write_text("# P\n\n" + broken + "\n" + region("provenance"))
+    problems, lines = build(site, check=False)
+    assert problems == 1 and "no_such_field" in lines[0]
+    assert page.read_text().endswith(region("provenance"))
 
 
 def test_table_label_and_an_unknown_column(site):
@@ -329,11 +458,14 @@ def test_value_field_and_expression(site):
         f"<!-- /generated -->, D <!-- generated:value expr=\"(b.tokens_per_s - a.tokens_per_s) / a.tokens_per_s\" "
         f"a={SINGLE} b={DDP} fmt=.1% --><!-- /generated -->, E <!-- generated:value "
         f"expr=\"max(b.steps.*.loss) - min(b.steps.0:3.loss) + abs(-1)\" b={DDP} fmt=.4f --><!-- /generated -->, "
-        f"F <!-- generated:value expr=\"mean(a.steps.-2:.loss)\" a={SINGLE} fmt=.2f --><!-- /generated -->.\n")
+        f"F <!-- generated:value expr=\"mean(a.steps.-2:.loss)\" a={SINGLE} fmt=.2f --><!-- /generated -->, "
+        f"G <!-- generated:value expr=\"median(a.timed.*.loss) - len(a.timed)\" a={SINGLE} fmt=.2f --><!-- /generated -->"
+        f".\n" + PROVENANCE)
     assert build(site, check=False) == (0, ["wrote blogs/01-first.md",
-                                            "make_posts: 3 page(s), 6 region(s): all match the committed files"])
-    values = [part.split("-->")[1] for part in page.read_text().split("<!-- /generated -->")[:-1]]
-    assert values == ["0.06", "20,971,520", "2", "2.9%", f"{5.0 - 3.0000006 + 1:.4f}", "1.85"]
+                                            "make_posts: 3 page(s), 8 region(s): all match the committed files"])
+    values = [part.split("-->")[1] for part in page.read_text().split("<!-- /generated -->")[:7]]
+    # G: the steps the averages count are 3 to 7 (2 warm-up steps): their median loss 2.0, less their number, 5.
+    assert values == ["0.06", "20,971,520", "2", "2.9%", f"{5.0 - 3.0000006 + 1:.4f}", "1.85", "-3.00"]
 
 
 @pytest.mark.parametrize("expression, message", [
@@ -395,7 +527,31 @@ def test_sweep_table_is_common_sweeps(site):
     rows = sweep.table_rows(cells)
     sweep.write_csv(rows, site / "devlog/data/2026-01-01-sweep/sweep.csv")
     text = generated(site, "sweep run-dir=devlog/data/2026-01-01-sweep")
-    assert text.startswith(sweep.markdown_table(rows) + "\n\nRuns: [`devlog/data/2026-01-01-sweep/`]")
+    assert text == sweep.markdown_table(rows)
+    assert "[`devlog/data/2026-01-01-sweep/`](../devlog/data/2026-01-01-sweep/)" in provenance_of(site)
+
+
+def test_memory_table_is_what_common_memory_recommends(site):
+    from common import memory
+
+    text = generated(site, 'memory-table cases="--model qwen3-tiny --gpus 1 --gpu-mem-gb 1; --model qwen3-tiny '
+                           '--gpus 2 --gpu-mem-gb 24 --lora-rank 8" strategies=single,ddp,fsdp')
+    table = text.split("\n\n")[0].splitlines()
+    assert table[0] == "| setting | single | ddp | fsdp | first rung that fits |"
+    assert table[2].startswith("| Qwen3-tiny, 1 x 1 GB | ") and table[3].startswith(
+        "| Qwen3-tiny, 2 x 24 GB, LoRA r8, PCIe | - | ")
+    for row, (gpus, gib, lora) in zip(table[2:], ((1, 1, 0), (2, 24, 8))):
+        # the table's settings: 1,024 tokens, one micro-batch of one row, --dtype bf16
+        advice = memory.recommend(memory.model_shape("qwen3-tiny"), gpus, gib, seq_len=1024, micro_batch_size=1,
+                                  grad_accum=1, lora_rank=lora, precision="bf16")
+        choice = advice.choice
+        label = (choice.strategy + " + checkpointing" * choice.activation_checkpointing
+                 + (f" + LoRA r{choice.lora_rank}" if choice.lora_rank else ""))
+        assert row.endswith(f" {label} ({choice.total_gib:.1f} GiB) |")
+        assert f"**{choice.total_gib:.1f}**" in row
+    (site / "blogs" / "01-first.md").write_text("# P\n\n" + region('memory-table cases="--model qwen3-tiny --gpus x"'))
+    problems, lines = build(site, check=True)
+    assert problems == 1 and "memory-table case '--model qwen3-tiny --gpus x'" in lines[0]
 
 
 def test_memory_cli_is_what_common_memory_prints(site, capsys):
@@ -436,19 +592,24 @@ def test_commands_hardware_and_the_cpu_box(site):
         "CPU only: Test CPU, 2 cores; world size 1; torch 2.9.0, transformers 5.0.0, peft 0.18.0, deepspeed 0.18.0, "
         "Python 3.11.7; commit abc123def456")
     box = generated(site, f"cpu-box runs={SERIES}/*")
-    assert box.startswith("> **What these numbers can and cannot tell.** They were measured on a CPU, not a GPU: "
-                          "Test CPU, 2 cores; one process and 2 ranks over gloo.")
+    assert box.startswith("> **Measured on a CPU** (Test CPU, 2 cores; one process and 2 ranks over gloo). Carries "
+                          "over to GPUs: ")
+    assert "\n" not in box  # one paragraph: the explanation of each point is in post 2, once
     for point in ("which collectives each strategy runs", "model-state bytes each rank holds",
                   "loss parity", "bubble fractions", "the 2 ranks share the 2 cores", "no native reduce-scatter",
-                  "a 5.25M-parameter single-ft run peaks at 0.97 GiB", "MFU: null"):
+                  "0.97 GiB for a 5.25M-parameter single-ft run", "MFU (no CPU peak)"):
         assert point in box, point
     # The parity point states what these runs measured (DDP_LOSSES: 2e-7 in the first 5 steps, 3e-5 at step 6).
-    assert ("the 3 runs here that do the same optimizer steps as another compute the same per-step losses, in fp32 "
-            "within 2.0e-07 (relative) over the first 5 steps and 3.0e-05 over all") in box
+    assert ("the 3 runs here that do another's steps agree in fp32 within 2.0e-07 over the first 5 steps, 3.0e-05 "
+            "over all") in box
     single_only = generated(site, f"cpu-box runs={SINGLE}")
     for point in ("collectives", "loss parity", "bubble", "share the"):
         assert point not in single_only, point
-    assert "speed: the times and tokens/s are those of 2 CPU cores" in single_only
+    assert "speed (these are 2 CPU cores)" in single_only
+    # Where the series has post 2, the box links to its explanation.
+    (site / "blogs" / "02-the-reference-step.md").write_text("# Two\n\n## What CPU numbers can and cannot tell\n")
+    assert generated(site, f"cpu-box runs={SINGLE}").endswith(
+        "[Why each point holds](02-the-reference-step.md#what-cpu-numbers-can-and-cannot-tell).")
 
 
 def test_gpu_slot_is_a_sentence_until_a_gpu_run_exists(site):
@@ -459,7 +620,8 @@ def test_gpu_slot_is_a_sentence_until_a_gpu_run_exists(site):
     write_run(site, "devlog/data/2026-01-02-gpu/ddp-ft", gpu, SINGLE_LOSSES)
     text = generated(site, "gpu-slot runs=devlog/data/*-gpu/* cols=run,tok_s")
     assert text.splitlines()[2] == "| ddp-ft | 91,234 |"
-    assert "device: 2 x NVIDIA H100 80GB HBM3 (CUDA 12.8)" in text
+    assert "2 x NVIDIA H100 80GB HBM3 (CUDA 12.8)" in provenance_of(site)
+    assert SINGLE not in provenance_of(site)  # the CPU runs the glob could match are not quoted
     (site / "blogs" / "01-first.md").write_text("# P\n\n" + region("table runs=devlog/data/*-tpu/*"))
     assert "matches no run folder" in build(site, check=True)[1][0]  # only gpu-slot accepts an empty glob
 
@@ -524,11 +686,11 @@ def test_unknown_generators_and_arguments_are_errors(site):
 
 def test_a_block_region_inside_a_list_item_keeps_its_indentation(site):
     page = site / "blogs" / "01-first.md"
-    page.write_text(f"- item\n\n  <!-- generated:commands runs={SINGLE} -->\n  <!-- /generated -->\n")
+    page.write_text(f"- item\n\n  <!-- generated:commands runs={SINGLE} -->\n  <!-- /generated -->\n" + PROVENANCE)
     assert build(site, check=False)[0] == 0
-    assert page.read_text() == (f"- item\n\n  <!-- generated:commands runs={SINGLE} -->\n\n  ```bash\n"
-                                f"  uv run python experiments/single-ft/train.py --steps 7 --seq-len 64 --out-dir "
-                                f"runs/single-ft\n  ```\n\n  <!-- /generated -->\n")
+    assert page.read_text().startswith(f"- item\n\n  <!-- generated:commands runs={SINGLE} -->\n\n  ```bash\n"
+                                       f"  uv run python experiments/single-ft/train.py --steps 7 --seq-len 64 "
+                                       f"--out-dir runs/single-ft\n  ```\n\n  <!-- /generated -->\n")
     assert build(site, check=True)[0] == 0
 
 
@@ -544,14 +706,19 @@ def test_figure_data_functions_read_the_summaries(site):
                                        ("optimizer", WEIGHTS + 8, WEIGHTS // 2 + 8), ("master", 0, 0))]
     written = list(csv.DictReader(make_plots.csv_text(make_plots.pp_bubble_data(runs)).splitlines()))
     assert written == [dict(run="pp-ft", schedule="1f1b", p="2", v="1", m="4", split="", bubble="0.274",
-                            bubble_per_rank="0.48;0.06", textbook="0.2", formula="(p-1)/(m+p-1)")]
+                            bubble_per_rank="0.48;0.06", textbook="0.2", formula="(p-1)/(m+p-1)",
+                            busy_ms_per_rank="100.0;190.0")]
+    # The less busy stage's floor: its first micro-batch, then m of the slow stage's (post 7).
+    r = 100 / 190
+    assert make_plots.imbalance_floor(4, r) == pytest.approx(1 - 4 * 100 / (100 + 4 * 190))
+    assert make_plots.imbalance_floor(1e9, r) == pytest.approx(1 - r)
 
 
 def test_an_opening_comment_may_go_on_over_several_lines(site):
     page = site / "blogs" / "01-first.md"
     page.write_text(f"# P\n\nDDP at <!-- generated:value expr=\"b.tokens_per_s / a.tokens_per_s\" fmt=.2f\n"
                     f"a={SINGLE} b={DDP} --><!-- /generated -->x.\n\n"
-                    f"<!-- generated:table runs={DDP}\n     cols=run,tok_s -->\n<!-- /generated -->\n")
+                    f"<!-- generated:table runs={DDP}\n     cols=run,tok_s -->\n<!-- /generated -->\n" + PROVENANCE)
     assert build(site, check=False)[0] == 0
     text = page.read_text()
     assert f"b={DDP} -->1.03<!-- /generated -->x." in text

@@ -16,7 +16,8 @@ backward gathers them again and reduce-scatters the gradient so that each rank r
 own 1/W. The optimizer then updates only the local shard. The loss is the token-weighted loss of all B rows, as in
 single-ft, which this script matches step for step.
 
-Strategy flags: --reshard-after-forward / --no-reshard-after-forward, --cpu-offload, --reduce-every-micro-batch.
+Strategy flags: --no-reshard-after-forward, --no-reshard-after-backward (with the first: each unit gathered once per
+optimizer step, whatever --grad-accum), --cpu-offload, --reduce-every-micro-batch.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class Config:
     report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: also write the step metrics as TensorBoard scalars to <out-dir>/tensorboard (uv sync --group tensorboard)
     qlora: bool = False  # refused here (README: QLoRA); use single-ft or ddp-ft --qlora
     reshard_after_forward: bool = True  # free each layer's gathered weights after its forward and all-gather them again in backward (--no-reshard-after-forward: keep them until backward: one all-gather per layer less, but the whole gathered model alive at the end of forward)
+    reshard_after_backward: bool = True  # free the gathered weights after each micro-batch's backward (--no-reshard-after-backward, with --no-reshard-after-forward: keep them from the step's first forward to its last backward, so each unit is all-gathered once per optimizer step whatever --grad-accum; the whole gathered model stays alive through the step)
     cpu_offload: bool = False  # keep the sharded fp32 weights, gradients and AdamW state in CPU memory; the optimizer step runs on the CPU
     reduce_every_micro_batch: bool = False  # reduce-scatter after every micro-batch: more communication, but no full-size fp32 gradient held per rank between micro-batches
     replicate_degree: int = 1  # HSDP: R replicas of an FSDP group of world/R ranks (shard inside a node, replicate across nodes); 1 = plain FSDP over all ranks
@@ -121,6 +123,9 @@ def resolve(config: Config) -> Config:
         config.out_dir = str(REPO_ROOT / "runs" / f"{EXPERIMENT}-{stamp}")
     if config.micro_batch_size < 1 or config.grad_accum < 1 or config.steps < 0 or config.loss_chunk_tokens < 0:
         raise SystemExit("--micro-batch-size and --grad-accum must be >= 1, --steps and --loss-chunk-tokens >= 0")
+    if not config.reshard_after_backward and config.reshard_after_forward:
+        raise SystemExit("--no-reshard-after-backward keeps the gathered weights from one micro-batch to the next only "
+                         "if forward keeps them too: add --no-reshard-after-forward")
     return config
 
 
@@ -354,6 +359,9 @@ def main(argv: list[str] | None = None) -> dict:
             # which --reduce-every-micro-batch avoids by paying one reduce-scatter per micro-batch instead.
             last = index == len(micro_batches) - 1
             model.set_requires_gradient_sync(last or config.reduce_every_micro_batch)
+            # --no-reshard-after-backward: the weights gathered by the first micro-batch's forward stay gathered
+            # through every micro-batch; the last backward frees them, before the optimizer updates the shards.
+            model.set_reshard_after_backward(last or config.reshard_after_backward)
             # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
             # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen needs none).
             if config.loss_chunk_tokens:
@@ -446,7 +454,8 @@ def main(argv: list[str] | None = None) -> dict:
     covered = world_size > 1 and replicas == 1 and not (config.cpu_offload and device.type == "cuda")
     formula = None if not covered else as_backend(fsdp_collectives(
         units, world_size=world_size, grad_accum=config.grad_accum, reshard_after_forward=config.reshard_after_forward,
-        reduce_every_micro_batch=config.reduce_every_micro_batch, gather_bytes=2 if config.dtype == "bf16" else 4),
+        reshard_after_backward=config.reshard_after_backward, reduce_every_micro_batch=config.reduce_every_micro_batch,
+        gather_bytes=2 if config.dtype == "bf16" else 4),
         dist.get_backend())
     summary = metrics.write_summary(
         comm_timer=comm_timer,  # comm_ms, collective counts and bytes: torch.profiler over the profiled steps
