@@ -15,7 +15,7 @@ The figures:
 - loss_curves: the reference's loss per step, and each run's relative difference from single-ft doing the same steps,
   against the 1e-5 the parity tests allow (fp32; exact zeros on a row of their own);
 - throughput_memory: tokens/s and peak memory per run;
-- memory_predicted: max_memory_reserved of the GPU runs beside summary.json's `predicted_peak_mem_gib`
+- memory_predicted: max_memory_reserved of the GPU runs beside common.memory's prediction for their settings
   (common/memory; a CPU's peak RSS counts the whole process, not the tensors the prediction models);
 - state_bytes: model-state bytes per rank by kind (weights, gradients, optimizer, master), measured from the
   tensors each rank holds, beside the prediction;
@@ -154,14 +154,25 @@ def throughput_memory_data(runs: list[Run]) -> list[dict]:
 
 
 def memory_predicted_data(runs: list[Run]) -> list[dict]:
-    """Runs measured on a GPU (max_memory_reserved: the allocator's blocks, what the prediction models) with a
-    prediction; a CPU's peak RSS counts the whole process and is no test of a tensor-only prediction."""
-    return [dict(run=run.label, experiment=run.summary.get("experiment"),
-                 measured_peak_gib=run.summary.get("peak_mem_gib"),
-                 predicted_peak_gib=run.summary["predicted_peak_mem_gib"],
-                 memory_measure=run.summary.get("memory_measure"))
-            for run in runs if run.summary.get("predicted_peak_mem_gib") is not None
-            and run.summary.get("hardware", {}).get("device_kind") in ("cuda", "rocm")]
+    """Runs of this repository's experiments measured on a GPU (max_memory_reserved: the allocator's blocks, what
+    the prediction models) beside common.memory's prediction for their settings as the code prices them now
+    (predict_run), and the one they recorded when they ran; a CPU's peak RSS counts the whole process and is no
+    test of a tensor-only prediction."""
+    from common import memory  # here: it imports torch and transformers, which only this figure needs
+
+    rows = []
+    for run in runs:
+        if run.summary.get("hardware", {}).get("device_kind") not in ("cuda", "rocm"):
+            continue
+        try:
+            predicted = memory.predict_run(run.summary).total_gib
+        except ValueError:  # not one of ours (the peer baseline's TRL run)
+            continue
+        rows.append(dict(run=run.label, experiment=run.summary.get("experiment"),
+                         measured_peak_gib=run.summary.get("peak_mem_gib"), predicted_peak_gib=predicted,
+                         predicted_at_run_gib=run.summary.get("predicted_peak_mem_gib"),
+                         memory_measure=run.summary.get("memory_measure")))
+    return rows
 
 
 def predicted_state(summary: dict, rank: int) -> dict | None:

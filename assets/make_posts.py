@@ -65,7 +65,8 @@ table runs=RUNS [cols=C1,C2,...] [sort=[-]COL] [label=FORMAT] [ref=RUN]
     bucket size, checkpointing, LoRA...), model, params, trainable, seq, micro, ga, ckpt, dtype, lora, ranks, steps,
     t_eff, step_ms, step_ms_median, step_ms_max (the median and slowest measured step), comm_ms, comm_share (comm_ms
     over the profiled steps' time), tok_s, tok_s_median (tokens/s of the median step), tok_s_device, peak_mem (its
-    header names the measure: peak RSS on CPU), peak_mem_ranks, predicted_peak, mfu, final_loss, eval_loss,
+    header names the measure: peak RSS on CPU), peak_mem_ranks, predicted_now (common.memory's peak for the run's
+    settings as the code prices it now), predicted_peak (the one the run recorded), mfu, final_loss, eval_loss,
     packing, collectives (calls per step, compact), coll_mib (MiB handed to collectives per step, rank 0),
     wire_mib (what rank 0 sends, ring algorithms), state_mib, weights_mib, grads_mib, optimizer_mib, master_mib
     (model-state MiB per rank), predicted_state_mib, state_ratio (measured / predicted), activation_mib, schedule,
@@ -78,7 +79,8 @@ value run=RUN field=PATH [fmt=SPEC]                          (inline or block)
 value expr=EXPRESSION NAME=RUN ... [fmt=SPEC]
     One number. PATH is a dotted path into summary.json: dict keys and list indices (`state_bytes_per_rank.0.weights`,
     `bubble_fraction_per_rank.-1`); `steps` is metrics.jsonl (`steps.0.loss`, `steps.-1.loss`), `timed` the steps
-    the summary's averages count (warm-up and profiled steps left out), `name` the folder name. In `expr`, each
+    the summary's averages count (warm-up and profiled steps left out), `name` the folder name, `prediction` the
+    peak GiB common.memory predicts for the run's settings now (predicted_now). In `expr`, each
     NAME=RUN argument binds a run: numbers, + - * /, parentheses, min, max, abs, sum, mean, median, len and paths on
     the named runs, nothing else; `*` or a slice `a:b` in a path gives a list (`mean(a.steps.-10:.loss)`: the mean
     loss of the last 10 steps; `median(a.timed.*.tokens_per_s)`: tokens/s of the median timed step). fmt is a Python
@@ -106,9 +108,14 @@ memory-cli args="ARGS"
     the code so it never drifts.
         <!-- generated:memory-cli args="--model qwen3-4b --gpus 2 --gpu-mem-gb 24" -->
 memory-table cases="ARGS; ARGS; ..." [strategies=S1,S2,...]
-    One table for several settings of common.memory (each case: --model, --gpus, --gpu-mem-gb, --seq-len,
-    --micro-batch-size, --grad-accum, --lora-rank, --activation-checkpointing, --dtype, --interconnect): GiB per GPU
-    of every strategy (or those named), marked where over the usable memory, and the first rung recommend() picks.
+    One table for several settings of common.memory (each case: flags of `python -m common.memory`, answered as the
+    command line answers them, common.memory.ask): GiB per GPU of every strategy (or those named) at its largest
+    micro-batch that fits, marked where over the usable memory, and the first rung recommend() picks.
+answer-table cases="ARGS; ARGS; ..." reference=RUN [measured=RUNS]
+    The decision guide's answer: per case (flags of `python -m common.memory`, with --gpu NAME), the experiment and
+    flags of the command it prints, its predicted GiB per GPU, and tokens/s: the median step of one of the `measured`
+    runs that ran that command on that kind of GPU, else the reference run's median step scaled by the card's peak
+    FLOP/s (common/metrics.py) and the model's FLOPs per token, times the GPUs (a prediction, marked so).
 code file=FILE symbol=NAME | code file=FILE start="TEXT" end="TEXT" [lang=LANG]
     A fenced block of the file's current source: a top-level function, class or assignment (`symbol=apply_fsdp`,
     `symbol=Config`, a method as `symbol=BusyTimer.wrap`), or the lines from the only line containing `start` to the
@@ -442,10 +449,24 @@ class Context:
 # Fields, formats and the expression evaluator
 
 
-def run_fields(run: Run) -> dict:
+def run_fields(run: Run, prediction: bool = False) -> dict:
     """What a path in a region can read: summary.json's fields, `steps` (metrics.jsonl), `timed` (the steps the
-    summary's averages count: after the timing warm-up, profiled steps left out) and `name` (the folder)."""
-    return {**run.summary, "steps": run.steps, "timed": timed_steps(run), "name": run.name}
+    summary's averages count: after the timing warm-up, profiled steps left out), `name` (the folder) and, asked
+    for, `prediction` (current_prediction: common.memory's peak for the run's settings, as the code prices it now)."""
+    fields = {**run.summary, "steps": run.steps, "timed": timed_steps(run), "name": run.name}
+    return {**fields, "prediction": current_prediction(run)} if prediction else fields
+
+
+def current_prediction(run: Run) -> float | None:
+    """common.memory's peak GiB for the settings the run had (common.memory.predict_run), priced by the code as it is
+    now; summary.json's predicted_peak_mem_gib is what the code predicted when the run started. None for a run that
+    is not one of this repository's experiments."""
+    from common import memory  # imports torch and transformers: only when a page quotes a prediction
+
+    try:
+        return memory.predict_run(run.summary).total_gib
+    except ValueError:
+        return None
 
 
 def lookup(value, path: str, prefix: str = ""):
@@ -516,7 +537,8 @@ def evaluate(expression: str, runs: dict[str, Run]) -> float:
         if name not in runs:
             raise RegionError(f"expr: '{name}' is not a run: give {name}=<run folder>")
         placeholder = f"_field{len(values)}"
-        values[placeholder] = lookup(run_fields(runs[name]), path, f"{name}.")
+        fields = run_fields(runs[name], prediction=path.split(".")[0] == "prediction")
+        values[placeholder] = lookup(fields, path, f"{name}.")
         return placeholder
 
     prepared = PATH_IN_EXPRESSION.sub(substitute, expression)
@@ -761,7 +783,8 @@ COLUMNS: dict[str, Column] = {
     "tok_s_device": Column("tok/s per device", summary_field("tokens_per_s_per_device"), ",.0f"),
     "peak_mem": Column("peak GiB", summary_field("peak_mem_gib"), ".2f"),  # header names the measure
     "peak_mem_ranks": Column("peak GiB per rank", summary_field("peak_mem_gib_per_rank"), ".2f"),
-    "predicted_peak": Column("predicted peak GiB", summary_field("predicted_peak_mem_gib"), ".2f"),
+    "predicted_peak": Column("predicted peak GiB (at the run)", summary_field("predicted_peak_mem_gib"), ".2f"),
+    "predicted_now": Column("predicted peak GiB", current_prediction, ".2f"),  # by common.memory as it is now
     "mfu": Column("MFU", summary_field("mfu"), ".1%"),
     "final_loss": Column("final loss", summary_field("final_loss"), ".4f"),
     "eval_loss": Column("eval loss", summary_field("eval_loss"), ".4f"),
@@ -1180,44 +1203,41 @@ def gen_memory_cli(ctx: Context, args: dict) -> str:
     return fence(f"$ uv run python -m common.memory {shlex.join(argv)}\n{printed.getvalue().rstrip()}", "text")
 
 
-def memory_case(text: str) -> argparse.Namespace:
-    """One case of a memory-table: the flags of `python -m common.memory` that choose a setting."""
-    parser = argparse.ArgumentParser(prog="memory-table case", add_help=False, exit_on_error=False)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--gpus", type=int, default=1)
-    parser.add_argument("--gpu-mem-gb", type=float, default=24)
-    parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--micro-batch-size", type=int, default=1)
-    parser.add_argument("--grad-accum", type=int, default=1)
-    parser.add_argument("--lora-rank", type=int, default=0)
-    parser.add_argument("--activation-checkpointing", action="store_true")
-    parser.add_argument("--dtype", default="bf16")
-    parser.add_argument("--interconnect", default="pcie")
+def memory_case(text: str):
+    """One case of a memory-table or answer-table: the flags of `python -m common.memory`, parsed and answered as the
+    command line answers them (common.memory.ask)."""
+    from common import memory  # imports torch and transformers: only when a page shows a prediction
+
+    parser = memory.build_parser()
+    parser.exit_on_error = False
+    errors = io.StringIO()
     try:
-        return parser.parse_args(shlex.split(text))
-    except (argparse.ArgumentError, SystemExit) as error:
-        raise RegionError(f"memory-table case '{text.strip()}': {error}") from None
+        with contextlib.redirect_stderr(errors):
+            return memory.ask(shlex.split(text), parser)
+    except (argparse.ArgumentError, memory.AnswerError, ValueError) as error:
+        raise RegionError(f"case '{text.strip()}': {error}") from None
+    except SystemExit:
+        message = errors.getvalue().strip().splitlines() or ["bad flags"]
+        raise RegionError(f"case '{text.strip()}': {message[-1]}") from None
+
+
+def model_label(shape) -> str:
+    """qwen3-4b -> Qwen3-4B, as the posts write the published sizes."""
+    name = shape.name.replace("qwen3", "Qwen3").replace("-0.6b", "-0.6B").replace("-1.7b", "-1.7B")
+    return re.sub(r"-(\d+)b\b", lambda m: f"-{m.group(1)}B", name).replace("-a3b", "-A3B")
 
 
 def gen_memory_table(ctx: Context, args: dict) -> str:
-    """common.memory's prediction for several settings in one table: GiB per GPU of every strategy, and the rung
-    recommend() picks (a prediction, regenerated from the code)."""
+    """common.memory's prediction for several settings in one table: GiB per GPU of every strategy, each at the
+    largest micro-batch that fits (or the micro-batch a case fixes), and the rung recommend() picks (a prediction,
+    regenerated from the code)."""
     from common import memory  # imports torch and transformers: only when a page shows a prediction
 
     cases = [memory_case(text) for text in args["cases"].split(";") if text.strip()]
     if not cases:
         raise RegionError("memory-table needs cases=\"--model ... --gpus ...; --model ...\"")
-    advice = []
-    for case in cases:
-        try:
-            advice.append(memory.recommend(
-                memory.model_shape(case.model), case.gpus, case.gpu_mem_gb, seq_len=case.seq_len,
-                micro_batch_size=case.micro_batch_size, grad_accum=case.grad_accum, lora_rank=case.lora_rank,
-                activation_checkpointing=case.activation_checkpointing, precision=case.dtype,
-                interconnect=case.interconnect))
-        except (ValueError, KeyError) as error:
-            raise RegionError(f"memory-table: {case.model}: {error}") from None
-    strategies = [name for name in memory.STRATEGIES if any(e.strategy == name for a in advice for e in a.estimates)]
+    strategies = [name for name in memory.STRATEGIES if any(e.strategy == name for c in cases
+                                                            for e in c.advice.estimates)]
     if "strategies" in args:
         wanted = [name.strip() for name in args["strategies"].split(",") if name.strip()]
         unknown = [name for name in wanted if name not in memory.STRATEGIES]
@@ -1228,38 +1248,116 @@ def gen_memory_table(ctx: Context, args: dict) -> str:
 
     def label(estimate) -> str:
         return (estimate.strategy + (" + checkpointing" if estimate.activation_checkpointing else "")
-                + (f" + LoRA r{estimate.lora_rank}" if estimate.lora_rank else ""))
+                + (f" + QLoRA r{estimate.lora_rank}" if estimate.qlora else
+                   f" + LoRA r{estimate.lora_rank}" if estimate.lora_rank else "")
+                + (f", micro-batch {estimate.micro_batch_size}" if estimate.micro_batch_size > 1 else ""))
 
     rows = []
-    for case, recommendation in zip(cases, advice):
-        shape = memory.model_shape(case.model)
-        name = shape.name.replace("qwen3", "Qwen3").replace("-0.6b", "-0.6B").replace("-1.7b", "-1.7B")
-        name = re.sub(r"-(\d+)b\b", lambda m: f"-{m.group(1)}B", name)
-        details = [f"{case.gpus} x {case.gpu_mem_gb:g} GB"]
-        details += [f"seq {case.seq_len:,}"] * (case.seq_len != 1024)
-        details += [f"micro-batch {case.micro_batch_size}"] * (case.micro_batch_size != 1)
-        details += [f"LoRA r{case.lora_rank}"] * bool(case.lora_rank)
-        details += ["checkpointing"] * case.activation_checkpointing
-        details += [case.interconnect.replace("nvlink", "NVLink").replace("pcie", "PCIe")] * (case.gpus > 1)
+    for case in cases:
+        flags = case.args
+        details = [f"{flags.gpus} x {case.gpu_mem_gb:g} GB"]
+        details += [f"seq {flags.seq_len:,}"] * (flags.seq_len != 1024)
+        details += [f"micro-batch {flags.micro_batch_size}"] * bool(flags.micro_batch_size)
+        details += [f"LoRA r{flags.lora_rank}"] * bool(flags.lora_rank) + ["QLoRA"] * flags.qlora
+        details += ["checkpointing"] * flags.activation_checkpointing + ["no speed flags"] * (not flags.fast)
+        details += [flags.interconnect.replace("nvlink", "NVLink").replace("pcie", "PCIe")] * (flags.gpus > 1)
         cells = []
+        chosen = case.advice.choice
         for strategy in strategies:
-            found = next((e for e in recommendation.estimates if e.strategy == strategy), None)
+            found = next((e for e in case.advice.estimates if e.strategy == strategy), None)
             if found is None:
                 cells.append("-")
                 continue
             text = f"{found.total_gib:.1f}" + ("" if found.fits(case.gpu_mem_gb) else " ✗")
-            chosen = recommendation.choice
             if chosen is not None and label(chosen) == label(found):
                 text = f"**{text}**"
             cells.append(text)
-        chosen = recommendation.choice
         verdict = "none fits" if chosen is None else f"{label(chosen)} ({chosen.total_gib:.1f} GiB)"
-        rows.append([f"{name}, {', '.join(details)}"] + cells + [verdict])
+        rows.append([f"{model_label(case.shape)}, {', '.join(details)}"] + cells + [verdict])
     table = markdown_table(["setting"] + strategies + ["first rung that fits"], rows,
                            [False] + [True] * len(strategies) + [False])
-    return (f"{table}\n\nGiB per GPU predicted by common.memory (`--dtype {cases[0].dtype}`, each strategy as its "
-            f"experiment keeps it), usable: {memory.USABLE_FRACTION:.0%} of the card; ✗: over it; bold: the rung "
+    return (f"{table}\n\nGiB per GPU predicted by common.memory (`--dtype bf16`, each strategy as its experiment "
+            f"keeps it, with the speed flags it takes unless the row says otherwise, at the largest micro-batch of 8 "
+            f"rows per step that fits); usable: {memory.USABLE_FRACTION:.0%} of the card; ✗: over it; bold: the rung "
             f"`recommend()` picks when it needs no more than the setting gives (else its own total, last column).")
+
+
+def gen_answer_table(ctx: Context, args: dict) -> str:
+    """The answer of the decision guide: per setting (GPUs x model x full / LoRA / QLoRA), the command recommend()
+    gives, what it is predicted to hold per GPU, and its tokens/s: measured where one of the `measured` runs ran that
+    command on that GPU, otherwise scaled from the `reference` run (a measured GPU run) by the card's peak FLOP/s and
+    the model's FLOPs per token, which assumes the reference's MFU (median step) and counts no communication."""
+    from common import memory  # imports torch and transformers: only when a page shows a prediction
+    from common.metrics import peak_flops_per_device
+    from common.models import model_config, training_flops
+
+    cases = [memory_case(text) for text in args["cases"].split(";") if text.strip()]
+    if not cases:
+        raise RegionError("answer-table needs cases=\"--model ... --gpus ... --gpu ...; ...\"")
+    reference = ctx.site.run(args["reference"])
+    reference_device = reference.summary["hardware"]["device_name"]
+    reference_peak = peak_flops_per_device(reference_device)
+    if reference_peak is None:
+        raise RegionError(f"answer-table: the reference ran on {reference_device}, whose peak is not in the table")
+    reference_tokens_s = median_of("tokens_per_s")(reference)
+
+    def flops_per_token(model: str, lora_rank: int, seq_len: int) -> float:
+        return training_flops(model_config(model), lora_rank).dense_per_token(seq_len)
+
+    reference_flops = flops_per_token(reference.config["model"], reference.config["lora_rank"],
+                                      reference.config["seq_len"])
+    measured = ctx.site.runs(args.get("measured", args["reference"]), allow_missing=True)
+
+    def ran(run, case) -> bool:
+        """`run` is the rung's command on this case's kind of GPU."""
+        rung, config = case.advice.rung, run.config
+        same_card = peak_flops_per_device(run.summary["hardware"]["device_name"]) == \
+            peak_flops_per_device(case.args.gpu.replace("-", " "))
+        return (run.summary["experiment"] == memory.RUN_WITH[rung.strategy].split("/")[1] and same_card
+                and run.summary["model"]["parameters"] == case.shape.total_parameters
+                and (config["seq_len"], config["micro_batch_size"], config["grad_accum"], config["lora_rank"],
+                     config["activation_checkpointing"]) == (case.args.seq_len, rung.micro_batch_size, rung.grad_accum,
+                                                             rung.lora_rank, rung.activation_checkpointing)
+                and ((config["attn"] == "varlen", bool(config.get("loss_chunk_tokens")), bool(config.get("compile")))
+                     == rung.fast))
+
+    rows = []
+    for case in cases:
+        flags, advice = case.args, case.advice
+        if not flags.gpu:
+            raise RegionError(f"answer-table: case '{flags.model}' names no --gpu (its peak sets the tokens/s)")
+        gpus, model = f"{flags.gpus} x {flags.gpu.replace('-', ' ')}", model_label(case.shape)
+        if advice.rung is None:
+            rows.append([gpus, model, "-", "nothing fits", "-", "-", "-"])
+            continue
+        rung = advice.rung
+        training = f"QLoRA r{rung.lora_rank}" if rung.qlora else f"LoRA r{rung.lora_rank}" if rung.lora_rank else "full"
+        command = re.sub(r"^uv run (python|torchrun --nproc_per_node=\d+) experiments/([\w-]+)/train\.py", r"\2",
+                         advice.command()).replace(f" --model {advice.model}", "")
+        peak = peak_flops_per_device(flags.gpu.replace("-", " "))
+        run = next((run for run in measured if ran(run, case)), None)
+        if run is not None:
+            tokens, source = f"{median_of('tokens_per_s')(run):,.0f}", f"measured ({run.name.rsplit('/', 1)[-1]})"
+        elif rung.strategy in memory.OFFLOAD_LADDER:
+            tokens, source = "-", "not predicted: AdamW runs on the CPU"
+        elif peak is None:
+            tokens, source = "-", f"not predicted: no peak FLOP/s for {flags.gpu} in common/metrics.py"
+        else:
+            replicas = 1 if rung.strategy == "single" else flags.gpus
+            scaled = (reference_tokens_s * peak / reference_peak * reference_flops
+                      / flops_per_token(flags.model, rung.lora_rank, flags.seq_len) * replicas)
+            tokens, source = f"~{scaled:,.0f}", "predicted"
+        rows.append([gpus, model, training, f"`{command}`",
+                     f"{advice.choice.total_gib:.1f} of {case.gpu_mem_gb * memory.USABLE_FRACTION:.1f}", tokens,
+                     source])
+    table = markdown_table(["GPUs", "model", "training", "experiment and flags (add `--model`)", "GiB per GPU",
+                            "tokens/s", "tokens/s is"], rows, [False, False, False, False, True, True, False])
+    return (f"{table}\n\nEach row is what `uv run python -m common.memory --model ... --gpus N --gpu NAME` answers "
+            f"(`--lora-rank 16`, `--qlora` where the row trains adapters): the experiment and flags of its `run:` line, "
+            f"and its predicted peak per GPU of what is usable (90% of the card). Predicted tokens/s scale the median "
+            f"step of {reference.name.rsplit('/', 1)[-1]} ({reference_tokens_s:,.0f} tokens/s on one "
+            f"{reference_device}) by the card's dense bf16 peak and the model's FLOPs per token, times the GPUs: the "
+            f"same MFU, no communication and no host time counted, so read them as upper bounds.")
 
 
 LANGUAGES = {".py": "python", ".sh": "bash", ".toml": "toml", ".yaml": "yaml", ".yml": "yaml", ".json": "json",
@@ -1563,6 +1661,7 @@ GENERATORS: dict[str, tuple[Callable[[Context, dict], str], tuple[str, ...], tup
     "sweep": (gen_sweep, ("run-dir",), (), False),
     "memory-cli": (gen_memory_cli, ("args",), (), False),
     "memory-table": (gen_memory_table, ("cases",), ("strategies",), False),
+    "answer-table": (gen_answer_table, ("cases", "reference"), ("measured",), False),
     "code": (gen_code, ("file",), ("symbol", "start", "end", "lang"), False),
     "diff": (gen_diff, ("a", "b"), ("match", "context"), False),
     "diffstat": (gen_diffstat, ("base", "files"), (), False),

@@ -16,7 +16,7 @@ from transformers.masking_utils import create_causal_mask
 
 from common.memory import (BF16_RULE_OF_THUMB, DEEPSPEED_BF16, DEEPSPEED_FP32, DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD,
                            DEEPSPEED_REDUCE_BUCKET_ELEMENTS, GB, GIB, PROJECT_BF16, PROJECT_FP32, STRATEGIES,
-                           attention_kind,
+                           EXPERIMENT_STRATEGY, attention_kind, predict_run,
                            ZERO_PAPER, device_slices, estimate, estimate_stages, largest_trainable_parameter,
                            layer_activation_terms, leaf_modules, main, model_shape, model_state_bytes, multi_node_layouts,
                            outside_layers_bytes_per_token, predict_peak_gib, recommend, strategy_precision,
@@ -356,48 +356,20 @@ def test_compiled_layer_terms_match_what_autograd_keeps(case):
 GPU_RUNS = sorted(path.parent for path in (REPO_ROOT / "devlog" / "data").rglob("summary.json")
                   if json.loads(path.read_text())["hardware"]["device_kind"] in ("cuda", "rocm"))
 PEAK_TOLERANCE = 0.15  # |predicted / max_memory_reserved - 1|
-EXPERIMENT_STRATEGY = {"single-ft": "single", "ddp-ft": "ddp", "fsdp-ft": "fsdp", "tp-ft": "tp", "tp-sp-ft": "tp-sp",
-                       "pp-ft": "pp", "fsdp-tp-ft": "fsdp-tp", "ep-ft": "ep"}
-
-
-def _run_model(summary: dict):
-    """The run's model: its name, or, for a folder that only existed on the machine it ran on (the peer baseline's
-    saved preset), the preset with its parameter count."""
-    name = summary["config"]["model"]
-    if not name.startswith("/"):
-        return name
-    (preset,) = [p for p in PRESETS if count_parameters(model_config(p))["total"] == summary["model"]["parameters"]]
-    return preset
-
-
 def test_gpu_runs_are_committed():
     assert len(GPU_RUNS) >= 10  # the first GPU entry's ladder (devlog/2026-11-26-gpu-suite-nvidia-h200.md)
 
 
 @pytest.mark.parametrize("run", GPU_RUNS, ids=lambda run: run.name)
 def test_every_gpu_run_peak_is_predicted(run):
-    """The prediction for the settings the run had (its summary.json: model, strategy, batch layout, attention, the
-    chunked loss, compile, LoRA), within PEAK_TOLERANCE of the max_memory_reserved it measured. A LoRA run's
-    frozen bytes per weight are read off its own state bytes (runs before the bf16 base held it in fp32)."""
+    """The prediction for the settings the run had (common.memory.predict_run: its summary.json's model, strategy,
+    batch layout, attention, the chunked loss, compile, LoRA), within PEAK_TOLERANCE of the max_memory_reserved it
+    measured; a miss names the run and the prediction's largest term."""
     summary = json.loads((run / "summary.json").read_text())
     if summary["experiment"] not in EXPERIMENT_STRATEGY:
         pytest.skip(f"{summary['experiment']} is not one of ours: its states are TRL's, not priced here")
     assert summary["memory_measure"] == "max_memory_reserved"
-    config = summary["config"]
-    strategy = EXPERIMENT_STRATEGY[summary["experiment"]]
-    precision = strategy_precision(strategy, config["dtype"])
-    if config["lora_rank"]:
-        held = summary["state_bytes_per_rank"][0]["weights"]
-        trainable = summary["model"]["trainable_parameters"]
-        frozen = (held - 4 * trainable) / summary["model"]["parameters"]  # the adapters are fp32, the base frozen
-        precision = replace(precision, frozen=round(frozen))
-    predicted = estimate(_run_model(summary), strategy, summary["hardware"]["world_size"],
-                         seq_len=config["seq_len"], micro_batch_size=config["micro_batch_size"],
-                         grad_accum=config["grad_accum"], activation_checkpointing=config["activation_checkpointing"],
-                         lora_rank=config["lora_rank"], precision=precision,
-                         attention=attention_kind(summary["attention"], config["packing"]),
-                         loss_chunk_tokens=config.get("loss_chunk_tokens") or 0, compile=config.get("compile", False))
-    measured = summary["peak_mem_gib"]
+    predicted, measured = predict_run(summary), summary["peak_mem_gib"]
     terms = {name: getattr(predicted, field) / GIB for name, field in (
         ("weights", "weights_bytes"), ("optimizer", "optimizer_bytes"), ("copies", "compute_copy_bytes"),
         ("activations", "activations_bytes"), ("logits", "logits_bytes"), ("buffers", "buffers_bytes"))}

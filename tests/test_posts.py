@@ -534,24 +534,52 @@ def test_sweep_table_is_common_sweeps(site):
 def test_memory_table_is_what_common_memory_recommends(site):
     from common import memory
 
-    text = generated(site, 'memory-table cases="--model qwen3-tiny --gpus 1 --gpu-mem-gb 1; --model qwen3-tiny '
-                           '--gpus 2 --gpu-mem-gb 24 --lora-rank 8" strategies=single,ddp,fsdp')
+    cases = ["--model qwen3-tiny --gpus 1 --gpu-mem-gb 1", "--model qwen3-tiny --gpus 2 --gpu-mem-gb 24 --lora-rank 8"]
+    text = generated(site, f'memory-table cases="{"; ".join(cases)}" strategies=single,ddp,fsdp')
     table = text.split("\n\n")[0].splitlines()
     assert table[0] == "| setting | single | ddp | fsdp | first rung that fits |"
     assert table[2].startswith("| Qwen3-tiny, 1 x 1 GB | ") and table[3].startswith(
         "| Qwen3-tiny, 2 x 24 GB, LoRA r8, PCIe | - | ")
-    for row, (gpus, gib, lora) in zip(table[2:], ((1, 1, 0), (2, 24, 8))):
-        # the table's settings: 1,024 tokens, one micro-batch of one row, --dtype bf16
-        advice = memory.recommend(memory.model_shape("qwen3-tiny"), gpus, gib, seq_len=1024, micro_batch_size=1,
-                                  grad_accum=1, lora_rank=lora, precision="bf16")
-        choice = advice.choice
+    for row, case in zip(table[2:], cases):
+        choice = memory.ask(case.split()).advice.choice  # the question the command line asks with these flags
         label = (choice.strategy + " + checkpointing" * choice.activation_checkpointing
-                 + (f" + LoRA r{choice.lora_rank}" if choice.lora_rank else ""))
+                 + (f" + LoRA r{choice.lora_rank}" if choice.lora_rank else "")
+                 + (f", micro-batch {choice.micro_batch_size}" if choice.micro_batch_size > 1 else ""))
         assert row.endswith(f" {label} ({choice.total_gib:.1f} GiB) |")
         assert f"**{choice.total_gib:.1f}**" in row
     (site / "blogs" / "01-first.md").write_text("# P\n\n" + region('memory-table cases="--model qwen3-tiny --gpus x"'))
     problems, lines = build(site, check=True)
-    assert problems == 1 and "memory-table case '--model qwen3-tiny --gpus x'" in lines[0]
+    assert problems == 1 and "case '--model qwen3-tiny --gpus x'" in lines[0] and "--gpus" in lines[0]
+
+
+def test_answer_table_is_the_command_lines_answer(site):
+    """Each row is what `python -m common.memory` answers for its flags: the run line's experiment and flags, the
+    predicted peak; tokens/s measured where a given run ran that very command on that GPU, else scaled from the
+    reference by peak FLOP/s (H200 989.4, RTX 4090 165.2 TFLOP/s) and FLOPs per token, times the GPUs."""
+    from common import memory
+    from common.models import model_config, training_flops
+
+    cases = ["--model qwen3-tiny --gpus 1 --gpu H200", "--model qwen3-tiny --gpus 2 --gpu RTX-4090 --lora-rank 8",
+             "--model qwen3-tiny --gpus 1 --gpu RTX-5090"]
+    reference = "devlog/data/gpu/fast"
+    fast = summary("single-ft", 1, config=dict(seq_len=1024, micro_batch_size=8, grad_accum=1, attn="varlen",
+                                               loss_chunk_tokens=1024, compile=True), flops_per_token=2.0e7)
+    fast["hardware"].update(device_kind="cuda", device_name="NVIDIA H200", cuda="13.0")
+    write_run(site, reference, fast, SINGLE_LOSSES)
+    steps = [dict(step=k + 1, loss=1.0, tokens_per_s=tokens_per_s, step_ms=100.0)
+             for k, tokens_per_s in enumerate([1.0, 2.0, 50_000.0, 60_000.0, 70_000.0])]
+    (site / reference / "metrics.jsonl").write_text("".join(json.dumps(step) + "\n" for step in steps))
+    text = generated(site, f'answer-table reference={reference} cases="{"; ".join(cases)}"')
+    rows = text.split("\n\n")[0].splitlines()[2:]
+    assert len(rows) == 3
+    for row, case in zip(rows, cases):
+        advice = memory.ask(case.split()).advice
+        command = advice.command().split("/train.py ", 1)[1].replace(f"--model {advice.model} ", "")
+        assert command in row and f"{advice.choice.total_gib:.1f} of " in row
+    assert advice.rung is not None and rows[0].endswith("| 60,000 | measured (fast) |")  # its median timed step
+    flops = [training_flops(model_config("qwen3-tiny"), rank).dense_per_token(1024) for rank in (0, 8)]
+    assert f"| ~{60_000 * 165.2 / 989.4 * flops[0] / flops[1] * 2:,.0f} | predicted |" in rows[1]
+    assert rows[2].endswith("| - | not predicted: no peak FLOP/s for RTX-5090 in common/metrics.py |")
 
 
 def test_memory_cli_is_what_common_memory_prints(site, capsys):

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 
 from common.memory.activations import ATTENTION_KINDS, layer_activation_terms
 from common.memory.estimate import MemoryEstimate, estimate, uses_autocast
-from common.memory.recommend import DEFAULT_ROWS_PER_GPU, format_multi_node, multi_node_layouts, recommend
+from common.memory.recommend import DEFAULT_ROWS_PER_GPU, Recommendation, format_multi_node, multi_node_layouts, \
+    recommend
 from common.memory.states import DTYPES, GIB, NF4_BYTES_PER_WEIGHT, PRECISIONS, STRATEGIES, USABLE_FRACTION, ZERO_PAPER, \
     BytesPerParam, ModelShape, model_shape, resolve_precision, strategy_precision, zero_paper_figure1
 
@@ -181,12 +183,23 @@ def _kv_expanded() -> bool:
         return False
 
 
-def answer(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+@dataclass
+class Asked:
+    """A question as the command line asks it, and recommend()'s answer: what answer() prints, and what the posts'
+    tables quote (assets/make_posts.py), so both say the same."""
+    args: argparse.Namespace
+    shape: ModelShape
+    gpu_mem_gb: float
+    precision: BytesPerParam | str
+    kv_expanded: bool
+    advice: Recommendation
+
+
+def ask(argv: list[str], parser: argparse.ArgumentParser | None = None) -> Asked:
+    """Parse and check `python -m common.memory`'s flags (one line for bad input: argparse's error, or AnswerError)
+    and ask recommend() the question they make."""
+    parser = parser or build_parser()
     args = parser.parse_args(argv)
-    if args.zero_paper:
-        print(format_zero_paper())
-        return 0
     for flag, value, least in (("--gpus", args.gpus, 1), ("--seq-len", args.seq_len, 1),
                                ("--rows-per-gpu", args.rows_per_gpu, 1), ("--nodes", args.nodes, 1),
                                ("--micro-batch-size", args.micro_batch_size, 1), ("--grad-accum", args.grad_accum, 1),
@@ -218,6 +231,17 @@ def answer(argv: list[str] | None = None) -> int:
                        activation_checkpointing=args.activation_checkpointing, lora_rank=args.lora_rank,
                        qlora=args.qlora, precision=precision, attention=args.attention, interconnect=args.interconnect,
                        fast=args.fast, kv_expanded=kv_expanded, model=_command_model(args))
+    return Asked(args, shape, gpu_mem_gb, precision, kv_expanded, advice)
+
+
+def answer(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    if parser.parse_args(argv).zero_paper:
+        print(format_zero_paper())
+        return 0
+    asked = ask(argv, parser)
+    args, shape, gpu_mem_gb, precision, kv_expanded, advice = (asked.args, asked.shape, asked.gpu_mem_gb,
+                                                               asked.precision, asked.kv_expanded, asked.advice)
     shown = [e for e in advice.estimates if args.strategy in (None, e.strategy)]
     if args.strategy and not shown:  # single on several GPUs, or a layout these GPUs cannot take
         world = 1 if args.strategy == "single" else args.gpus

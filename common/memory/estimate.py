@@ -489,3 +489,57 @@ def predict_peak_gib(config_like, strategy: str, world_size: int = 1, *, seq_len
                     activation_checkpointing=activation_checkpointing, lora_rank=lora_rank,
                     precision=precision or dtype, attention=attention, grad_accum=grad_accum,
                     loss_chunk_tokens=loss_chunk_tokens, compile=compile).total_gib
+
+
+# The strategy each experiment runs, as its summary.json names it (zero-ft's and fsdp-ft's flags refine it).
+EXPERIMENT_STRATEGY = {"single-ft": "single", "ddp-ft": "ddp", "fsdp-ft": "fsdp", "zero-ft": "zero", "tp-ft": "tp",
+                       "tp-sp-ft": "tp-sp", "pp-ft": "pp", "pp-ds-ft": "pp", "fsdp-tp-ft": "fsdp-tp", "ep-ft": "ep"}
+
+
+def predict_run(summary: dict) -> MemoryEstimate:
+    """This model's prediction for the settings a recorded run had (its summary.json: experiment, model, batch
+    layout, attention, the chunked loss, compile, LoRA, QLoRA), so that a run measured with an earlier prediction is
+    held to the current one. A LoRA run's frozen bytes per weight are read off its own state bytes: runs made before
+    the experiments loaded a LoRA base in bf16 held it in fp32. A model folder that only existed on the machine the
+    run ran on (the peer baseline saves a preset) is priced as the preset with the run's parameter count."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from common.memory.activations import attention_kind
+    from common.memory.states import DEEPSPEED_BF16, strategy_precision
+    from common.models import MOE_PRESETS, PRESETS, count_parameters, is_preset, model_config
+
+    config, experiment = summary["config"], summary["experiment"]
+    if experiment not in EXPERIMENT_STRATEGY:
+        raise ValueError(f"{experiment} is not one of this repository's experiments: nothing to predict")
+    strategy = EXPERIMENT_STRATEGY[experiment]
+    if strategy == "zero":
+        strategy = f"zero-{config['zero_stage']}" + ("-offload" if config.get("cpu_offload") else "")
+    elif strategy == "fsdp" and config.get("cpu_offload"):
+        strategy = "fsdp-offload"
+    world = summary["hardware"]["world_size"]
+    if experiment in ("pp-ft", "pp-ds-ft"):
+        world = config.get("stages") or world
+    precision = DEEPSPEED_BF16 if experiment == "pp-ds-ft" and config["dtype"] == "bf16" else \
+        strategy_precision(strategy, config["dtype"])
+    if config.get("lora_rank") and not config.get("qlora") and summary.get("state_bytes_per_rank"):
+        held = summary["state_bytes_per_rank"][0]["weights"]
+        adapters = summary["model"]["trainable_parameters"]
+        frozen = (held - precision.weights * adapters) / summary["model"]["parameters"]
+        if strategy not in UNIT_SHARDED + ("tp", "tp-sp", "pp"):  # whole on each rank: the bytes tell the dtype
+            precision = replace(precision, frozen=round(frozen))
+    grad_accum = 1 if config.get("reduce_every_micro_batch") else config["grad_accum"]
+    model = config["model"]
+    if not is_preset(model) and not Path(model).exists() and "/" in model.strip("/") and model.startswith(("/", ".")):
+        same = [name for name in (*PRESETS, *MOE_PRESETS)
+                if count_parameters(model_config(name))["total"] == summary["model"]["parameters"]]
+        if len(same) != 1:
+            raise ValueError(f"{model} is not on this machine, and no one preset has its "
+                             f"{summary['model']['parameters']:,} parameters")
+        model = same[0]
+    return estimate(model, strategy, world, seq_len=config["seq_len"],
+                    micro_batch_size=config["micro_batch_size"], grad_accum=grad_accum,
+                    activation_checkpointing=config["activation_checkpointing"], lora_rank=config.get("lora_rank", 0),
+                    precision=precision, attention=attention_kind(summary["attention"], config.get("packing", True)),
+                    loss_chunk_tokens=config.get("loss_chunk_tokens") or 0, compile=config.get("compile", False),
+                    qlora=config.get("qlora", False), tensor_parallel=config.get("tp_degree") or 2)
