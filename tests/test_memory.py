@@ -478,6 +478,9 @@ def test_fsdp_units_and_gradients_by_hand():
         assert estimate(shape, strategy, 2, grad_accum=4) == estimate(shape, strategy, 2)
     tp, tp_accumulating = estimate(shape, "tp", 2), estimate(shape, "tp", 2, grad_accum=4)
     assert tp_accumulating.forward_bytes == tp.forward_bytes + tp.grads_bytes
+    # --no-reshard-after-forward (and the gather-once setting) keeps every layer gathered until its backward
+    kept = estimate(shape, "fsdp", 2, reshard_after_forward=False)
+    assert kept.buffers_bytes == (root + 36 * layer) * 2 + 6 * root
     # fsdp-offload keeps the same units on the GPU and every sharded state on the host
     offload = estimate(shape, "fsdp-offload", 2)
     assert offload.model_states_bytes == 0 and offload.buffers_bytes == fsdp.buffers_bytes
@@ -918,6 +921,12 @@ def test_fsdp_reduces_every_micro_batch_before_the_strategy_changes():
         assert not estimate("qwen3-1.7b", "fsdp", 2, grad_accum=8, activation_checkpointing=checkpointing).fits(20)
     assert estimate("qwen3-1.7b", "fsdp", 2, grad_accum=1).fits(20)
     assert recommend("qwen3-1.7b", 2, 24, micro_batch_size=1, grad_accum=8, fast=False).rung.flags == ()
+    # With memory to spare the answer names fsdp-ft's gather-once setting, priced with every layer gathered.
+    roomy = recommend("qwen3-1.7b", 2, 32, micro_batch_size=1, grad_accum=8)
+    once = estimate("qwen3-1.7b", "fsdp", 2, grad_accum=8, reshard_after_forward=False, attention="flash",
+                    loss_chunk_tokens=1024, compile=True)
+    assert roomy.strategy == "fsdp" and f"gathers each unit once per step instead of twice per micro-batch " \
+        f"({once.total_gib:.1f} GiB per GPU)" in roomy.reason
 
 
 # ---------------------------------------------------------------------------------------------------------------

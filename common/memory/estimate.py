@@ -38,7 +38,8 @@ the input ids and labels. tests/test_memory.py holds every GPU run committed und
      On one rank nothing is gathered: a parameter becomes a view of its (whole) partition.
    - fsdp: the unsharded units. FSDP2 never reshards the root module (embedding, final norm and, when untied, the
      LM head) between forward and backward, and it all-gathers the next layer while the current one runs: root +
-     2 layers of weights in the compute dtype. A unit's gradients arrive in c bytes and are copied into an fp32
+     2 layers of weights in the compute dtype (root + every layer with --no-reshard-after-forward, which keeps each
+     layer gathered from its forward to its backward, and with the gather-once setting). A unit's gradients arrive in c bytes and are copied into an fp32
      reduce-scatter input (the reduce dtype); the root's reduce-scatter waits for the embedding's gradient at the
      end of backward: max(c root + (c + 4) layer, (c + 4) root) of trainable parameters. With --grad-accum > 1
      fsdp-ft reduce-scatters only in the last micro-batch: until then every unit keeps its unsharded gradients,
@@ -281,19 +282,21 @@ class MemoryEstimate:
 def estimate(config_like, strategy: str, world_size: int = 1, *, seq_len: int = 1024, micro_batch_size: int = 1,
              activation_checkpointing: bool = False, lora_rank: int = 0, precision: BytesPerParam | str = "bf16",
              attention: str = "sdpa-packed", grad_accum: int = 1, tensor_parallel: int = 2,
-             loss_chunk_tokens: int = 0, compile: bool = False, qlora: bool = False) -> MemoryEstimate:
+             loss_chunk_tokens: int = 0, compile: bool = False, qlora: bool = False,
+             reshard_after_forward: bool = True) -> MemoryEstimate:
     """Peak memory of one device (for pp: of the fullest stage), broken down as in the module docstring.
     `precision`: the experiments' --dtype ("bf16", "fp32"), priced as each strategy's experiment keeps it
     (strategy_precision), or one BytesPerParam for every strategy. `grad_accum`: micro-batches per optimizer step
     (their gradients accumulate: held at every backward after the first; fsdp keeps them unsharded, section 1).
     `tensor_parallel`: fsdp-tp's t (fsdp-tp-ft's --tp-degree) among the `world_size` ranks; ignored otherwise.
     `loss_chunk_tokens`, `compile`: the experiments' --loss-chunk-tokens and --compile. `qlora`: --qlora (4-bit
-    base, LoRA of rank `lora_rank` on top, bf16 compute: single and ddp)."""
+    base, LoRA of rank `lora_rank` on top, bf16 compute: single and ddp). `reshard_after_forward`: fsdp-ft's flag
+    (False also for its gather-once setting): every layer stays gathered from its forward to its backward."""
     stages = estimate_stages(config_like, strategy, world_size, seq_len=seq_len, micro_batch_size=micro_batch_size,
                              activation_checkpointing=activation_checkpointing, lora_rank=lora_rank,
                              precision=precision, attention=attention, grad_accum=grad_accum,
                              tensor_parallel=tensor_parallel, loss_chunk_tokens=loss_chunk_tokens, compile=compile,
-                             qlora=qlora)
+                             qlora=qlora, reshard_after_forward=reshard_after_forward)
     return max(stages, key=lambda stage: stage.total_bytes)
 
 
@@ -301,7 +304,8 @@ def estimate_stages(config_like, strategy: str, world_size: int = 1, *, seq_len:
                     micro_batch_size: int = 1, activation_checkpointing: bool = False, lora_rank: int = 0,
                     precision: BytesPerParam | str = "bf16", attention: str = "sdpa-packed",
                     grad_accum: int = 1, tensor_parallel: int = 2, loss_chunk_tokens: int = 0,
-                    compile: bool = False, qlora: bool = False) -> list[MemoryEstimate]:
+                    compile: bool = False, qlora: bool = False,
+                    reshard_after_forward: bool = True) -> list[MemoryEstimate]:
     """The estimate of every distinct device: one per pipeline stage for pp (stage k on rank k), else one for all."""
     if strategy not in STRATEGIES + MESH_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES + MESH_STRATEGIES)}")
@@ -333,7 +337,8 @@ def estimate_stages(config_like, strategy: str, world_size: int = 1, *, seq_len:
         precision = QLORA
     precision = resolve_precision(strategy, precision)
     return [_estimate_slice(shape, piece, strategy, world_size, micro_batch_size, seq_len, activation_checkpointing,
-                            lora_rank, precision, attention, grad_accum, loss_chunk_tokens, compile, qlora)
+                            lora_rank, precision, attention, grad_accum, loss_chunk_tokens, compile, qlora,
+                            reshard_after_forward)
             for piece in device_slices(shape, strategy, world_size, lora_rank, tensor_parallel, qlora)]
 
 
@@ -353,7 +358,7 @@ def uses_bf16_optimizer(strategy: str, precision: BytesPerParam) -> bool:
 def _estimate_slice(shape: ModelShape, piece: DeviceSlice, strategy: str, world_size: int, micro_batch_size: int,
                     seq_len: int, activation_checkpointing: bool, lora_rank: int, precision: BytesPerParam,
                     attention: str, grad_accum: int, loss_chunk_tokens: int, compiled: bool,
-                    qlora: bool) -> MemoryEstimate:
+                    qlora: bool, reshard_after_forward: bool = True) -> MemoryEstimate:
     # fsdp-tp: FSDP shards the tensor-parallel slice over the data-parallel ranks only, world / t of them.
     data_parallel = world_size // piece.tensor_parallel if strategy == "fsdp-tp" else world_size
     states = model_state_bytes(piece.trainable, piece.frozen, precision, strategy, data_parallel, piece.quantized)
@@ -443,7 +448,10 @@ def _estimate_slice(shape: ModelShape, piece: DeviceSlice, strategy: str, world_
         states["weights"] += zero3_persistent_parameters(shape, lora_rank) * precision.weights
     elif strategy in FSDP_STRATEGIES:
         layer = piece.layer_trainable + piece.layer_frozen
-        gathered_weights = (piece.root_trainable + piece.root_frozen + min(2, piece.layers) * layer) * c
+        # Resharded after forward, a layer is gathered while it runs and the next is prefetched; not resharded
+        # (--no-reshard-after-forward, and the gather-once setting), every layer stays gathered until its backward.
+        gathered_layers = min(2, piece.layers) if reshard_after_forward else piece.layers
+        gathered_weights = (piece.root_trainable + piece.root_frozen + gathered_layers * layer) * c
         # Each unit's gradients arrive in the compute dtype and are copied into a reduce-scatter input in the fp32
         # reduce dtype. The root's reduce-scatter waits for the embedding's gradient at the end of backward, so
         # its gradient (the LM head's part arrives first) is alive beside each layer's.
@@ -542,4 +550,5 @@ def predict_run(summary: dict) -> MemoryEstimate:
                     activation_checkpointing=config["activation_checkpointing"], lora_rank=config.get("lora_rank", 0),
                     precision=precision, attention=attention_kind(summary["attention"], config.get("packing", True)),
                     loss_chunk_tokens=config.get("loss_chunk_tokens") or 0, compile=config.get("compile", False),
-                    qlora=config.get("qlora", False), tensor_parallel=config.get("tp_degree") or 2)
+                    qlora=config.get("qlora", False), tensor_parallel=config.get("tp_degree") or 2,
+                    reshard_after_forward=config.get("reshard_after_forward", True))

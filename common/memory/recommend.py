@@ -284,6 +284,19 @@ def recommend(config_like, gpus: int, gpu_mem_gb: float, *, seq_len: int = 1024,
                 lora_alternative = next((r.estimate for s, f in on_gpus
                                          for r in [best(s, DEFAULT_LORA_RANK, False, f)[0]] if r), None)
             reason = _explain(rung, failures, shape, usable_gib, lora_rank, qlora, lora_alternative, seq_len)
+            if strategy == "fsdp" and rung.grad_accum > 1 and "--reduce-every-micro-batch" not in flags:
+                # fsdp-ft's gather-once setting: the whole model gathered for the step, one all-gather per unit per
+                # step instead of two per micro-batch; named where it fits the same micro-batch.
+                once = estimate(shape, "fsdp", gpus, seq_len=seq_len, micro_batch_size=rung.micro_batch_size,
+                                grad_accum=rung.grad_accum, lora_rank=rank, precision=precision,
+                                activation_checkpointing=rung.activation_checkpointing,
+                                attention=varlen_attention if rung.fast[0] else plain_attention,
+                                loss_chunk_tokens=LOSS_CHUNK_TOKENS if rung.fast[1] else 0, compile=rung.fast[2],
+                                reshard_after_forward=False)
+                if once.fits(gpu_mem_gb):
+                    reason += (f"; with memory to spare, --no-reshard-after-forward --no-reshard-after-backward "
+                               f"gathers each unit once per step instead of twice per micro-batch "
+                               f"({once.total_gib:.1f} GiB per GPU)")
             if strategy == "ep":
                 reason = f"{_moe_split(shape, gpus, gpu_mem_gb, rung)}; {reason}"
             return Recommendation(strategy, rung.activation_checkpointing, rank, reason, rung.estimate,

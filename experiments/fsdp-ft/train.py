@@ -442,7 +442,8 @@ def main(argv: list[str] | None = None) -> dict:
         micro_batch_size=config.micro_batch_size, activation_checkpointing=config.activation_checkpointing,
         lora_rank=config.lora_rank, precision=config.dtype, attention=attention_kind(attention, config.packing),
         grad_accum=1 if config.reduce_every_micro_batch else config.grad_accum,  # micro-batches of unreduced gradients
-        loss_chunk_tokens=config.loss_chunk_tokens, compile=config.compile)
+        loss_chunk_tokens=config.loss_chunk_tokens, compile=config.compile,
+        reshard_after_forward=config.reshard_after_forward)
     # common/comm.py's formula for what the profiled steps measured: each unit's parameters (global shapes), the
     # root unit (what no layer holds) first. It is the steady state: a step right after an --eval-every evaluation
     # finds units still gathered and gathers less. Not covered: a world of one, whose collectives are not modelled,
