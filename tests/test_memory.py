@@ -1008,6 +1008,31 @@ def test_cli_nothing_fits_exits_1(capsys):
     assert stop.value.code == 1 and "recommendation: none" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("argv", [["--model", "qwen3-4b", "--gpus", "2"], ["--model", "qwen3-1.7b", "--gpus", "1"],
+                                  ["--model", "qwen3-0.6b", "--gpus", "4", "--seq-len", "4096"],
+                                  ["--model", "qwen3-4b", "--gpus", "1", "--lora-rank", "16"],
+                                  ["--model", "qwen3-30b-a3b", "--gpus", "8"]])
+def test_the_ladders_first_fit_is_the_recommendation_for_any_memory(argv, capsys):
+    """--json prints the whole ladder of a question; for every GPU memory, the first rung within its usable share is
+    what recommend() answers (what the site's calculator relies on, without a second implementation)."""
+    from common.models import PRESET_HUB_IDS
+
+    main([*argv, "--json"])
+    ladder = json.loads(capsys.readouterr().out)
+    flags = dict(zip(argv[::2], argv[1::2]))
+    for gpu_mem_gb in (4, 8, 12, 16, 24, 32, 40, 48, 64, 80, 96, 141, 192):
+        advice = recommend(flags["--model"], int(flags["--gpus"]), gpu_mem_gb,
+                           seq_len=int(flags.get("--seq-len", 1024)), lora_rank=int(flags.get("--lora-rank", 0)),
+                           model=PRESET_HUB_IDS[flags["--model"]])
+        usable = gpu_mem_gb * ladder["usable_fraction"]
+        first = next((rung for rung in ladder["rungs"] if rung["peak_gib"] <= usable), None)
+        if advice.rung is None:
+            assert first is None, gpu_mem_gb
+            continue
+        assert first is not None and first["command"] == advice.command(), gpu_mem_gb
+        assert first["peak_gib"] == pytest.approx(advice.choice.total_gib), gpu_mem_gb
+
+
 def test_the_recommended_command_runs_what_was_priced(small_data, tmp_path):
     """The command the CLI prints, run as printed (one step, on the small data): its summary's prediction, which the
     experiment computes from its own flags, is the peak the CLI printed."""

@@ -23,8 +23,8 @@ from common.memory.cli import GPU_MEMORY_GB, AnswerError, Asked, ask, build_pars
 from common.memory.estimate import EXPERIMENT_STRATEGY, DeviceSlice, MemoryEstimate, device_slices, estimate, \
     estimate_stages, predict_peak_gib, predict_run, uses_autocast, uses_bf16_optimizer
 from common.memory.recommend import DEFAULT_LORA_RANK, DEFAULT_ROWS_PER_GPU, FAST_FLAGS, LOSS_CHUNK_TOKENS, \
-    OFFLOAD_LADDER, RUN_WITH, WHY, NodeLayout, Recommendation, Rung, format_multi_node, multi_node_layouts, \
-    recommend
+    OFFLOAD_LADDER, RUN_WITH, WHY, Ladder, NodeLayout, Recommendation, Rung, format_multi_node, \
+    multi_node_layouts, recommend
 from common.memory.states import BF16_RULE_OF_THUMB, DATA_PARALLEL_SHARDING, DEEPSPEED_ALLREDUCE_BUCKET_ELEMENTS, \
     DEEPSPEED_BF16, DEEPSPEED_FP32, DEEPSPEED_MAX_LIVE_PARAMETERS, DEEPSPEED_MAX_REUSE_DISTANCE, \
     DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD, DEEPSPEED_PREFETCH_BUCKET_ELEMENTS, DEEPSPEED_REDUCE_BUCKET_ELEMENTS, \

@@ -12,13 +12,14 @@ Exit codes: 0 with an answer, 1 when nothing fits (the line says what would), 2 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass
 
 from common.memory.activations import ATTENTION_KINDS, layer_activation_terms
 from common.memory.estimate import MemoryEstimate, estimate, uses_autocast
-from common.memory.recommend import DEFAULT_ROWS_PER_GPU, Recommendation, format_multi_node, multi_node_layouts, \
-    recommend
+from common.memory.recommend import DEFAULT_ROWS_PER_GPU, Ladder, Recommendation, format_multi_node, \
+    multi_node_layouts, recommend
 from common.memory.states import DTYPES, GIB, NF4_BYTES_PER_WEIGHT, PRECISIONS, STRATEGIES, USABLE_FRACTION, ZERO_PAPER, \
     BytesPerParam, ModelShape, model_shape, resolve_precision, strategy_precision, zero_paper_figure1
 
@@ -142,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nodes", type=int, default=1,
                         help="nodes the --gpus are spread over (evenly): also print the multi-node layouts (HSDP, "
                              "FSDP over all, FSDP x TP) and which to take")
+    parser.add_argument("--json", action="store_true",
+                        help="print the whole ladder for these settings as JSON instead (every rung in the order the "
+                             "recommendation tries them, with its command and GiB per GPU by part: the first that fits "
+                             "a GPU's memory is the answer)")
     parser.add_argument("--zero-paper", action="store_true", help="print the ZeRO paper's Figure 1 and exit")
     return parser
 
@@ -193,6 +198,7 @@ class Asked:
     precision: BytesPerParam | str
     kv_expanded: bool
     advice: Recommendation
+    ladder: Ladder  # every rung of the question, whatever the memory
 
 
 def ask(argv: list[str], parser: argparse.ArgumentParser | None = None) -> Asked:
@@ -226,12 +232,12 @@ def ask(argv: list[str], parser: argparse.ArgumentParser | None = None) -> Asked
                           f"GiB): more or larger GPUs")
     precision = PRECISIONS[args.precision] if args.precision else args.dtype
     kv_expanded = _kv_expanded()
-    advice = recommend(shape, args.gpus, gpu_mem_gb, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
-                       grad_accum=args.grad_accum, rows_per_gpu=args.rows_per_gpu,
-                       activation_checkpointing=args.activation_checkpointing, lora_rank=args.lora_rank,
-                       qlora=args.qlora, precision=precision, attention=args.attention, interconnect=args.interconnect,
-                       fast=args.fast, kv_expanded=kv_expanded, model=_command_model(args))
-    return Asked(args, shape, gpu_mem_gb, precision, kv_expanded, advice)
+    question = dict(seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum,
+                    rows_per_gpu=args.rows_per_gpu, activation_checkpointing=args.activation_checkpointing,
+                    lora_rank=args.lora_rank, qlora=args.qlora, precision=precision, attention=args.attention,
+                    interconnect=args.interconnect, fast=args.fast, kv_expanded=kv_expanded)
+    advice = recommend(shape, args.gpus, gpu_mem_gb, model=_command_model(args), **question)
+    return Asked(args, shape, gpu_mem_gb, precision, kv_expanded, advice, Ladder(shape, args.gpus, **question))
 
 
 def answer(argv: list[str] | None = None) -> int:
@@ -242,6 +248,11 @@ def answer(argv: list[str] | None = None) -> int:
     asked = ask(argv, parser)
     args, shape, gpu_mem_gb, precision, kv_expanded, advice = (asked.args, asked.shape, asked.gpu_mem_gb,
                                                                asked.precision, asked.kv_expanded, asked.advice)
+    if args.json:
+        print(json.dumps(dict(model=shape.name, parameters=shape.total_parameters, gpus=args.gpus,
+                              seq_len=args.seq_len, usable_fraction=USABLE_FRACTION,
+                              rungs=asked.ladder.to_json(_command_model(args))), indent=1))
+        return 0
     shown = [e for e in advice.estimates if args.strategy in (None, e.strategy)]
     if args.strategy and not shown:  # single on several GPUs, or a layout these GPUs cannot take
         world = 1 if args.strategy == "single" else args.gpus

@@ -99,6 +99,12 @@ WHY = {
 }
 
 
+# The parts of a GPU's memory an estimate breaks down, as the CLI's table and the ladder's JSON name them.
+PARTS = (("weights", "weights_bytes"), ("grads", "grads_bytes"), ("optimizer", "optimizer_bytes"),
+         ("master", "master_bytes"), ("copies", "compute_copy_bytes"), ("activations", "activations_bytes"),
+         ("logits", "logits_bytes"), ("buffers", "buffers_bytes"))
+
+
 @dataclass(frozen=True)
 class Rung:
     """One way to run: a strategy with its flags, priced at one micro-batch size."""
@@ -171,35 +177,54 @@ def _micro_batches(rows: int, strategy: str, gpus: int, fixed: int | None) -> li
     return pairs or [(1, max(rows, least))]
 
 
-def recommend(config_like, gpus: int, gpu_mem_gb: float, *, seq_len: int = 1024, micro_batch_size: int | None = None,
-              grad_accum: int | None = None, rows_per_gpu: int = DEFAULT_ROWS_PER_GPU,
-              activation_checkpointing: bool = False, lora_rank: int = 0, qlora: bool = False,
-              precision: BytesPerParam | str = "bf16", attention: str | None = None, interconnect: str = "pcie",
-              fast: bool = True, kv_expanded: bool = False, model: str = "") -> Recommendation:
-    """The decision tree of the module docstring. `micro_batch_size` and `grad_accum`, when given, fix the batch
-    layout (rows per replica per step = their product); otherwise each rung takes the largest micro-batch that fits
-    of `rows_per_gpu` rows per replica per step. `fast`: price and run the speed flags each experiment takes
-    (varlen attention, the chunked loss, compiled layers; `kv_expanded`: the installed torch's varlen kernel repeats
-    K/V heads); otherwise `attention` (an ATTENTION_KINDS entry, default sdpa-packed) is priced as given.
-    `precision` is the --dtype ("bf16", "fp32"), each strategy priced as its experiment runs it (strategy_precision),
-    or one BytesPerParam for every strategy. `model` is the --model the command names."""
-    shape = model_shape(config_like)
-    usable_gib = gpu_mem_gb * USABLE_FRACTION
-    rows = micro_batch_size * (grad_accum or 1) if micro_batch_size else (grad_accum or rows_per_gpu)
-    if qlora and not lora_rank:
-        lora_rank = DEFAULT_LORA_RANK
-    dtype = precision if isinstance(precision, str) else None
-    plain_attention = attention or "sdpa-packed"
-    varlen_attention = "flash-expanded-kv" if kv_expanded else "flash"
+class Ladder:
+    """The rungs of the decision tree for one question (a model, its GPUs, the batch and training asked for), each
+    priced once, in the order recommend() tries them; the first that fits a GPU's memory is the answer. The order
+    does not depend on the memory: `rungs()` is the whole ladder, which the site's "will it fit" page walks for any
+    memory it is given."""
 
-    def price(strategy: str, checkpointing: bool, rank: int, quantized: bool, micro: int, accum: int,
+    def __init__(self, config_like, gpus: int, *, seq_len: int = 1024, micro_batch_size: int | None = None,
+                 grad_accum: int | None = None, rows_per_gpu: int = DEFAULT_ROWS_PER_GPU,
+                 activation_checkpointing: bool = False, lora_rank: int = 0, qlora: bool = False,
+                 precision: BytesPerParam | str = "bf16", attention: str | None = None, interconnect: str = "pcie",
+                 fast: bool = True, kv_expanded: bool = False):
+        self.shape, self.gpus, self.seq_len = model_shape(config_like), gpus, seq_len
+        self.micro_batch_size, self.activation_checkpointing = micro_batch_size, activation_checkpointing
+        self.rows = micro_batch_size * (grad_accum or 1) if micro_batch_size else (grad_accum or rows_per_gpu)
+        self.lora_rank, self.qlora, self.precision, self.fast = lora_rank, qlora, precision, fast
+        self.plain_attention = attention or "sdpa-packed"
+        self.varlen_attention = "flash-expanded-kv" if kv_expanded else "flash"
+        shape = self.shape
+        if shape.is_moe:  # single-ft on one GPU, ep-ft on several; full fine-tuning only
+            self.on_gpus = [("single", ())] if gpus == 1 else [("ep", ())]
+        elif gpus == 1:
+            self.on_gpus = [("single", ())]
+        else:
+            model_parallel = ("tp-sp", "tp", "pp") if interconnect == "nvlink" else ("pp", "tp-sp", "tp")
+            fsdp_variants = [("fsdp", ())] + ([("fsdp", ("--reduce-every-micro-batch",))] if self.rows > 1 else [])
+            self.on_gpus = [("ddp", ()), *fsdp_variants, *((s, ()) for s in model_parallel)]
+        offload = [] if shape.is_moe else [(s, ()) for s in OFFLOAD_LADDER]
+        # (LoRA rank, QLoRA, rungs): full fine-tuning on the GPUs, then offloaded; LoRA on the GPUs; QLoRA; LoRA
+        # offloaded.
+        rank = lora_rank or DEFAULT_LORA_RANK
+        if qlora:
+            self.trainings = [(rank, True, self.on_gpus)]
+        elif lora_rank:
+            self.trainings = [(rank, False, self.on_gpus), (rank, True, self.on_gpus), (rank, False, offload)]
+        elif shape.is_moe:
+            self.trainings = [(0, False, self.on_gpus)]
+        else:
+            self.trainings = [(0, False, self.on_gpus + offload), (rank, False, self.on_gpus),
+                              (rank, True, self.on_gpus), (rank, False, offload)]
+
+    def price(self, strategy: str, checkpointing: bool, rank: int, quantized: bool, micro: int, accum: int,
               flags: tuple[str, ...] = ()) -> Rung | None:
-        world = 1 if strategy == "single" else gpus
-        varlen, chunked, compiled = FAST_FLAGS[strategy] if fast else (False, False, False)
+        world = 1 if strategy == "single" else self.gpus
+        varlen, chunked, compiled = FAST_FLAGS[strategy] if self.fast else (False, False, False)
         try:
-            priced = estimate(shape, strategy, world, seq_len=seq_len, micro_batch_size=micro, lora_rank=rank,
-                              activation_checkpointing=checkpointing, precision=precision,
-                              attention=varlen_attention if varlen else plain_attention,
+            priced = estimate(self.shape, strategy, world, seq_len=self.seq_len, micro_batch_size=micro,
+                              lora_rank=rank, activation_checkpointing=checkpointing, precision=self.precision,
+                              attention=self.varlen_attention if varlen else self.plain_attention,
                               grad_accum=1 if "--reduce-every-micro-batch" in flags else accum,
                               loss_chunk_tokens=LOSS_CHUNK_TOKENS if chunked else 0, compile=compiled,
                               qlora=quantized)
@@ -208,45 +233,89 @@ def recommend(config_like, gpus: int, gpu_mem_gb: float, *, seq_len: int = 1024,
         return Rung(strategy, checkpointing, rank, quantized, micro, accum, flags, (varlen, chunked, compiled),
                     priced)
 
-    def best(strategy: str, rank: int, quantized: bool, flags: tuple[str, ...] = ()) -> tuple[Rung | None, list]:
-        """The rung of this strategy to take (module docstring: checkpointing only where it buys a micro-batch
-        that matters), and the largest estimates that did not fit (for the reason)."""
-        options, misses = {}, []
-        for checkpointing in (True,) if activation_checkpointing else (False, True):
-            for micro, accum in _micro_batches(rows, strategy, gpus, micro_batch_size):
-                rung = price(strategy, checkpointing, rank, quantized, micro, accum, flags)
-                if rung is None:
-                    break
-                if rung.estimate.fits(gpu_mem_gb):
-                    options[checkpointing] = rung
-                    break
-                misses.append(rung.estimate)
-        plain, recomputed = options.get(False), options.get(True)
-        if plain and (recomputed is None or recomputed.micro_batch_size <= plain.micro_batch_size
-                      or plain.micro_batch_size * seq_len >= EFFICIENT_MICRO_TOKENS):
-            return plain, misses
-        if recomputed is not None and plain is not None:
-            recomputed = replace(recomputed, plain_micro_batch_size=plain.micro_batch_size)
-        return recomputed, misses
+    def group(self, strategy: str, rank: int, quantized: bool, flags: tuple[str, ...] = ()) -> list[Rung]:
+        """One strategy's rungs for one training, in the order to try them: the first that fits is the one to take
+        (module docstring: checkpointing only where it buys a micro-batch that keeps the GPU busy). Micro-batches
+        large enough without checkpointing come first; then checkpointed ones down to that size; below it each
+        size without, then with checkpointing, so that checkpointing wins only where it fits a larger micro-batch
+        than the plain step does."""
+        layouts = _micro_batches(self.rows, strategy, self.gpus, self.micro_batch_size)
+        if self.activation_checkpointing:
+            order = [(True, layout) for layout in layouts]
+        else:
+            efficient = [layout for layout in layouts if layout[0] * self.seq_len >= EFFICIENT_MICRO_TOKENS]
+            small = [layout for layout in layouts if layout[0] * self.seq_len < EFFICIENT_MICRO_TOKENS]
+            order = ([(False, layout) for layout in efficient] + [(True, layout) for layout in efficient]
+                     + [(checkpointing, layout) for layout in small for checkpointing in (False, True)])
+        rungs = [self.price(strategy, checkpointing, rank, quantized, micro, accum, flags)
+                 for checkpointing, (micro, accum) in order]
+        return [rung for rung in rungs if rung is not None]
 
-    if shape.is_moe:  # single-ft on one GPU, ep-ft on several; full fine-tuning only
-        on_gpus = [("single", ())] if gpus == 1 else [("ep", ())]
-    elif gpus == 1:
-        on_gpus = [("single", ())]
-    else:
-        model_parallel = ("tp-sp", "tp", "pp") if interconnect == "nvlink" else ("pp", "tp-sp", "tp")
-        fsdp_variants = [("fsdp", ())] + ([("fsdp", ("--reduce-every-micro-batch",))] if rows > 1 else [])
-        on_gpus = [("ddp", ()), *fsdp_variants, *((s, ()) for s in model_parallel)]
-    offload = [] if shape.is_moe else [(s, ()) for s in OFFLOAD_LADDER]
-    # (LoRA rank, QLoRA, rungs): full fine-tuning on the GPUs, then offloaded; LoRA on the GPUs; QLoRA; LoRA offloaded.
-    rank = lora_rank or DEFAULT_LORA_RANK
-    if qlora:
-        trainings = [(rank, True, on_gpus)]
-    elif lora_rank:
-        trainings = [(rank, False, on_gpus), (rank, True, on_gpus), (rank, False, offload)]
-    else:
-        trainings = [(0, False, on_gpus + offload), (rank, False, on_gpus), (rank, True, on_gpus),
-                     (rank, False, offload)]
+    def best(self, strategy: str, rank: int, quantized: bool, flags: tuple[str, ...], gpu_mem_gb: float
+             ) -> tuple[Rung | None, list[MemoryEstimate]]:
+        """The first rung of the group that fits, and the estimates tried before it (for the reason)."""
+        tried = self.group(strategy, rank, quantized, flags)
+        for index, rung in enumerate(tried):
+            if rung.estimate.fits(gpu_mem_gb):
+                plain = [r.micro_batch_size for r in tried if not r.activation_checkpointing
+                         and r.estimate.fits(gpu_mem_gb)]
+                if rung.activation_checkpointing and plain:
+                    rung = replace(rung, plain_micro_batch_size=max(plain))
+                return rung, [r.estimate for r in tried[:index]]
+        return None, [r.estimate for r in tried]
+
+    def to_json(self, model: str = "") -> list[dict]:
+        """The whole ladder as plain data, in order, each rung with its command and its GiB per GPU by part: the
+        first whose `peak_gib` is within 90% of a GPU's memory (USABLE_FRACTION) is recommend()'s answer for it."""
+        rows = []
+        for rung in self.rungs():
+            e = rung.estimate
+            command = Recommendation(rung.strategy, rung.activation_checkpointing, rung.lora_rank, "", e, [],
+                                     self.gpus, 0.0, self.precision if isinstance(self.precision, str) else None,
+                                     rung.grad_accum, rung, model, self.seq_len).command()
+            rows.append(dict(
+                strategy=rung.strategy, activation_checkpointing=rung.activation_checkpointing,
+                lora_rank=rung.lora_rank, qlora=rung.qlora, micro_batch_size=rung.micro_batch_size,
+                grad_accum=rung.grad_accum, flags=list(rung.flags), command=command,
+                peak_gib=e.total_gib, peak_phase=e.peak_phase, cpu_gib=e.cpu_bytes / GIB,
+                parts_gib={name: getattr(e, field) / GIB for name, field in PARTS}))
+        return rows
+
+    def rungs(self) -> list[Rung]:
+        """The whole ladder in the order recommend() tries it: for any GPU memory, the first rung that fits is its
+        answer."""
+        return [rung for rank, quantized, ladder in self.trainings for strategy, flags in ladder
+                if not (quantized and strategy not in QLORA_STRATEGIES)
+                for rung in self.group(strategy, rank, quantized, flags)]
+
+
+def recommend(config_like, gpus: int, gpu_mem_gb: float, *, seq_len: int = 1024, micro_batch_size: int | None = None,
+              grad_accum: int | None = None, rows_per_gpu: int = DEFAULT_ROWS_PER_GPU,
+              activation_checkpointing: bool = False, lora_rank: int = 0, qlora: bool = False,
+              precision: BytesPerParam | str = "bf16", attention: str | None = None, interconnect: str = "pcie",
+              fast: bool = True, kv_expanded: bool = False, model: str = "") -> Recommendation:
+    """The decision tree of the module docstring: the first rung of Ladder that fits. `micro_batch_size` and
+    `grad_accum`, when given, fix the batch layout (rows per replica per step = their product); otherwise each rung
+    takes the largest micro-batch that fits of `rows_per_gpu` rows per replica per step. `fast`: price and run the
+    speed flags each experiment takes (varlen attention, the chunked loss, compiled layers; `kv_expanded`: the
+    installed torch's varlen kernel repeats K/V heads); otherwise `attention` (an ATTENTION_KINDS entry, default
+    sdpa-packed) is priced as given. `precision` is the --dtype ("bf16", "fp32"), each strategy priced as its
+    experiment runs it (strategy_precision), or one BytesPerParam for every strategy. `model` is the --model the
+    command names."""
+    ladder_ = Ladder(config_like, gpus, seq_len=seq_len, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
+                     rows_per_gpu=rows_per_gpu, activation_checkpointing=activation_checkpointing,
+                     lora_rank=lora_rank, qlora=qlora, precision=precision, attention=attention,
+                     interconnect=interconnect, fast=fast, kv_expanded=kv_expanded)
+    shape, rows, on_gpus, trainings = ladder_.shape, ladder_.rows, ladder_.on_gpus, ladder_.trainings
+    plain_attention, varlen_attention = ladder_.plain_attention, ladder_.varlen_attention
+    price = ladder_.price
+    usable_gib = gpu_mem_gb * USABLE_FRACTION
+    if qlora and not lora_rank:
+        lora_rank = DEFAULT_LORA_RANK
+    dtype = precision if isinstance(precision, str) else None
+
+    def best(strategy: str, rank: int, quantized: bool, flags: tuple[str, ...] = ()):
+        return ladder_.best(strategy, rank, quantized, flags, gpu_mem_gb)
 
     def table(rank: int, quantized: bool) -> list[MemoryEstimate]:
         """Every strategy these GPUs can run, each at its best rung for this training (or, where none fits, at one
@@ -269,8 +338,6 @@ def recommend(config_like, gpus: int, gpu_mem_gb: float, *, seq_len: int = 1024,
 
     failures: list[MemoryEstimate] = []
     for rank, quantized, ladder in trainings:
-        if rank and shape.is_moe:
-            break
         for strategy, flags in ladder:
             if quantized and strategy not in QLORA_STRATEGIES:
                 continue
