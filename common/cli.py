@@ -134,6 +134,14 @@ def _typed(kind: type, what: str):
     return convert
 
 
+def _one_of(choices: list[str]):
+    def convert(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(choices)}")
+        return text
+    return convert
+
+
 CONVERTERS = {"int": _typed(int, "an integer"), "float": _typed(float, "a number"), "str": str}
 
 
@@ -150,7 +158,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         message = message.removeprefix("argument ")
         message = message.replace("expected one argument", "needs a value")
-        message = message.replace("invalid choice: ", "").replace("(choose from ", "(one of ")
         raise FlagError(f"{message} ({self.prog} --help lists every flag)")
 
 
@@ -169,8 +176,8 @@ def build_parser(path: str | Path) -> tuple[_Parser, dict[str, Flag]]:
                 parser.add_argument("--no-" + flag.option[2:], dest=flag.name, action="store_const", const=False,
                                     help=f"turn {flag.option} off")
         elif flag.choices is not None:
-            parser.add_argument(flag.option, dest=flag.name, choices=flag.choices, metavar="{" +
-                                ",".join(flag.choices) + "}", help=text)
+            parser.add_argument(flag.option, dest=flag.name, type=_one_of(flag.choices),
+                                metavar="{" + ",".join(flag.choices) + "}", help=text)
         else:
             parser.add_argument(flag.option, dest=flag.name, type=CONVERTERS[flag.base_type],
                                 metavar=flag.base_type.upper(), help=text)
@@ -232,15 +239,21 @@ def report_stop(stop: SystemExit) -> int:
         return message or 0
     message = str(message)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    launched = error_file and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if isinstance(stop, FlagError) and launched and _rank() != 0:
+        # The same argv gives every rank the same mistake: rank 0 reports it; the others leave quietly, exit status 0,
+        # so that torchrun's summary lists one failure, not one per rank.
+        return 0
     if error_file:
-        # torchrun's failure summary shows a string "message" as the failure's traceback.
-        Path(error_file).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
+        # torchrun's failure summary shows the record's "py_callstack" as the failure's traceback: our line.
+        record = {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}
+        Path(error_file).write_text(json.dumps({"message": record}))
     if _rank() == 0 or not error_file:
         print(message, file=sys.stderr, flush=True)
     if isinstance(stop, FlagError):
-        # The same argv gives every rank the same mistake: rank 0 reports it, the others leave quietly (a rank that
-        # exits 0 is not a second failure in torchrun's summary).
-        return 2 if _rank() == 0 else 0
+        if launched:
+            time.sleep(1.0)  # the other ranks, stopping on the same mistake, leave first (not killed as failures)
+        return 2
     return 1
 
 

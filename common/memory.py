@@ -198,7 +198,7 @@ from types import SimpleNamespace
 
 from transformers import PretrainedConfig
 
-from common.models import count_parameters, is_moe, model_config
+from common.models import count_parameters, is_moe, model_config, preset_for
 
 GIB = 2**30
 GB = 1e9  # the ZeRO paper's unit
@@ -1272,7 +1272,10 @@ def main(argv: list[str] | None = None) -> None:
         print(format_zero_paper())
         return
     if args.model:
-        shape = model_shape(args.model)
+        name, note = preset_for(args.model)  # a Qwen3 hub id priced with its preset's (published) geometry
+        if note:
+            print(note)
+        shape = model_shape(name)
     else:
         geometry = dict(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
                         head_dim=args.head_dim, intermediate=args.intermediate, vocab=args.vocab)

@@ -146,7 +146,6 @@ def _offline_fix(name: str) -> str:
             f"preset: {', '.join([*PRESETS, *MOE_PRESETS])}")
 
 
-@functools.cache
 def hub_reachable(timeout_s: float = 3.0) -> bool:
     """Whether the Hub's host answers within `timeout_s` (its client retries for most of a minute before failing)."""
     from urllib.parse import urlparse
@@ -154,9 +153,13 @@ def hub_reachable(timeout_s: float = 3.0) -> bool:
     from huggingface_hub import constants
 
     url = urlparse(constants.ENDPOINT)
+    return _answers(url.hostname, url.port or (443 if url.scheme == "https" else 80), timeout_s)
+
+
+@functools.cache  # asked once per process and host: the tokenizer, the config and the weights all ask
+def _answers(host: str, port: int, timeout_s: float) -> bool:
     try:
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
-                                 timeout=timeout_s).close()
+        socket.create_connection((host, port), timeout=timeout_s).close()
         return True
     except OSError:
         return False
@@ -171,7 +174,7 @@ def hub_options(name: str) -> dict:
 
     if isinstance(try_to_load_from_cache(name, "config.json"), str):
         return {"local_files_only": True}
-    raise SystemExit(f"--model {name}: the Hugging Face Hub cannot be reached from here and {name} is not in this "
+    raise SystemExit(f"{name}: the Hugging Face Hub cannot be reached from here and this model is not in this "
                      f"machine's cache: {_offline_fix(name)}")
 
 
