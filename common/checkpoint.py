@@ -38,10 +38,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-# One process without a process group (single-ft) saves and loads alone, which DCP announces with a UserWarning on
-# every save and load: expected here, not something the user can act on.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
-                        category=UserWarning)
 # One optimizer entry per parameter name ("optimizer.param_groups.<name>.lr") instead of per param-group index.
 # Ranks that hold different parameters (pipeline stages) would otherwise all write "optimizer.param_groups.0..."
 # for different groups; DCP keeps one rank's copy of such a key and a resume fails (KeyError 'betas' in AdamW).
@@ -50,6 +46,16 @@ OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # the resuming run loads the frozen base again from its source, and bitsandbytes cannot load its packed weights and
 # their quantization constants in place (set_state_dict stops on those keys).
 TRAINABLE_ONLY = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
+
+
+@contextmanager
+def _alone_is_expected() -> Iterator[None]:
+    """One process without a process group (single-ft) saves and loads alone, which DCP announces with a UserWarning
+    on every save and load: expected here, and nothing the user can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                                category=UserWarning)
+        yield
 
 
 def _state_dicts(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
@@ -187,7 +193,8 @@ def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, scheduler,
     run's identity (common.cli.plan_run), which a resume checks."""
     with _published(out_dir, step) as temporary:
         model_state, optimizer_state, _ = _state_dicts(model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary)
+        with _alone_is_expected():
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary)
         _write_identity(temporary, run)
         torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": _rng_state()},
                    temporary / f"trainer_state_rank{_rank()}.pt")
@@ -209,7 +216,8 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> int:
                          f"written by --checkpoint-every)")
     model_state, optimizer_state, options = _state_dicts(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=path)
+    with _alone_is_expected():
+        dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                    options=options)
     trainer = torch.load(trainer_file, weights_only=False)  # our own file: scheduler dict and RNG tuples

@@ -217,9 +217,9 @@ def _read_jsonl(path: Path, columns: dict[str, str]) -> list[Conversation]:
 def _invalid_json(where: str, error: json.JSONDecodeError, text: str) -> DataError:
     """Where the parser stopped, and for a string left open (a line cut short) where the line ends too."""
     if error.msg.startswith("Unterminated string"):
-        end = len(text.splitlines()[error.lineno - 1]) + 1
-        return DataError(f"{where}: invalid JSON: the string opened at column {error.colno} is still open where the "
-                         f"line ends (column {end}): is the line cut short?")
+        end = len(text.splitlines()[error.lineno - 1])
+        return DataError(f"{where}: invalid JSON: the string opened at column {error.colno} is still open at the end "
+                         f"of the line (column {end}): is the line cut short?")
     return DataError(f"{where}: invalid JSON at column {error.colno}: {error.msg}")
 
 
