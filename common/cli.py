@@ -106,7 +106,7 @@ def _check_values(values: dict, flags: dict[str, Flag]) -> None:
     lora = values.get("lora_rank") or values.get("qlora")
     if values.get("merge_lora") and not lora:
         raise FlagError("--merge-lora merges LoRA adapters into the model: it needs --lora-rank N")
-    if values.get("merge_lora") and not values.get("save_hf"):
+    if values.get("merge_lora") and not values.get("save_hf") and not values.get("qlora"):  # --qlora: its own refusal
         raise FlagError("--merge-lora changes what --save-hf writes: add --save-hf DIR")
     if values.get("resume_anyway") and not values.get("resume"):
         raise FlagError("--resume-anyway only changes what --resume accepts: add --resume RUN_DIR")
