@@ -7,6 +7,12 @@ A checkpoint is the folder `<out-dir>/checkpoints/step-<k>/` holding:
 - `trainer_state_rank<r>.pt` per rank: the step (which fixes the data position, since step k always consumes
   the same rows), the LR scheduler and the RNG states.
 
+- `run.json`: what the run was (experiment, model, data, sequence length, rows per step, seed, LoRA rank): a resume
+  that differs in any of them stops and says which (common.cli.plan_run), unless --resume-anyway.
+
+`--resume` takes a step-<k> folder, a run folder (its newest complete checkpoint) or `latest` (the newest complete
+checkpoint of this experiment's runs under ./runs): find_checkpoint.
+
 Atomicity: everything is written to `step-<k>.tmp/` and renamed to `step-<k>/` by rank 0 only after every rank has
 finished. A crash mid-save leaves a `.tmp` folder that is never read (and is cleared by the next save of that step);
 the previous `step-<j>/` stays intact. On a shared filesystem a directory rename is atomic, so a reader sees either
@@ -19,8 +25,10 @@ another of the same parameters: fsdp-ft written on 2 ranks resumes on 1, on 4, o
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,6 +46,16 @@ OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # the resuming run loads the frozen base again from its source, and bitsandbytes cannot load its packed weights and
 # their quantization constants in place (set_state_dict stops on those keys).
 TRAINABLE_ONLY = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
+
+
+@contextmanager
+def _alone_is_expected() -> Iterator[None]:
+    """One process without a process group (single-ft) saves and loads alone, which DCP announces with a UserWarning
+    on every save and load: expected here, and nothing the user can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                                category=UserWarning)
+        yield
 
 
 def _state_dicts(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
@@ -101,11 +119,83 @@ def _check_resumable(path: Path) -> None:
         raise SystemExit(f"{path} is not a checkpoint folder (expected <out-dir>/checkpoints/step-<k>)")
 
 
-def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, scheduler) -> Path:
-    """Save after optimizer step `step` (1-based count of completed steps); returns the final folder."""
+def _step_number(folder: Path) -> int:
+    return int(folder.name.removeprefix("step-"))
+
+
+def find_checkpoint(path: str | Path, experiment: str) -> Path:
+    """The step-<k> folder `--resume` names: itself, a run folder's newest complete checkpoint, or with `latest` the
+    newest complete checkpoint of ./runs/<experiment>-*. An unfinished save (step-<k>.tmp) is never taken."""
+    if str(path) == "latest":
+        runs = sorted(Path("runs").glob(f"{experiment}-*"), key=lambda run: run.stat().st_mtime, reverse=True)
+        found = [checkpoint for run in runs if (checkpoint := _newest(run / "checkpoints")) is not None]
+        if not found:
+            raise SystemExit(f"--resume latest: no run under {Path('runs').resolve()}/{experiment}-* has a complete "
+                             f"checkpoint (--checkpoint-every N writes them); name the run folder instead")
+        return found[0]
+    path = Path(path)
+    if path.name.startswith("step-"):
+        _check_resumable(path)
+        return path
+    for folder in (path / "checkpoints", path):
+        if folder.is_dir() and (newest := _newest(folder)) is not None:
+            return newest
+    if not path.is_dir():
+        raise SystemExit(f"--resume {path}: no such folder (a run folder, its checkpoints/step-<k>, or latest)")
+    unfinished = sorted(path.glob("**/step-*.tmp"))
+    raise SystemExit(f"--resume {path}: no complete checkpoint in it"
+                     + (f" (only the unfinished {unfinished[-1].name}: its save was interrupted)" if unfinished
+                        else " (--checkpoint-every N writes them)"))
+
+
+def _newest(folder: Path) -> Path | None:
+    steps = [child for child in folder.glob("step-*") if child.is_dir() and child.name.removeprefix("step-").isdigit()]
+    return max(steps, key=_step_number) if steps else None
+
+
+IDENTITY_FILE = "run.json"
+IDENTITY_NAMES = dict(experiment="experiment", model="--model", data="--data", seq_len="--seq-len",
+                      packing="--packing", rows_per_step="rows per step (B)", seed="--seed", lora_rank="--lora-rank")
+
+
+def check_identity(path: str | Path, identity: dict, allow: bool = False, print_fn=print) -> None:
+    """Stop when the checkpoint was written by a run that differs from this one in what fixes its steps (model, data,
+    sequence length, rows per step, seed, LoRA rank, experiment); with `allow` (--resume-anyway) say so and go on."""
+    file = Path(path) / IDENTITY_FILE
+    if not file.exists():
+        print_fn(f"note: {path} records no run identity (written before run.json existed): not checked")
+        return
+    written = json.loads(file.read_text())
+    differs = []
+    for key, name in IDENTITY_NAMES.items():
+        if key == "data" and written.get(key) != identity.get(key):
+            fields = [f"{field} {written[key].get(field)} -> {identity[key].get(field)}"
+                      for field in identity[key] if written[key].get(field) != identity[key].get(field)]
+            differs.append(f"{name} ({', '.join(fields)})")
+        elif key != "data" and written.get(key) != identity.get(key):
+            differs.append(f"{name} {written.get(key)} -> {identity.get(key)}")
+    if not differs:
+        return
+    what = "; ".join(differs)
+    if not allow:
+        raise SystemExit(f"--resume {path}: the checkpoint is of another run: {what}. Its steps would not continue "
+                         f"this run's; --resume-anyway resumes from it all the same")
+    print_fn(f"--resume-anyway: resuming from a checkpoint of another run ({what})")
+
+
+def _write_identity(folder: Path, run: dict | None) -> None:
+    if run is not None and _rank() == 0:
+        (folder / IDENTITY_FILE).write_text(json.dumps(run, indent=2) + "\n")
+
+
+def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, scheduler, run: dict | None = None) -> Path:
+    """Save after optimizer step `step` (1-based count of completed steps); returns the final folder. `run`: the
+    run's identity (common.cli.plan_run), which a resume checks."""
     with _published(out_dir, step) as temporary:
         model_state, optimizer_state, _ = _state_dicts(model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary)
+        with _alone_is_expected():
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary)
+        _write_identity(temporary, run)
         torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": _rng_state()},
                    temporary / f"trainer_state_rank{_rank()}.pt")
     return checkpoint_dir(out_dir, step)
@@ -126,7 +216,8 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> int:
                          f"written by --checkpoint-every)")
     model_state, optimizer_state, options = _state_dicts(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=path)
+    with _alone_is_expected():
+        dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                    options=options)
     trainer = torch.load(trainer_file, weights_only=False)  # our own file: scheduler dict and RNG tuples
@@ -139,9 +230,10 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> int:
 # get_state_dict does not understand; they save in DeepSpeed's own format, published by the same protocol.
 
 
-def save_deepspeed_checkpoint(out_dir: str | Path, step: int, engine) -> Path:
+def save_deepspeed_checkpoint(out_dir: str | Path, step: int, engine, run: dict | None = None) -> Path:
     """engine.save_checkpoint into step-<k>.tmp/, published as step-<k>/; the step rides along as client state."""
     with _published(out_dir, step) as temporary:
+        _write_identity(temporary, run)
         # DeepSpeed writes into <save_dir>/<tag>/. No "latest" file: --resume names the folder, and a "latest"
         # naming the .tmp folder would be wrong after the rename anyway. The step fixes the data position.
         engine.save_checkpoint(str(temporary.parent), tag=temporary.name, client_state={"step": step},

@@ -27,7 +27,6 @@ import json
 import os
 import random
 import re
-import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,10 +200,13 @@ def _read_jsonl(path: Path, columns: dict[str, str]) -> list[Conversation]:
                 if not line.strip():
                     continue
                 where = f"{file}:{line_number}"
+                # The newline is no part of the record: inside a string left open it would be reported as an
+                # "invalid control character" instead of the unterminated string. A BOM may open the file.
+                line = line.rstrip("\r\n")
                 try:
-                    record = json.loads(line)
+                    record = json.loads(line.removeprefix("\ufeff") if line_number == 1 else line)
                 except json.JSONDecodeError as error:
-                    raise DataError(f"{where}: invalid JSON ({error.msg} at column {error.colno})") from None
+                    raise _invalid_json(where, error, line) from None
                 conversations.append(Conversation(record_to_messages(map_columns(record, columns, where), where),
                                                   where))
         if len(conversations) == n_before:
@@ -212,18 +214,30 @@ def _read_jsonl(path: Path, columns: dict[str, str]) -> list[Conversation]:
     return conversations
 
 
-def _hub_reachable() -> bool:
-    """Whether the Hub's host answers, within 3 s (datasets itself retries for half a minute before failing)."""
-    from urllib.parse import urlparse
+def _invalid_json(where: str, error: json.JSONDecodeError, text: str) -> DataError:
+    """Where the parser stopped, and for a string left open (a line cut short) where the line ends too."""
+    if error.msg.startswith("Unterminated string"):
+        end = len(text.splitlines()[error.lineno - 1])
+        return DataError(f"{where}: invalid JSON: the string opened at column {error.colno} is still open at the end "
+                         f"of the line (column {end}): is the line cut short?")
+    return DataError(f"{where}: invalid JSON at column {error.colno}: {error.msg}")
 
-    from huggingface_hub import constants
 
-    url = urlparse(constants.ENDPOINT)
+def _raise_json_position(source: Path) -> None:
+    """A .json file datasets could not read: a JSON document or JSON Lines, parsed again to name line and column."""
+    text = source.read_text(encoding="utf-8-sig")
     try:
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=3).close()
-        return True
-    except OSError:
-        return False
+        json.loads(text)
+        return
+    except json.JSONDecodeError as whole:
+        if not text.lstrip().startswith("{"):  # one document (an array): its own line and column
+            raise _invalid_json(f"{source}:{whole.lineno}", whole, text) from None
+    for number, line in enumerate(text.splitlines(), start=1):  # JSON Lines
+        if line.strip():
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as error:
+                raise _invalid_json(f"{source}:{number}", error, line) from None
 
 
 def _first_line(error: Exception) -> str:
@@ -236,7 +250,8 @@ def _load_dataset(path: str, split: str, subset: str | None):
     import datasets
 
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    # CRITICAL: datasets also logs the errors it raises ("Failed to load JSON ..."); the DataError says it once.
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     source = Path(path)
     if source.is_dir():  # written by Dataset.save_to_disk or DatasetDict.save_to_disk
         try:
@@ -250,14 +265,20 @@ def _load_dataset(path: str, split: str, subset: str | None):
         return str(source), loaded
     if source.exists():
         builder = DATASETS_BUILDERS[source.suffix]
+        if source.stat().st_size == 0 or (builder in ("csv", "json") and not source.read_bytes().strip()):
+            raise DataError(f"{path}: empty file, no records")
         try:
             return str(source), datasets.load_dataset(builder, data_files=str(source), split="train")
         except Exception as error:
             if "corresponds to no data" in str(error):  # how datasets says a file has no rows
                 raise DataError(f"{path}: the file has no rows") from None
+            if builder == "json":  # datasets names neither line nor column: Python's parser does
+                _raise_json_position(source)
             raise DataError(f"{path}: datasets cannot read it as {builder} ({_first_line(error)})") from None
     name = f"{path} ({split})"
-    if not (os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE")) and not _hub_reachable():
+    from common.models import hub_reachable  # datasets itself retries for half a minute before failing
+
+    if not (os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE")) and not hub_reachable():
         raise DataError(f"{path}: not a local file or folder, and the Hugging Face Hub cannot be reached from here; "
                         f"pass a local {SUPPORTED[:-12]} (or set HF_HUB_OFFLINE=1 to use a copy in the datasets cache)")
     try:

@@ -48,6 +48,8 @@ from common.data import build_data
 from common.models import MOE_PRESETS, PRESETS, REPO_ROOT, count_parameters, is_preset, load_tokenizer, model_config, \
     training_flops
 
+from common.dist import print0
+
 # Kineto, the profiler behind comm_ms, writes USDT markers on every start and stop and, on a machine without a GPU,
 # an "ERROR ... gpuGetDeviceCount failed" line: noise that makes a working run look broken. Level 6 is above all of
 # its levels; set KINETO_LOG_LEVEL yourself to see them.
@@ -425,7 +427,9 @@ def format_step_line(record: dict, total_steps: int, eta_s: float | None = None)
 
     # A mixture of experts: the router's load-balancing loss (already inside `loss`, times its coefficient) after it.
     aux = f" | aux {record['aux_loss']:.4f}" if record.get("aux_loss") is not None else ""
-    line = (f"step {record['step']}/{total_steps} | loss {record['loss']:.4f}{aux} | lr {record['lr']:.1e} | "
+    # The pass over the training rows this step ends in (1.50: half-way through the second), when it is known.
+    epoch = f" | epoch {record['epoch']:.2f}" if record.get("epoch") is not None else ""
+    line = (f"step {record['step']}/{total_steps}{epoch} | loss {record['loss']:.4f}{aux} | lr {record['lr']:.1e} | "
             f"grad_norm {record['grad_norm']:.2f} | step_ms {record['step_ms']:.0f} | "
             f"comm_ms {optional(record['comm_ms'], '.0f')} | tok/s {record['tokens_per_s']:,.0f} | "
             f"mfu {optional(record['mfu'], '.2f')} | mem {record['peak_mem_gib']:.1f} GiB")
@@ -462,6 +466,8 @@ class MetricsLogger:
     is_main: bool
     lora_rank: int = 0  # --lora-rank (QLoRA's too): the base model is frozen, 4 FLOPs per weight and token, not 6
     report_to: str = "none"  # --report-to: "tensorboard" also writes every step's metrics as TensorBoard scalars
+    log_every: int = 1  # --log-every: print every N-th step line (and the first and the last); every step is recorded
+    steps_per_epoch: float | None = None  # optimizer steps per pass over the training rows: the records' `epoch`
 
     def __post_init__(self):
         self.out_dir = Path(self.out_dir)
@@ -521,6 +527,8 @@ class MetricsLogger:
                       mfu=None if flops is None or not tokens else mfu(tokens_per_s, flops / tokens, self.peak_flops,
                                                                          self.world_size),
                       flops=flops, gc_ms=self._gc_s * 1000.0, **(extra or {}))
+        if self.steps_per_epoch:
+            record["epoch"] = step / self.steps_per_epoch
         self._gc_s = 0.0
         self.records.append(record)
         now = time.perf_counter()
@@ -532,12 +540,38 @@ class MetricsLogger:
             if self._peak_notice:
                 print_fn(self._peak_notice)
                 self._peak_notice = None
-            print_fn(format_step_line(record, self.total_steps, self.eta_s(step)))
+            if step == 1 or step % self.log_every == 0 or step == self.total_steps or len(self.records) == 1:
+                print_fn(format_step_line(record, self.total_steps, self.eta_s(step)))
+            if len(self.records) == 1:
+                print_fn(self.first_line_notes(record))
         if self.writer is not None:
             for key in ("loss", "lr", "grad_norm", "step_ms", "comm_ms", "tokens_per_s", "mfu", "peak_mem_gib"):
                 if record[key] is not None:
                     self.writer.add_scalar(f"train/{key}", record[key], step)
         return record
+
+    def first_line_notes(self, record: dict) -> str:
+        """Under the first step line: what its fields measure, and why a `-` stands where a number would."""
+        notes = [f"mem: {memory_label(self.device)}"]
+        if record["comm_ms"] is None:
+            notes.append("comm_ms -: not measured on this step (torch.profiler times the collectives on the steps "
+                         "after the timing warm-up, --comm-profile-steps of them)")
+        if record["mfu"] is None and self.device.type != "cuda":  # an unknown GPU's notice came before the line
+            notes.append(f"mfu -: unknown, no dense bf16 peak is listed for {device_name(self.device)} "
+                         f"(common/metrics.py)")
+        if self.log_every > 1:
+            notes.append(f"a line every {self.log_every} steps (--log-every); metrics.jsonl has every step")
+        return "  (" + "; ".join(notes) + ")"
+
+    def outputs(self) -> str:
+        """Where this run's files went: results, TensorBoard logs, checkpoints (the export prints its own line)."""
+        lines = [f"results: {self.out_dir}/metrics.jsonl, {self.out_dir}/summary.json"]
+        if self.report_to == "tensorboard":
+            lines.append(f"tensorboard: {self.out_dir / 'tensorboard'} (view: tensorboard --logdir {self.out_dir})")
+        steps = sorted(self.out_dir.glob("checkpoints/step-*[0-9]"), key=lambda path: int(path.name[5:]))
+        if steps:
+            lines.append(f"checkpoints: {steps[-1]} is the newest (continue: --resume {self.out_dir})")
+        return "\n".join(lines)
 
     def log_eval(self, step: int, loss: float | None) -> None:
         """The held-out loss after optimizer step `step` (TensorBoard's eval/loss; the step line prints it)."""
@@ -593,6 +627,7 @@ class MetricsLogger:
         summary["mfu_dense"] = (None if dense is None or summary["tokens_per_s"] is None else
                                 mfu(summary["tokens_per_s"], dense, self.peak_flops, self.world_size))
         summary["final_loss"] = self.records[-1]["loss"] if self.records else None
+        summary["epochs"] = self.records[-1].get("epoch") if self.records else None  # passes over the training rows
         summary["memory_measure"] = memory_label(self.device)
         if self.device.type == "cuda":
             # Beside max_memory_reserved, the tensors' own peak: the difference is the caching allocator's (cached,
@@ -600,6 +635,7 @@ class MetricsLogger:
             summary["peak_mem_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if self.is_main:
             (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            print0(self.outputs())
         if self.writer is not None:
             self.writer.close()
             self.writer = None

@@ -8,14 +8,21 @@
   transformers' Qwen3-MoE model: `qwen3-30b-a3b` (the published geometry: 128 experts, 8 per token) and
   `qwen3-moe-tiny` (8 experts, 2 per token, ~8M parameters, for CPU runs and tests). Presets use the byte-level
   BPE tokenizer in assets/tokenizer/ (8k tokens; the larger embedding tables of the real sizes have unused rows).
-- a hub id such as `Qwen/Qwen3-0.6B-Base` (downloaded by transformers, or read from its cache when offline);
-- a local folder written by `save_pretrained` (or by any experiment's `--save-hf`).
+- a hub id such as `Qwen/Qwen3-0.6B-Base` (downloaded by transformers, or read from its cache when offline: when
+  the Hub cannot be reached, a cached model loads at once and an uncached one stops in seconds with the fix);
+- a local folder written by `save_pretrained` (or by any experiment's `--save-hf`); it is recorded by its absolute
+  path, so a LoRA adapter trained on it names a base that loads from any working directory.
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
 import importlib.util
+import json
 import logging
+import os
+import socket
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +30,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, Qwen3Config, \
     Qwen3MoeConfig
+from transformers.utils import logging as transformers_logging
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # peft's get_peft_model asks transformers 5 for a deprecated attribute on every LoRA run; the warning is about
@@ -31,7 +39,13 @@ warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is depre
 # bitsandbytes (the qlora group), imported by peft whenever it is installed, warns on CPUs with AVX512-BF16 that an
 # optional kernel package is missing; its 4-bit code runs without it, and nothing here computes in 4 bits on a CPU.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizer"
+# "Loading weights" and "Writing model shards" bars on every run: noise between the step lines (a download's own
+# progress is huggingface_hub's, and stays).
+transformers_logging.disable_progress_bar()
+# The presets' tokenizer: in the repository, or inside an installed package (pyproject.toml ships it there).
+TOKENIZER_DIR = next((folder for folder in (REPO_ROOT / "assets" / "tokenizer",
+                                            Path(__file__).resolve().parent / "assets" / "tokenizer")
+                      if folder.is_dir()), REPO_ROOT / "assets" / "tokenizer")
 DEFAULT_GPU_MODEL = "Qwen/Qwen3-0.6B-Base"
 DEFAULT_CPU_MODEL = "qwen3-tiny"
 
@@ -70,9 +84,26 @@ PRESET_COMMON = dict(tie_word_embeddings=True, rope_parameters={"rope_type": "de
                      rms_norm_eps=1e-6, max_position_embeddings=40960, hidden_act="silu", attention_bias=False)
 
 
+def looks_like_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).exists()
+
+
 def resolve_model_name(name: str) -> tuple[str, str | None]:
-    """`auto` -> the real 0.6B base model on a GPU machine, the tiny preset on CPU. Returns (name, notice)."""
+    """`auto` -> the real 0.6B base model on a GPU machine, the tiny preset on CPU. Returns (name, notice).
+    A local folder becomes its absolute path; a missing folder, or a preset in other letter case, stops here with
+    one line, before anything loads."""
     if name != "auto":
+        if Path(name).expanduser().is_dir():
+            return str(Path(name).expanduser().resolve()), None
+        if looks_like_path(name):
+            raise SystemExit(f"--model {name}: no such folder (--model takes a preset, a hub id such as "
+                             f"{DEFAULT_GPU_MODEL}, or a folder written by save_pretrained)")
+        if not is_preset(name) and is_preset(name.lower()):
+            raise SystemExit(f"--model {name}: presets are written in lower case: --model {name.lower()} (random "
+                             f"init); the pretrained weights are a hub id, e.g. {DEFAULT_GPU_MODEL}")
+        close = difflib.get_close_matches(name, [*PRESETS, *MOE_PRESETS], n=1, cutoff=0.8)
+        if not is_preset(name) and "/" not in name and close:
+            raise SystemExit(f"--model {name}: no such preset; did you mean {close[0]}?")
         return name, None
     if torch.cuda.is_available():
         return DEFAULT_GPU_MODEL, f"--model auto: a GPU is present, using {DEFAULT_GPU_MODEL}"
@@ -98,16 +129,74 @@ def refuse_moe(config: PretrainedConfig) -> None:
                          f"experiments/ep-ft")
 
 
+# Hub ids that have a preset with their published geometry (the memory CLI prices them without a download), in the
+# lower case preset_for compares, without "-Base": the post-trained models share the base's geometry.
+HUB_PRESETS = {hub.lower().removesuffix("-base"): preset for preset, hub in PRESET_HUB_IDS.items()}
+
+
+def preset_for(name: str) -> tuple[str, str | None]:
+    """(name to price, note): a Qwen3 hub id with a preset (base or post-trained, any letter case, with or without
+    the `Qwen/`) or a preset in other letter case -> the preset, with a note saying so; anything else unchanged."""
+    if is_preset(name) or Path(name).exists():
+        return name, None
+    key = name.lower().removesuffix("-base")
+    key = key if key.startswith("qwen/") else f"qwen/{key}"
+    preset = HUB_PRESETS.get(key) or (name.lower() if is_preset(name.lower()) else None)
+    if preset is None:
+        return name, None
+    return preset, (f"note: {name} is priced with the {preset} preset: the published geometry of Qwen3's "
+                    f"{preset.removeprefix('qwen3-').upper()} model (layers, widths, heads, vocabulary), read "
+                    f"without a download")
+
+
+def _offline_fix(name: str) -> str:
+    return (f"on a machine that is online run `hf download {name}`, copy ~/.cache/huggingface here and set "
+            f"HF_HUB_OFFLINE=1; or pass a local folder written by save_pretrained; for a run without downloads use a "
+            f"preset: {', '.join([*PRESETS, *MOE_PRESETS])}")
+
+
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the Hub's host answers within `timeout_s` (its client retries for most of a minute before failing)."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    return _answers(url.hostname, url.port or (443 if url.scheme == "https" else 80), timeout_s)
+
+
+@functools.cache  # asked once per process and host: the tokenizer, the config and the weights all ask
+def _answers(host: str, port: int, timeout_s: float) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def hub_options(name: str) -> dict:
+    """from_pretrained's options for `name`: a local folder or HF_HUB_OFFLINE=1 needs none; a hub id loads from the
+    cache alone when the Hub cannot be reached, and stops in seconds with the fix when it is not cached."""
+    if Path(name).exists() or os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") or hub_reachable():
+        return {}
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return {"local_files_only": True}
+    raise SystemExit(f"{name}: the Hugging Face Hub cannot be reached from here and this model is not in this "
+                     f"machine's cache: {_offline_fix(name)}")
+
+
 def _load_failure(name: str, what: str, error: Exception) -> SystemExit:
+    """One line: what could not be loaded, why (the error's first line), and the fix."""
     if Path(name).exists():
-        fix = f"the folder {name} exists but holds no loadable {what}: it needs config.json and weights, as written by save_pretrained"
-    elif name.startswith((".", "/")) or name.count("/") > 1:
+        fix = f"the folder exists but holds no loadable {what}: it needs config.json and weights, as written by save_pretrained"
+    elif looks_like_path(name):
         fix = f"no folder {name}: check the path"
     else:
-        fix = (f"if this machine is offline, download it first on one that is online "
-               f"(`huggingface-cli download {name}`, then copy ~/.cache/huggingface) or pass a local folder; "
-               f"for a run without downloads use a preset: {', '.join([*PRESETS, *MOE_PRESETS])}")
-    return SystemExit(f"could not load the {what} of '{name}': {type(error).__name__}: {error}\nfix: {fix}")
+        fix = f"if this machine is offline: {_offline_fix(name)}"
+    reason = (str(error).strip().splitlines() or [""])[0]
+    return SystemExit(f"could not load the {what} of '{name}' ({type(error).__name__}: {reason}); fix: {fix}")
 
 
 def model_config(name: str, tokenizer=None) -> PretrainedConfig:
@@ -121,7 +210,7 @@ def model_config(name: str, tokenizer=None) -> PretrainedConfig:
             return Qwen3MoeConfig(**MOE_PRESETS[name], **{**PRESET_COMMON, **MOE_COMMON}, **special)
         return Qwen3Config(**PRESETS[name], **PRESET_COMMON, **special)
     try:
-        return AutoConfig.from_pretrained(name)
+        return AutoConfig.from_pretrained(name, **hub_options(name))
     except (OSError, ValueError) as error:
         raise _load_failure(name, "config", error) from error
 
@@ -129,7 +218,7 @@ def model_config(name: str, tokenizer=None) -> PretrainedConfig:
 def load_tokenizer(name: str):
     path = str(TOKENIZER_DIR) if is_preset(name) else name
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, **hub_options(path))
     except (OSError, ValueError) as error:
         raise _load_failure(path, "tokenizer", error) from error
     if tokenizer.pad_token is None:
@@ -153,7 +242,8 @@ def load_model(name: str, tokenizer, attn_implementation: str, dtype: torch.dtyp
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     else:
         try:
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn_implementation)
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn_implementation,
+                                                         **hub_options(name))
         except (OSError, ValueError) as error:
             raise _load_failure(name, "model", error) from error
     check_vocabulary(name, tokenizer, model)
@@ -190,6 +280,25 @@ def add_lora(model, rank: int, alpha: float):
 
     lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
     return get_peft_model(model, lora, autocast_adapter_dtype=True)
+
+
+PRESET_BASE_FILE = "preset_base.json"  # beside a LoRA adapter trained on a preset: which preset, built from which seed
+
+
+def record_adapter_base(save_dir: str | Path, model_name: str, seed: int) -> None:
+    """After a LoRA adapter is written to `save_dir` (on the rank that wrote it): its adapter_config.json names the
+    base as the run loaded it (an absolute folder, a hub id, or a preset), and a preset's base also records its
+    seed, from which experiments/infer.py rebuilds the same random weights. A full-model export is left as it is."""
+    import torch.distributed as dist
+
+    config_file = Path(save_dir) / "adapter_config.json"
+    if (dist.is_initialized() and dist.get_rank() != 0) or not config_file.exists():
+        return
+    adapter = json.loads(config_file.read_text())
+    adapter["base_model_name_or_path"] = model_name
+    config_file.write_text(json.dumps(adapter, indent=2, sort_keys=True) + "\n")
+    if is_preset(model_name):
+        (Path(save_dir) / PRESET_BASE_FILE).write_text(json.dumps({"preset": model_name, "seed": seed}) + "\n")
 
 
 def check_vocabulary(name: str, tokenizer, model) -> None:
@@ -239,7 +348,7 @@ def load_model_4bit(name: str, tokenizer, attn_implementation: str, device: torc
     try:
         model = AutoModelForCausalLM.from_pretrained(source, quantization_config=quantization, dtype=torch.bfloat16,
                                                      attn_implementation=attn_implementation,
-                                                     device_map={"": device})
+                                                     device_map={"": device}, **hub_options(source))
     except (OSError, ValueError) as error:
         raise _load_failure(name, "model", error) from error
     finally:

@@ -8,7 +8,8 @@
 
 Every export is a standard Hugging Face folder: a full model (single-ft, ddp-ft, fsdp-ft, ... and merged LoRA)
 loads with from_pretrained; a LoRA adapter folder (adapter_config.json) loads its base first, from --base or from
-the base the adapter names, then the adapter with peft. The prompt goes through the tokenizer's chat template with
+the base the adapter names (an absolute folder or a hub id), then the adapter with peft. An adapter trained on a
+preset (random init, never saved) names the preset and its seed: its base is rebuilt from them, as training built it. The prompt goes through the tokenizer's chat template with
 the assistant's generation prompt; generation stops at <|im_end|>, the end of turn training taught; greedy unless
 --temperature is above 0. --eval-data computes the export's loss on the held-out conversations of a data file, the
 split training made with the same --seq-len, --eval-fraction and --seed: the number training printed as `eval: loss`.
@@ -29,9 +30,10 @@ from transformers.utils import logging as transformers_logging
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from common.cli import run  # noqa: E402
 from common.data import DataError, build_data, evaluate  # noqa: E402
 from common.generate import generate  # noqa: E402
-from common.models import PRESETS  # noqa: E402
+from common.models import PRESET_BASE_FILE, PRESETS, hub_options, is_preset, load_model  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,13 +71,23 @@ def load(model_dir: str, base: str | None, device: torch.device):
         from peft import PeftModel
 
         base = base or json.loads(adapter.read_text()).get("base_model_name_or_path")
-        if not base or base in PRESETS:
+        preset_base = folder / PRESET_BASE_FILE
+        if base and is_preset(base) and preset_base.exists():
+            # A preset is random init under the run's seed: the same seed builds the same weights.
+            seed = json.loads(preset_base.read_text())["seed"]
+            torch.manual_seed(seed)
+            model = load_model(base, tokenizer, "sdpa", dtype=torch.float32)
+            print(f"base: the {base} preset rebuilt from seed {seed} (random init, as training built it)")
+        elif not base or is_preset(base):
             raise SystemExit(f"{folder}: a LoRA adapter of {base or 'an unnamed base'}, which is not a saved model "
-                             f"(a preset is random init); pass --base with the folder or hub id of its base weights")
-        try:
-            model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        except OSError as error:
-            raise SystemExit(f"{folder}: cannot load its base model '{base}' ({error}); pass --base") from None
+                             f"(a preset is random init) and records no seed ({PRESET_BASE_FILE}); pass --base with "
+                             f"the folder or hub id of its base weights")
+        else:
+            try:
+                model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, **hub_options(base))
+            except OSError as error:
+                reason = (str(error).strip().splitlines() or [""])[0]
+                raise SystemExit(f"{folder}: cannot load its base model '{base}' ({reason}); pass --base") from None
         model = PeftModel.from_pretrained(model, folder)
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -156,4 +168,4 @@ def main(argv: list[str] | None = None) -> list[str] | float:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)  # a stop is one line (common/cli.py)

@@ -5,7 +5,7 @@ experiments/*/train.py, common/memory/*.py and common/sweep.py: every line of a 
 every `inline code` span, with backslash continuations joined and trailing comments dropped. A command is one that
 launches experiments/<name>/train.py (through python, uv run, torchrun or python -m torch.distributed.run),
 experiments/infer.py, python -m common.memory or python -m common.sweep. Its arguments go through that script's own parser:
-HfArgumentParser(Config) for an experiment, loaded as tests/conftest.py's load_experiment does, and the argparse
+common.cli.parse_flags for an experiment (the parser its train.py runs, from its Config), and the argparse
 parsers of common.memory and common.sweep (whose grids are expanded, so every cell's flags are parsed by the
 experiment they launch). A renamed or removed flag anywhere in the docs fails here, naming the file and line.
 Commands with a placeholder (`<run>`, `...`, a shell `$variable`) are not exact commands and are left out.
@@ -25,8 +25,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from transformers import HfArgumentParser
-
+from common.cli import parse_flags
 from conftest import REPO_ROOT, load_experiment, load_infer
 
 DOCUMENTS = ("README.md", "blogs/*.md", "devlog/*.md", "experiments/*/README.md")
@@ -182,7 +181,8 @@ def experiment_config(name: str):
 
 
 def parse_experiment(name: str, argv: list[str]) -> None:
-    HfArgumentParser(experiment_config(name)).parse_args_into_dataclasses(args=argv)
+    experiment_config(name)
+    parse_flags(REPO_ROOT / "experiments" / name / "train.py", argv)  # the parser each train.py runs
 
 
 def parse_module(module_name: str, argv: list[str]) -> None:
@@ -220,6 +220,8 @@ def refusal(command: Command) -> str | None:
             else:
                 parse_module(command.target, list(command.argv))
     except SystemExit as stop:
+        if isinstance(stop.code, str):  # a one-line refusal (common/cli.py)
+            return stop.code
         if stop.code not in (0, None):  # 0: --help
             return (errors.getvalue().strip().splitlines() or [f"exit {stop.code}"])[-1]
     except (ValueError, AssertionError) as error:

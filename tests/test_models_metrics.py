@@ -297,7 +297,7 @@ def test_unloadable_models_name_the_fix(tmp_path, tokenizer, monkeypatch):
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(SystemExit, match="huggingface-cli download .*qwen3-tiny"):
+    with pytest.raises(SystemExit, match="hf download no-such-org/no-such-model.*HF_HUB_OFFLINE=1.*qwen3-tiny"):
         load_model("no-such-org/no-such-model", tokenizer, "sdpa")
 
 

@@ -140,7 +140,7 @@ def test_command_line_run_writes_the_results_contract(tmp_path, small_data, caps
     single_ft.main(["--data", str(small_data), "--steps", "3", "--seq_len", "128", "--out-dir", str(out)])
     lines = capsys.readouterr().out.splitlines()
     assert sum(line.startswith("config: {") for line in lines) == 1
-    step_line = re.compile(r"^step (\d+)/3 \| loss \d+\.\d{4} \| lr \d\.\de[-+]\d\d \| grad_norm \d+\.\d\d \| "
+    step_line = re.compile(r"^step (\d+)/3 \| epoch \d+\.\d\d \| loss \d+\.\d{4} \| lr \d\.\de[-+]\d\d \| grad_norm \d+\.\d\d \| "
                            r"step_ms \d+ \| comm_ms (\d+|-) \| tok/s [\d,]+ \| mfu (\d\.\d\d|-) \| mem \d+\.\d GiB \| eta \d+m\d\ds$")
     assert [int(m.group(1)) for m in map(step_line.match, lines) if m] == [1, 2, 3]
     summary = json.loads((out / "summary.json").read_text())

@@ -151,10 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _shape(args, parser) -> ModelShape:
+def _shape(args, parser) -> tuple[ModelShape, str | None]:
+    """The model to price, and a note when a hub id is priced with its preset's published geometry (no download)."""
     if args.model:
+        from common.models import preset_for
+
+        name, note = preset_for(args.model)
         try:
-            return model_shape(args.model)
+            return model_shape(name), note
         except SystemExit as error:  # common.models' loading failure: its first line says what and the fix follows
             raise AnswerError(" ".join(str(error).split("\n"))) from None
         except (OSError, ValueError) as error:
@@ -168,7 +172,7 @@ def _shape(args, parser) -> ModelShape:
     return ModelShape(name="custom", tied_embeddings=not args.untied,
                       parameters=int(args.parameters) if args.parameters else None, experts=args.experts,
                       experts_per_token=args.experts_per_token, expert_intermediate=args.expert_intermediate,
-                      **geometry)
+                      **geometry), None
 
 
 def _command_model(args) -> str:
@@ -199,6 +203,7 @@ class Asked:
     kv_expanded: bool
     advice: Recommendation
     ladder: Ladder  # every rung of the question, whatever the memory
+    note: str | None = None  # a hub id priced with its preset's geometry
 
 
 def ask(argv: list[str], parser: argparse.ArgumentParser | None = None) -> Asked:
@@ -222,7 +227,7 @@ def ask(argv: list[str], parser: argparse.ArgumentParser | None = None) -> Asked
     if args.gpus % args.nodes:
         parser.error(f"--gpus {args.gpus} must divide evenly over --nodes {args.nodes}")
     gpu_mem_gb = args.gpu_mem_gb or (gpu_memory_gb(args.gpu) if args.gpu else 24.0)
-    shape = _shape(args, parser)
+    shape, note = _shape(args, parser)
     if shape.is_moe and (args.lora_rank or args.qlora):
         parser.error(f"{shape.name} is a mixture of experts: LoRA on its experts is not priced (full SFT only)")
     usable_gib = args.gpus * gpu_mem_gb * USABLE_FRACTION
@@ -237,7 +242,7 @@ def ask(argv: list[str], parser: argparse.ArgumentParser | None = None) -> Asked
                     lora_rank=args.lora_rank, qlora=args.qlora, precision=precision, attention=args.attention,
                     interconnect=args.interconnect, fast=args.fast, kv_expanded=kv_expanded)
     advice = recommend(shape, args.gpus, gpu_mem_gb, model=_command_model(args), **question)
-    return Asked(args, shape, gpu_mem_gb, precision, kv_expanded, advice, Ladder(shape, args.gpus, **question))
+    return Asked(args, shape, gpu_mem_gb, precision, kv_expanded, advice, Ladder(shape, args.gpus, **question), note)
 
 
 def answer(argv: list[str] | None = None) -> int:
@@ -248,6 +253,8 @@ def answer(argv: list[str] | None = None) -> int:
     asked = ask(argv, parser)
     args, shape, gpu_mem_gb, precision, kv_expanded, advice = (asked.args, asked.shape, asked.gpu_mem_gb,
                                                                asked.precision, asked.kv_expanded, asked.advice)
+    if asked.note and not args.json:
+        print(asked.note)
     if args.json:
         print(json.dumps(dict(model=shape.name, parameters=shape.total_parameters, gpus=args.gpus,
                               seq_len=args.seq_len, usable_fraction=USABLE_FRACTION,

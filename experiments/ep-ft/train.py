@@ -30,18 +30,19 @@ import json
 import math
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
-import torch
+from common.cli import parse_config, plan_run, resolve_paths, run, stop_early
+
+stop_early(__name__, __file__)  # --help and a flag mistake answer now, before torch and transformers load
+import torch  # noqa: E402
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.tensor import DTensor, Shard
-from transformers import HfArgumentParser
 
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
@@ -58,13 +59,13 @@ from common.models import TINY_PRESETS, count_parameters, flops_per_token, is_mo
 from common.moe import RouterStats, load_summary, split_load
 
 EXPERIMENT = "ep-ft"
-REPO_ROOT = Path(__file__).resolve().parents[2]
+SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
 
 
 @dataclass
 class Config:
     model: str = "qwen3-moe-tiny"  # a mixture of experts: preset (qwen3-moe-tiny, qwen3-30b-a3b), hub id (Qwen/Qwen3-30B-A3B-Base) or local folder
-    data: str = "assets/data/sft_en.jsonl"  # JSONL file or folder, .json/.parquet/.csv/.arrow file, save_to_disk folder, or hub id (org/name); relative paths: from the repo root if not found here
+    data: str = "assets/data/sft_en.jsonl"  # JSONL file or folder, .json/.parquet/.csv/.arrow file, save_to_disk folder, or hub id (org/name); a relative path not found here is looked up in the repository (or the installed package)
     data_split: str = "train"  # with a hub id or a saved DatasetDict: the split to train on
     data_config: str | None = None  # with a hub id: the dataset's configuration (subset)
     data_columns: str | None = None  # your column names for the expected ones, e.g. prompt=question,completion=answer
@@ -74,6 +75,7 @@ class Config:
     micro_batch_size: int = 1  # rows per forward pass, per rank
     grad_accum: int = 1  # micro-batches per optimizer step, per rank
     steps: int = 300  # optimizer steps (0 = only evaluate / export); 300 is sized for a CPU run of qwen3-tiny (a minute or two on 2 cores)
+    epochs: float | None = None  # instead of --steps: passes over the training rows (e.g. 2, 0.5); the steps are rounded up
     lr: float | None = None  # peak learning rate; default 1e-3 for presets (random init), 2e-5 for pretrained models (1e-4 with LoRA)
     warmup_steps: int = 10  # linear warm-up steps, then cosine decay to 0 at the last step
     weight_decay: float = 0.01  # AdamW decoupled weight decay on matrices (not on norms)
@@ -90,12 +92,14 @@ class Config:
     attn: Literal["auto", "sdpa", "eager", "flash", "varlen"] = "auto"  # attention implementation; auto: common/attention.py decides per device (varlen: packed documents without a mask)
     eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
     eval_every: int = 0  # also evaluate every N steps (0 = only at the end)
+    log_every: int = 1  # print every N-th step line (the first and the last always); metrics.jsonl keeps every step
     sample_every: int = 0  # every N steps print a short greedy completion of a fixed held-out prompt (0 = never)
     timing_warmup_steps: int = 2  # first steps left out of the averages in summary.json (allocator, caches, compilation)
     comm_profile_steps: int = 3  # steps profiled with torch.profiler for comm_ms (starting after the timing warm-up)
     out_dir: str | None = None  # where metrics.jsonl and summary.json go; default runs/ep-ft-<UTC time>
     checkpoint_every: int = 0  # write <out-dir>/checkpoints/step-<k>/ every N steps (0 = never)
-    resume: str | None = None  # a checkpoints/step-<k> folder to continue from (same data, B, --steps and world size)
+    resume: str | None = None  # continue a run: its folder (the newest complete checkpoint), a checkpoints/step-<k> folder, or latest (the newest of runs/<experiment>-*)
+    resume_anyway: bool = False  # with --resume: continue from a checkpoint of another run (other model, data, seq_len, rows per step, seed, LoRA rank or experiment) instead of stopping
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
     report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: also write the step metrics as TensorBoard scalars to <out-dir>/tensorboard (uv sync --group tensorboard)
     qlora: bool = False  # QLoRA: 4-bit NF4 base weights (bitsandbytes) under LoRA adapters (rank 16 unless --lora-rank), bf16 compute; CUDA only (uv sync --group qlora)
@@ -110,14 +114,7 @@ def resolve(config: Config) -> Config:
         config.dtype = "bf16" if torch.cuda.is_available() else "fp32"
     if config.lr is None:
         config.lr = 1e-3 if is_preset(config.model) else 2e-5
-    data = Path(config.data)
-    if not data.exists() and not data.is_absolute() and (REPO_ROOT / data).exists():
-        config.data = str(REPO_ROOT / data)
-    if config.out_dir is None:
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-        config.out_dir = str(REPO_ROOT / "runs" / f"{EXPERIMENT}-{stamp}")
-    if config.micro_batch_size < 1 or config.grad_accum < 1 or config.steps < 0 or config.loss_chunk_tokens < 0:
-        raise SystemExit("--micro-batch-size and --grad-accum must be >= 1, --steps and --loss-chunk-tokens >= 0")
+    resolve_paths(config, EXPERIMENT)  # --data found, --out-dir under the working directory, --resume
     return config
 
 
@@ -246,7 +243,7 @@ def all_reduce_dense(grads: list[torch.Tensor], group, bucket_bytes: int) -> Non
 
 
 def main(argv: list[str] | None = None) -> dict:
-    (config,) = HfArgumentParser(Config).parse_args_into_dataclasses(args=argv)
+    config = parse_config(Config, argv)  # a flag mistake stops with one line (common/cli.py)
     MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
     # What ep-ft does not train stops the run before anything starts (a hub model is checked once loaded).
     if config.lora_rank or config.qlora:
@@ -284,6 +281,10 @@ def main(argv: list[str] | None = None) -> dict:
     if config.show_sample:
         print0(sample_text(data, tokenizer))
     rows_per_step = config.micro_batch_size * config.grad_accum * world_size
+    plan = plan_run(EXPERIMENT, config, data.stats, rows_per_step, print_fn=print0)  # --epochs; --resume checked
+    if config.show_sample and config.steps == 0:  # --show-sample --steps 0: look at the data, then stop
+        teardown()
+        return {}
     micro_batches_per_step = config.grad_accum * world_size  # the aux loss is their mean
 
     # ---------------------------------------------------------------------------------------------------------
@@ -338,7 +339,8 @@ def main(argv: list[str] | None = None) -> dict:
     metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
                             warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
                             model_config=model.config, device=device, world_size=world_size,
-                            is_main=rank == 0, report_to=config.report_to)
+                            is_main=rank == 0, report_to=config.report_to,
+                            log_every=config.log_every, steps_per_epoch=plan.steps_per_epoch)
     comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
     stopwatch = Stopwatch(device)
     eval_losses = []
@@ -434,7 +436,8 @@ def main(argv: list[str] | None = None) -> dict:
             completion = generate(model, tokenizer, sample_messages, device, autocast=autocast)
             print0(f"sample step {step + 1}: {completion!r}")
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
-            print0(f"checkpoint: {save_checkpoint(config.out_dir, step + 1, model, optimizer, scheduler)}")
+            saved = save_checkpoint(config.out_dir, step + 1, model, optimizer, scheduler, run=plan.identity)
+            print0(f"checkpoint: {saved}")
 
     # ---------------------------------------------------------------------------------------------------------
     # Evaluation, results, export. Every rank evaluates the whole held-out split (the experts need every rank).
@@ -463,7 +466,7 @@ def main(argv: list[str] | None = None) -> dict:
                                      for key in ("calls", "bytes")} for kind in steps[0]}, dist.get_backend())
     summary = metrics.write_summary(
         comm_timer=comm_timer,  # comm_ms, collective counts and bytes (the all-to-alls): torch.profiler
-        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(REPO_ROOT), config=asdict(config),
+        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(SCRIPT_DIR), config=asdict(config),
         hardware=hardware_info(device, world_size=world_size), attention=asdict(attention),
         model=dict(name=config.model, parameters=n_params, trainable_parameters=n_params,
                    flops_per_token=model_flops_per_token, expert_parameters_per_rank=local_expert_params),
@@ -497,4 +500,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

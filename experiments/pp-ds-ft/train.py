@@ -28,16 +28,17 @@ import logging
 import math
 import os
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
-import torch
+from common.cli import parse_config, plan_run, resolve_paths, run, stop_early
+
+stop_early(__name__, __file__)  # --help and a flag mistake answer now, before torch and transformers load
+import torch  # noqa: E402
 import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
-from transformers import HfArgumentParser
 from transformers.masking_utils import create_causal_mask
 
 # DeepSpeed picks its "accelerator" when it is imported; without a CUDA/ROCm GPU, name the CPU one instead of letting it
@@ -56,17 +57,17 @@ from common.memory import DEEPSPEED_BF16, attention_kind, predict_peak_gib  # no
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     memory_label, peak_memory_gib, summary_table  # noqa: E402
 from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
-    resolve_model_name  # noqa: E402
+    record_adapter_base, resolve_model_name  # noqa: E402
 
 EXPERIMENT = "pp-ds-ft"
-REPO_ROOT = Path(__file__).resolve().parents[2]
+SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
 deepspeed.utils.logger.setLevel(logging.WARNING)  # DeepSpeed logs every engine detail at INFO; keep the step lines
 
 
 @dataclass
 class Config:
     model: str = "auto"  # preset (qwen3-tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b), hub id or local folder; auto: Qwen/Qwen3-0.6B-Base on GPU, qwen3-tiny on CPU
-    data: str = "assets/data/sft_en.jsonl"  # JSONL file or folder, .json/.parquet/.csv/.arrow file, save_to_disk folder, or hub id (org/name); relative paths: from the repo root if not found here
+    data: str = "assets/data/sft_en.jsonl"  # JSONL file or folder, .json/.parquet/.csv/.arrow file, save_to_disk folder, or hub id (org/name); a relative path not found here is looked up in the repository (or the installed package)
     data_split: str = "train"  # with a hub id or a saved DatasetDict: the split to train on
     data_config: str | None = None  # with a hub id: the dataset's configuration (subset)
     data_columns: str | None = None  # your column names for the expected ones, e.g. prompt=question,completion=answer
@@ -76,6 +77,7 @@ class Config:
     micro_batch_size: int = 1  # rows per forward pass
     grad_accum: int = 1  # micro-batches per optimizer step = the pipeline's micro-batches (more of them, smaller bubble)
     steps: int = 300  # optimizer steps (0 = only evaluate / export); 300 is sized for a CPU run of qwen3-tiny (a minute or two on 2 cores)
+    epochs: float | None = None  # instead of --steps: passes over the training rows (e.g. 2, 0.5); the steps are rounded up
     lr: float | None = None  # peak learning rate; default 1e-3 for presets (random init), 2e-5 for pretrained models (1e-4 with LoRA)
     warmup_steps: int = 10  # linear warm-up steps, then cosine decay to 0 at the last step
     weight_decay: float = 0.01  # AdamW decoupled weight decay on matrices (not on norms)
@@ -92,11 +94,13 @@ class Config:
     loss_chunk_tokens: int = 0  # not built here: 0 only (the README says why)
     eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
     eval_every: int = 0  # also evaluate every N steps (0 = only at the end)
+    log_every: int = 1  # print every N-th step line (the first and the last always); metrics.jsonl keeps every step
     timing_warmup_steps: int = 2  # first steps left out of the averages in summary.json (allocator, caches, compilation)
     comm_profile_steps: int = 3  # steps profiled with torch.profiler for comm_ms (starting after the timing warm-up)
     out_dir: str | None = None  # where metrics.jsonl and summary.json go; default runs/pp-ds-ft-<UTC time>
     checkpoint_every: int = 0  # write <out-dir>/checkpoints/step-<k>/ every N steps (0 = never); DeepSpeed's per-layer format
-    resume: str | None = None  # a checkpoints/step-<k> folder to continue from (same data, B, --steps, stages and world size)
+    resume: str | None = None  # continue a run: its folder (the newest complete checkpoint), a checkpoints/step-<k> folder, or latest (the newest of runs/<experiment>-*); DeepSpeed's format needs the same stages and world size
+    resume_anyway: bool = False  # with --resume: continue from a checkpoint of another run (other model, data, seq_len, rows per step, seed, LoRA rank or experiment) instead of stopping
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
     report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: also write the step metrics as TensorBoard scalars to <out-dir>/tensorboard (uv sync --group tensorboard)
     # Pipeline
@@ -117,14 +121,7 @@ def resolve(config: Config, world_size: int) -> Config:
         config.lr = 1e-3 if is_preset(config.model) else (1e-4 if config.lora_rank else 2e-5)
     if config.lora_alpha is None:
         config.lora_alpha = 2.0 * config.lora_rank
-    data = Path(config.data)
-    if not data.exists() and not data.is_absolute() and (REPO_ROOT / data).exists():
-        config.data = str(REPO_ROOT / data)
-    if config.out_dir is None:
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-        config.out_dir = str(REPO_ROOT / "runs" / f"{EXPERIMENT}-{stamp}")
-    if config.micro_batch_size < 1 or config.grad_accum < 1 or config.steps < 0:
-        raise SystemExit("--micro-batch-size and --grad-accum must be >= 1 and --steps >= 0")
+    resolve_paths(config, EXPERIMENT)  # --data found, --out-dir under the working directory, --resume
     if config.loss_chunk_tokens:
         raise SystemExit(f"{EXPERIMENT} has no --loss-chunk-tokens yet: the last stage would have to take the labels "
                          "and apply the tied LM head inside the chunked loss instead of returning logits to the "
@@ -352,7 +349,7 @@ def clip_grad_norm_across_stages(engine, max_norm: float) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    (config,) = HfArgumentParser(Config).parse_args_into_dataclasses(args=argv)
+    config = parse_config(Config, argv)  # a flag mistake stops with one line (common/cli.py)
     MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
 
     # ---------------------------------------------------------------------------------------------------------
@@ -391,6 +388,10 @@ def main(argv: list[str] | None = None) -> dict:
         print0(sample_text(data, tokenizer))
     data_parallel_size = world_size // config.stages
     rows_per_step = config.micro_batch_size * config.grad_accum * data_parallel_size
+    plan = plan_run(EXPERIMENT, config, data.stats, rows_per_step, print_fn=print0)  # --epochs; --resume checked
+    if config.show_sample and config.steps == 0:  # --show-sample --steps 0: look at the data, then stop
+        teardown()
+        return {}
 
     # ---------------------------------------------------------------------------------------------------------
     # Model: built whole on the CPU under single-ft's seed, then PipelineModule builds only this stage's layers from
@@ -479,7 +480,8 @@ def main(argv: list[str] | None = None) -> dict:
     metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
                             warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
                             model_config=model_config, lora_rank=config.lora_rank, device=device, world_size=world_size,
-                            is_main=dist_info.is_main, report_to=config.report_to)
+                            is_main=dist_info.is_main, report_to=config.report_to,
+                            log_every=config.log_every, steps_per_epoch=plan.steps_per_epoch)
     comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
     stopwatch = Stopwatch(device)
     eval_losses = []
@@ -515,7 +517,7 @@ def main(argv: list[str] | None = None) -> dict:
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             # DeepSpeed's own sharded format (its optimizer objects are opaque to torch.distributed.checkpoint),
             # published atomically by common/checkpoint.py: written to step-<k>.tmp/, renamed once all ranks are done.
-            print0(f"checkpoint: {save_deepspeed_checkpoint(config.out_dir, step + 1, engine)}")
+            print0(f"checkpoint: {save_deepspeed_checkpoint(config.out_dir, step + 1, engine, run=plan.identity)}")
 
     # ---------------------------------------------------------------------------------------------------------
     # Evaluation, results, export
@@ -541,7 +543,7 @@ def main(argv: list[str] | None = None) -> dict:
         for stage, trainable in stage_and_trainable] if data_parallel_size == 1 and config.dtype == "fp32" else None
     summary = metrics.write_summary(
         comm_timer=comm_timer,  # comm_ms, collective counts and bytes: torch.profiler over the profiled steps
-        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(REPO_ROOT), config=asdict(config),
+        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(SCRIPT_DIR), config=asdict(config),
         hardware=hardware_info(device, world_size=world_size), attention=asdict(attention),
         model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
                    flops_per_token=model_flops_per_token, parameters_held_per_rank=held),
@@ -567,6 +569,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     if config.save_hf and config.lora_rank and not config.merge_lora:
         save_lora_adapter(Path(config.save_hf), engine, lora_config, base_model_class, tokenizer)
+        record_adapter_base(config.save_hf, config.model, config.seed)  # its base, loadable from anywhere
         print0(f"saved adapter to {config.save_hf} (gathered from the {config.stages} stage(s) on rank 0)")
     elif config.save_hf:
         if config.lora_rank:
@@ -644,4 +647,4 @@ def save_lora_adapter(save_dir: Path, engine, lora_config, base_model_class: typ
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -30,11 +30,13 @@ import json
 import math
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
-import torch
+from common.cli import parse_config, plan_run, resolve_paths, run, stop_early
+
+stop_early(__name__, __file__)  # --help and a flag mistake answer now, before torch and transformers load
+import torch  # noqa: E402
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -42,7 +44,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, \
     loss_parallel, parallelize_module
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-from transformers import AutoModelForCausalLM, HfArgumentParser
+from transformers import AutoModelForCausalLM
 
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
@@ -53,16 +55,16 @@ from common.memory import attention_kind, estimate
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     state_bytes, summary_table
 from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
-    resolve_model_name, weights_dtype
+    record_adapter_base, resolve_model_name, weights_dtype
 
 EXPERIMENT = "tp-sp-ft"
-REPO_ROOT = Path(__file__).resolve().parents[2]
+SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
 
 
 @dataclass
 class Config:
     model: str = "auto"  # preset (qwen3-tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b), hub id or local folder; auto: Qwen/Qwen3-0.6B-Base on GPU, qwen3-tiny on CPU
-    data: str = "assets/data/sft_en.jsonl"  # JSONL file or folder, .json/.parquet/.csv/.arrow file, save_to_disk folder, or hub id (org/name); relative paths: from the repo root if not found here
+    data: str = "assets/data/sft_en.jsonl"  # JSONL file or folder, .json/.parquet/.csv/.arrow file, save_to_disk folder, or hub id (org/name); a relative path not found here is looked up in the repository (or the installed package)
     data_split: str = "train"  # with a hub id or a saved DatasetDict: the split to train on
     data_config: str | None = None  # with a hub id: the dataset's configuration (subset)
     data_columns: str | None = None  # your column names for the expected ones, e.g. prompt=question,completion=answer
@@ -72,6 +74,7 @@ class Config:
     micro_batch_size: int = 1  # rows per forward pass
     grad_accum: int = 1  # micro-batches per optimizer step
     steps: int = 300  # optimizer steps (0 = only evaluate / export); 300 is sized for a CPU run of qwen3-tiny (a minute or two on 2 cores)
+    epochs: float | None = None  # instead of --steps: passes over the training rows (e.g. 2, 0.5); the steps are rounded up
     lr: float | None = None  # peak learning rate; default 1e-3 for presets (random init), 2e-5 for pretrained models (1e-4 with LoRA)
     warmup_steps: int = 10  # linear warm-up steps, then cosine decay to 0 at the last step
     weight_decay: float = 0.01  # AdamW decoupled weight decay on matrices (not on norms)
@@ -88,11 +91,13 @@ class Config:
     loss_chunk_tokens: int = 0  # not built here: 0 only (the README says why)
     eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
     eval_every: int = 0  # also evaluate every N steps (0 = only at the end)
+    log_every: int = 1  # print every N-th step line (the first and the last always); metrics.jsonl keeps every step
     timing_warmup_steps: int = 2  # first steps left out of the averages in summary.json (allocator, caches, compilation)
     comm_profile_steps: int = 3  # steps profiled with torch.profiler for comm_ms (starting after the timing warm-up)
     out_dir: str | None = None  # where metrics.jsonl and summary.json go; default runs/tp-sp-ft-<UTC time>
     checkpoint_every: int = 0  # write <out-dir>/checkpoints/step-<k>/ every N steps (0 = never)
-    resume: str | None = None  # a checkpoints/step-<k> folder to continue from (same data, B and --steps)
+    resume: str | None = None  # continue a run: its folder (the newest complete checkpoint), a checkpoints/step-<k> folder, or latest (the newest of runs/<experiment>-*)
+    resume_anyway: bool = False  # with --resume: continue from a checkpoint of another run (other model, data, seq_len, rows per step, seed, LoRA rank or experiment) instead of stopping
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
     report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: also write the step metrics as TensorBoard scalars to <out-dir>/tensorboard (uv sync --group tensorboard)
     # Tensor parallelism
@@ -113,14 +118,7 @@ def resolve(config: Config) -> Config:
         config.lr = 1e-3 if is_preset(config.model) else (1e-4 if config.lora_rank else 2e-5)
     if config.lora_alpha is None:
         config.lora_alpha = 2.0 * config.lora_rank
-    data = Path(config.data)
-    if not data.exists() and not data.is_absolute() and (REPO_ROOT / data).exists():
-        config.data = str(REPO_ROOT / data)
-    if config.out_dir is None:
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-        config.out_dir = str(REPO_ROOT / "runs" / f"{EXPERIMENT}-{stamp}")
-    if config.micro_batch_size < 1 or config.grad_accum < 1 or config.steps < 0:
-        raise SystemExit("--micro-batch-size and --grad-accum must be >= 1 and --steps >= 0")
+    resolve_paths(config, EXPERIMENT)  # --data found, --out-dir under the working directory, --resume
     if config.loss_chunk_tokens:
         raise SystemExit(f"{EXPERIMENT} has no --loss-chunk-tokens: loss parallelism already splits the logits over "
                          "the vocabulary, and chunking them too needs a vocabulary-parallel chunked cross-entropy "
@@ -390,7 +388,7 @@ def replica_drift(parameters: list[torch.nn.Parameter], tp_mesh) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    (config,) = HfArgumentParser(Config).parse_args_into_dataclasses(args=argv)
+    config = parse_config(Config, argv)  # a flag mistake stops with one line (common/cli.py)
     MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
 
     # ---------------------------------------------------------------------------------------------------------
@@ -439,6 +437,10 @@ def main(argv: list[str] | None = None) -> dict:
     if config.show_sample:
         print0(sample_text(data, tokenizer))
     rows_per_step = config.micro_batch_size * config.grad_accum
+    plan = plan_run(EXPERIMENT, config, data.stats, rows_per_step, print_fn=print0)  # --epochs; --resume checked
+    if config.show_sample and config.steps == 0:  # --show-sample --steps 0: look at the data, then stop
+        teardown()
+        return {}
 
     # ---------------------------------------------------------------------------------------------------------
     # Model: built whole on every rank from the same seed (so LoRA's A is initialised exactly as in single-ft),
@@ -502,7 +504,8 @@ def main(argv: list[str] | None = None) -> dict:
     metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
                             warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
                             model_config=model.config, lora_rank=config.lora_rank, device=device, world_size=tp,
-                            is_main=dist_info.is_main, report_to=config.report_to)
+                            is_main=dist_info.is_main, report_to=config.report_to,
+                            log_every=config.log_every, steps_per_epoch=plan.steps_per_epoch)
     comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
     stopwatch = Stopwatch(device)
     eval_losses = []
@@ -568,7 +571,8 @@ def main(argv: list[str] | None = None) -> dict:
             metrics.log_eval(*eval_losses[-1])
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             # DCP writes each rank's shards of the DTensors and rank 0's copy of the replicated tensors.
-            print0(f"checkpoint: {save_checkpoint(config.out_dir, step + 1, model, optimizer, scheduler)}")
+            saved = save_checkpoint(config.out_dir, step + 1, model, optimizer, scheduler, run=plan.identity)
+            print0(f"checkpoint: {saved}")
 
     # ---------------------------------------------------------------------------------------------------------
     # Evaluation, results, export
@@ -598,7 +602,7 @@ def main(argv: list[str] | None = None) -> dict:
             sync_qk_norm_grads=config.sync_qk_norm_grads), dist.get_backend())
     summary = metrics.write_summary(
         comm_timer=comm_timer,  # comm_ms, collective counts and bytes: torch.profiler over the profiled steps
-        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(REPO_ROOT), config=asdict(config), hardware=hardware_info(device, world_size=tp), attention=asdict(attention),
+        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(SCRIPT_DIR), config=asdict(config), hardware=hardware_info(device, world_size=tp), attention=asdict(attention),
         model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
                    flops_per_token=model_flops_per_token),
         t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
@@ -630,6 +634,7 @@ def main(argv: list[str] | None = None) -> dict:
                 export = export.merge_and_unload()
             export.save_pretrained(save_dir)  # safetensors; a peft model writes only its adapter
             tokenizer.save_pretrained(save_dir)
+            record_adapter_base(save_dir, config.model, config.seed)  # a LoRA adapter's base, loadable from anywhere
             print0(f"saved {'adapter' if config.lora_rank and not config.merge_lora else 'model'} to {save_dir}")
         dist.barrier()
     if own_group:
@@ -639,4 +644,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

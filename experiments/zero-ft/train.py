@@ -27,13 +27,15 @@ import math
 import os
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
-import torch
+from common.cli import parse_config, plan_run, resolve_paths, run, stop_early
+
+stop_early(__name__, __file__)  # --help and a flag mistake answer now, before torch and transformers load
+import torch  # noqa: E402
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, HfArgumentParser
+from transformers import AutoModelForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
 
 # DeepSpeed picks its "accelerator" when it is imported; without a CUDA/ROCm GPU, name the CPU one instead of letting it
@@ -55,17 +57,17 @@ from common.memory import STRATEGIES, attention_kind, estimate  # noqa: E402
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     memory_label, peak_memory_gib, state_bytes, storage_bytes, summary_table  # noqa: E402
 from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
-    resolve_model_name  # noqa: E402
+    record_adapter_base, resolve_model_name  # noqa: E402
 
 EXPERIMENT = "zero-ft"
-REPO_ROOT = Path(__file__).resolve().parents[2]
+SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
 deepspeed.utils.logger.setLevel(logging.WARNING)  # DeepSpeed logs every engine detail at INFO: keep the step lines
 
 
 @dataclass
 class Config:
     model: str = "auto"  # preset (qwen3-tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b), hub id or local folder; auto: Qwen/Qwen3-0.6B-Base on GPU, qwen3-tiny on CPU
-    data: str = "assets/data/sft_en.jsonl"  # JSONL file or folder, .json/.parquet/.csv/.arrow file, save_to_disk folder, or hub id (org/name); relative paths: from the repo root if not found here
+    data: str = "assets/data/sft_en.jsonl"  # JSONL file or folder, .json/.parquet/.csv/.arrow file, save_to_disk folder, or hub id (org/name); a relative path not found here is looked up in the repository (or the installed package)
     data_split: str = "train"  # with a hub id or a saved DatasetDict: the split to train on
     data_config: str | None = None  # with a hub id: the dataset's configuration (subset)
     data_columns: str | None = None  # your column names for the expected ones, e.g. prompt=question,completion=answer
@@ -75,6 +77,7 @@ class Config:
     micro_batch_size: int = 1  # rows per forward pass per rank
     grad_accum: int = 1  # micro-batches per optimizer step per rank
     steps: int = 300  # optimizer steps (0 = only evaluate / export); 300 is sized for a CPU run of qwen3-tiny (a minute or two on 2 cores)
+    epochs: float | None = None  # instead of --steps: passes over the training rows (e.g. 2, 0.5); the steps are rounded up
     lr: float | None = None  # peak learning rate; default 1e-3 for presets (random init), 2e-5 for pretrained models (1e-4 with LoRA)
     warmup_steps: int = 10  # linear warm-up steps, then cosine decay to 0 at the last step
     weight_decay: float = 0.01  # AdamW decoupled weight decay on matrices (not on norms)
@@ -91,12 +94,14 @@ class Config:
     attn: Literal["auto", "sdpa", "eager", "flash", "varlen"] = "auto"  # attention implementation; auto: common/attention.py decides per device (varlen: packed documents without a mask)
     eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
     eval_every: int = 0  # also evaluate every N steps (0 = only at the end)
+    log_every: int = 1  # print every N-th step line (the first and the last always); metrics.jsonl keeps every step
     sample_every: int = 0  # every N steps print a short greedy completion of a fixed held-out prompt (0 = never)
     timing_warmup_steps: int = 2  # first steps left out of the averages in summary.json (allocator, caches, compilation)
     comm_profile_steps: int = 3  # steps profiled with torch.profiler for comm_ms (starting after the timing warm-up)
     out_dir: str | None = None  # where metrics.jsonl and summary.json go; default runs/zero-ft-<UTC time>
     checkpoint_every: int = 0  # write <out-dir>/checkpoints/step-<k>/ every N steps (0 = never); DeepSpeed's sharded format
-    resume: str | None = None  # a checkpoints/step-<k> folder to continue from (same data, B, --steps, stage and world size)
+    resume: str | None = None  # continue a run: its folder (the newest complete checkpoint), a checkpoints/step-<k> folder, or latest (the newest of runs/<experiment>-*); DeepSpeed's format needs the same stage and world size
+    resume_anyway: bool = False  # with --resume: continue from a checkpoint of another run (other model, data, seq_len, rows per step, seed, LoRA rank or experiment) instead of stopping
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
     report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: also write the step metrics as TensorBoard scalars to <out-dir>/tensorboard (uv sync --group tensorboard)
     zero_stage: int = 2  # ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters
@@ -116,14 +121,7 @@ def resolve(config: Config) -> Config:
         config.lr = 1e-3 if is_preset(config.model) else (1e-4 if config.lora_rank else 2e-5)
     if config.lora_alpha is None:
         config.lora_alpha = 2.0 * config.lora_rank
-    data = Path(config.data)
-    if not data.exists() and not data.is_absolute() and (REPO_ROOT / data).exists():
-        config.data = str(REPO_ROOT / data)
-    if config.out_dir is None:
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-        config.out_dir = str(REPO_ROOT / "runs" / f"{EXPERIMENT}-{stamp}")
-    if config.micro_batch_size < 1 or config.grad_accum < 1 or config.steps < 0 or config.loss_chunk_tokens < 0:
-        raise SystemExit("--micro-batch-size and --grad-accum must be >= 1, --steps and --loss-chunk-tokens >= 0")
+    resolve_paths(config, EXPERIMENT)  # --data found, --out-dir under the working directory, --resume
     if config.zero_stage not in (1, 2, 3):
         raise SystemExit(f"--zero-stage must be 1, 2 or 3, got {config.zero_stage} (stage 0 is plain DDP: see ddp-ft)")
     if config.compile and config.zero_stage == 3:
@@ -233,7 +231,7 @@ def deepspeed_state_bytes(engine) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    (config,) = HfArgumentParser(Config).parse_args_into_dataclasses(args=argv)
+    config = parse_config(Config, argv)  # a flag mistake stops with one line (common/cli.py)
     MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
 
     # ---------------------------------------------------------------------------------------------------------
@@ -270,6 +268,10 @@ def main(argv: list[str] | None = None) -> dict:
     if config.show_sample:
         print0(sample_text(data, tokenizer))
     rows_per_step = config.micro_batch_size * config.grad_accum * world_size
+    plan = plan_run(EXPERIMENT, config, data.stats, rows_per_step, print_fn=print0)  # --epochs; --resume checked
+    if config.show_sample and config.steps == 0:  # --show-sample --steps 0: look at the data, then stop
+        teardown()
+        return {}
 
     # ---------------------------------------------------------------------------------------------------------
     # Model. Stages 1 and 2 keep the whole model on every rank: it is built as in single-ft. Stage 3 must never hold
@@ -345,7 +347,8 @@ def main(argv: list[str] | None = None) -> dict:
     metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
                             warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
                             model_config=model.config, lora_rank=config.lora_rank, device=device, world_size=world_size,
-                            is_main=dist_info.is_main, report_to=config.report_to)
+                            is_main=dist_info.is_main, report_to=config.report_to,
+                            log_every=config.log_every, steps_per_epoch=plan.steps_per_epoch)
     comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
     stopwatch = Stopwatch(device)
     eval_losses = []
@@ -436,7 +439,7 @@ def main(argv: list[str] | None = None) -> dict:
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             # DeepSpeed's own sharded format (its optimizer objects are opaque to torch.distributed.checkpoint),
             # published atomically by common/checkpoint.py: written to step-<k>.tmp/, renamed once all ranks are done.
-            print0(f"checkpoint: {save_deepspeed_checkpoint(config.out_dir, step + 1, engine)}")
+            print0(f"checkpoint: {save_deepspeed_checkpoint(config.out_dir, step + 1, engine, run=plan.identity)}")
 
     # ---------------------------------------------------------------------------------------------------------
     # Evaluation, results, export. Every rank evaluates the whole held-out split: under ZeRO-3 each forward is a
@@ -489,7 +492,7 @@ def main(argv: list[str] | None = None) -> dict:
            + f" | predicted by common/memory: {predicted_peak_mem_gib:.2f} GiB per device")
     summary = metrics.write_summary(
         comm_timer=comm_timer,  # comm_ms, collective counts and bytes: torch.profiler over the profiled steps
-        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(REPO_ROOT), config=asdict(config),
+        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(SCRIPT_DIR), config=asdict(config),
         hardware=hardware_info(device, world_size=world_size), attention=asdict(attention),
         model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
                    flops_per_token=model_flops_per_token),
@@ -551,9 +554,10 @@ def save_hf(config: Config, engine, tokenizer) -> None:
         # With a state_dict given, save_pretrained writes those tensors (a peft model: only its adapter's).
         model.save_pretrained(save_dir, state_dict=state)
         tokenizer.save_pretrained(save_dir)
+        record_adapter_base(save_dir, config.model, config.seed)  # a LoRA adapter's base, loadable from anywhere
         print0(f"saved {'adapter' if config.lora_rank and not config.merge_lora else 'model'} to {save_dir}")
     dist.barrier()
 
 
 if __name__ == "__main__":
-    main()
+    run(main)
