@@ -151,8 +151,6 @@ def _package_versions() -> dict[str, str | None]:
     return versions
 
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
 
 def repository_relative(argv: list[str], root: Path = REPO_ROOT) -> list[str]:
     """The arguments with every absolute path inside the repository written relative to its root (`--flag=PATH`

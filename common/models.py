@@ -190,7 +190,8 @@ def hub_options(name: str) -> dict:
 def _load_failure(name: str, what: str, error: Exception) -> SystemExit:
     """One line: what could not be loaded, why (the error's first line), and the fix."""
     if Path(name).exists():
-        fix = f"the folder exists but holds no loadable {what}: it needs config.json and weights, as written by save_pretrained"
+        fix = (f"the folder exists but holds no loadable {what}: it needs config.json and weights, as written by "
+               f"save_pretrained")
     elif looks_like_path(name):
         fix = f"no folder {name}: check the path"
     else:

@@ -15,12 +15,12 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 from transformers.masking_utils import create_causal_mask
 
 from common.memory import (BF16_RULE_OF_THUMB, DEEPSPEED_BF16, DEEPSPEED_FP32, DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD,
-                           DEEPSPEED_REDUCE_BUCKET_ELEMENTS, GB, GIB, PROJECT_BF16, PROJECT_FP32, STRATEGIES,
-                           EXPERIMENT_STRATEGY, attention_kind, predict_run,
-                           ZERO_PAPER, device_slices, estimate, estimate_stages, largest_trainable_parameter,
-                           layer_activation_terms, leaf_modules, main, model_shape, model_state_bytes, multi_node_layouts,
-                           outside_layers_bytes_per_token, predict_peak_gib, recommend, strategy_precision,
-                           zero3_gathered_elements, zero3_persistent_parameters, zero_paper_figure1)
+                           DEEPSPEED_REDUCE_BUCKET_ELEMENTS, EXPERIMENT_STRATEGY, GB, GIB, PROJECT_BF16, PROJECT_FP32,
+                           STRATEGIES, ZERO_PAPER, attention_kind, device_slices, estimate, estimate_stages,
+                           largest_trainable_parameter, layer_activation_terms, leaf_modules, main, model_shape,
+                           model_state_bytes, multi_node_layouts, outside_layers_bytes_per_token, predict_peak_gib,
+                           predict_run, recommend, strategy_precision, zero3_gathered_elements,
+                           zero3_persistent_parameters, zero_paper_figure1)
 from common.models import MOE_COMMON, MOE_PRESETS, PRESET_COMMON, PRESETS, count_parameters, model_config
 
 QWEN3_4B_PARAMETERS = 4_022_468_096  # count_parameters of the preset (tests/test_models_metrics.py checks 0.6B)

@@ -18,8 +18,8 @@ The model, in the order a reader needs it (each file's docstring derives its par
 
 from common.memory.activations import ATTENTION_KINDS, CROSS_ENTROPY_FP32_BUFFERS, TENSOR_PARALLEL_TERMS, \
     attention_kind, layer_activation_terms, loss_bytes, outside_layers_bytes_per_token
-from common.memory.cli import GPU_MEMORY_GB, AnswerError, Asked, ask, build_parser, describe_activations, describe_precisions, \
-    format_table, format_zero_paper, main
+from common.memory.cli import GPU_MEMORY_GB, AnswerError, Asked, ask, build_parser, describe_activations, \
+    describe_precisions, format_table, format_zero_paper, main
 from common.memory.estimate import EXPERIMENT_STRATEGY, DeviceSlice, MemoryEstimate, device_slices, estimate, \
     estimate_stages, predict_peak_gib, predict_run, uses_autocast, uses_bf16_optimizer
 from common.memory.recommend import DEFAULT_LORA_RANK, DEFAULT_ROWS_PER_GPU, FAST_FLAGS, LOSS_CHUNK_TOKENS, \

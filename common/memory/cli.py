@@ -3,7 +3,7 @@
     uv run python -m common.memory --model qwen3-4b --gpus 2 --gpu RTX-4090
     uv run python -m common.memory --model qwen3-1.7b --gpus 1 --gpu-mem-gb 80 --lora-rank 16
     uv run python -m common.memory --model qwen3-4b --gpus 1 --gpu-mem-gb 16 --qlora
-    uv run python -m common.memory --model qwen3-4b --gpus 8 --gpu-mem-gb 24 --dtype fp32 --micro-batch-size 1 --grad-accum 4
+    uv run python -m common.memory --model qwen3-4b --gpus 8 --gpu-mem-gb 24 --micro-batch-size 1 --grad-accum 4
     uv run python -m common.memory --zero-paper          # reproduce Figure 1 of the ZeRO paper
 
 Exit codes: 0 with an answer, 1 when nothing fits (the line says what would), 2 for bad input (one line).
@@ -20,8 +20,8 @@ from common.memory.activations import ATTENTION_KINDS, layer_activation_terms
 from common.memory.estimate import MemoryEstimate, estimate, uses_autocast
 from common.memory.recommend import DEFAULT_ROWS_PER_GPU, Ladder, Recommendation, format_multi_node, \
     multi_node_layouts, recommend
-from common.memory.states import DTYPES, GIB, NF4_BYTES_PER_WEIGHT, PRECISIONS, STRATEGIES, USABLE_FRACTION, ZERO_PAPER, \
-    BytesPerParam, ModelShape, model_shape, resolve_precision, strategy_precision, zero_paper_figure1
+from common.memory.states import DTYPES, GIB, NF4_BYTES_PER_WEIGHT, PRECISIONS, STRATEGIES, USABLE_FRACTION, \
+    ZERO_PAPER,     BytesPerParam, ModelShape, model_shape, resolve_precision, strategy_precision, zero_paper_figure1
 
 ZERO_PAPER_FIGURE1_GB = {"baseline": 120, "P_os": 31.4, "P_os+g": 16.6, "P_os+g+p": 1.9}  # as printed in the paper
 COLUMNS = (("weights", "weights_bytes"), ("grads", "grads_bytes"), ("optim", "optimizer_bytes"),
@@ -232,9 +232,9 @@ def ask(argv: list[str], parser: argparse.ArgumentParser | None = None) -> Asked
         parser.error(f"{shape.name} is a mixture of experts: LoRA on its experts is not priced (full SFT only)")
     usable_gib = args.gpus * gpu_mem_gb * USABLE_FRACTION
     if not shape.is_moe and shape.total_parameters * NF4_BYTES_PER_WEIGHT / GIB > usable_gib:
+        four_bit_gib = shape.total_parameters * NF4_BYTES_PER_WEIGHT / GIB
         raise AnswerError(f"{args.gpus} x {gpu_mem_gb:g} GB ({usable_gib:.1f} GiB usable in all) cannot hold even "
-                          f"{shape.name}'s weights in 4 bits ({shape.total_parameters * NF4_BYTES_PER_WEIGHT / GIB:.1f} "
-                          f"GiB): more or larger GPUs")
+                          f"{shape.name}'s weights in 4 bits ({four_bit_gib:.1f} GiB): more or larger GPUs")
     precision = PRECISIONS[args.precision] if args.precision else args.dtype
     kv_expanded = _kv_expanded()
     question = dict(seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum,

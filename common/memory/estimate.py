@@ -39,9 +39,9 @@ the input ids and labels. tests/test_memory.py holds every GPU run committed und
    - fsdp: the unsharded units. FSDP2 never reshards the root module (embedding, final norm and, when untied, the
      LM head) between forward and backward, and it all-gathers the next layer while the current one runs: root +
      2 layers of weights in the compute dtype (root + every layer with --no-reshard-after-forward, which keeps each
-     layer gathered from its forward to its backward, and with the gather-once setting). A unit's gradients arrive in c bytes and are copied into an fp32
-     reduce-scatter input (the reduce dtype); the root's reduce-scatter waits for the embedding's gradient at the
-     end of backward: max(c root + (c + 4) layer, (c + 4) root) of trainable parameters. With --grad-accum > 1
+     layer gathered from its forward to its backward, and with the gather-once setting). A unit's gradients
+     arrive in c bytes and are copied into an fp32 reduce-scatter input (the reduce dtype); the root's
+     reduce-scatter waits for the embedding's gradient at the end of backward: max(c root + (c + 4) layer, (c + 4) root) of trainable parameters. With --grad-accum > 1
      fsdp-ft reduce-scatters only in the last micro-batch: until then every unit keeps its unsharded gradients,
      upcast to fp32 to accumulate: 4 T + (c + 4) layer (estimate(grad_accum=...)).
    - tp, tp-sp, pp: none counted (their all-gather and send/receive buffers are a few hidden-state tensors).
@@ -112,8 +112,8 @@ from dataclasses import dataclass
 
 from common.memory.activations import TENSOR_PARALLEL_TERMS, layer_activation_terms, loss_bytes, \
     outside_layers_bytes_per_token
-from common.memory.states import DATA_PARALLEL_SHARDING, DEEPSPEED_ALLREDUCE_BUCKET_ELEMENTS, \
-    DEEPSPEED_REDUCE_BUCKET_ELEMENTS, DEEPSPEED_STRATEGIES, FP32_BYTES, FSDP_STRATEGIES, GIB, MESH_STRATEGIES, \
+from common.memory.states import DEEPSPEED_ALLREDUCE_BUCKET_ELEMENTS, DEEPSPEED_REDUCE_BUCKET_ELEMENTS, \
+    DEEPSPEED_STRATEGIES, FP32_BYTES, FSDP_STRATEGIES, GIB, MESH_STRATEGIES, \
     MOE_STRATEGIES, OFFLOADED_STATES, QLORA, QLORA_STRATEGIES, STRATEGIES, UNIT_SHARDED, USABLE_FRACTION, \
     ZERO3_STRATEGIES, BytesPerParam, ModelShape, largest_trainable_parameter, model_shape, model_state_bytes, \
     resolve_precision, zero3_gathered_elements, zero3_persistent_parameters

@@ -60,7 +60,8 @@ FAST_FLAGS = {
     "single": (True, True, True), "ddp": (True, True, True), "fsdp": (True, True, True),
     "fsdp-offload": (True, True, True), "zero-1": (True, True, True), "zero-2": (True, True, True),
     "zero-2-offload": (True, True, True), "zero-3": (True, True, False), "zero-3-offload": (True, True, False),
-    "tp": (True, False, False), "tp-sp": (True, False, True), "pp": (True, False, True), "fsdp-tp": (True, False, False),
+    "tp": (True, False, False), "tp-sp": (True, False, True), "pp": (True, False, True),
+    "fsdp-tp": (True, False, False),
     "ep": (True, True, True),
 }
 # After every strategy that keeps its model states on the GPUs: the GPU keeps the whole bf16 model, then a 1/N share
@@ -387,7 +388,8 @@ def recommend(config_like, gpus: int, gpu_mem_gb: float, *, seq_len: int = 1024,
 def _moe_split(shape: ModelShape, gpus: int, gpu_mem_gb: float, rung: Rung) -> str:
     """Why a mixture of experts goes to ep-ft: what one GPU would need, and what each GPU holds instead."""
     e = rung.estimate
-    single = estimate(shape, "single", seq_len=e.seq_len, micro_batch_size=rung.micro_batch_size, activation_checkpointing=rung.activation_checkpointing,
+    single = estimate(shape, "single", seq_len=e.seq_len, micro_batch_size=rung.micro_batch_size,
+                      activation_checkpointing=rung.activation_checkpointing,
                       precision=e.precision, grad_accum=rung.grad_accum,
                       loss_chunk_tokens=e.loss_chunk_tokens, compile=e.compiled)
     experts = shape.layers * shape.layer_expert_parameters

@@ -108,7 +108,8 @@ DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000  # stage3_max_reuse_distance, in pa
 
 STRATEGIES = ("single", "ddp", "zero-1", "zero-2", "zero-3", "fsdp", "tp", "tp-sp", "pp",
               "zero-2-offload", "zero-3-offload", "fsdp-offload", "ep")
-# What prices a mixture of experts (estimate.py, section 3): single-ft and ep-ft train one, every other experiment refuses it.
+# What prices a mixture of experts (estimate.py, section 3): single-ft and ep-ft train one, every other experiment
+# refuses it.
 MOE_STRATEGIES = ("single", "ep")
 # Layouts on a 2-D mesh, which take a tensor-parallel degree beside the world size: estimate() prices them, the
 # table and recommend() do not list them (they compare the strategies of one GPU count, one dimension).

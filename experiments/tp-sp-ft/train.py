@@ -450,10 +450,8 @@ def main(argv: list[str] | None = None) -> dict:
     if config.activation_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    lora = None
     if config.lora_rank:
         model = add_lora(model, config.lora_rank, config.lora_alpha)  # fp32 adapters; the rest frozen
-        lora = model.peft_config["default"]
     partial_grad_params = apply_tp(model, tp_mesh, config.loss_parallel)
     if config.compile:
         # One compiled graph per decoder layer (as in single-ft), after the split: the graph is traced over the
@@ -626,8 +624,8 @@ def main(argv: list[str] | None = None) -> dict:
             save_dir = Path(config.save_hf)
             with torch.device("meta"):
                 export = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
-                if lora is not None:
-                    export = get_peft_model(export, lora)
+                if config.lora_rank:
+                    export = add_lora(export, config.lora_rank, config.lora_alpha)  # the same adapters, on meta
             export.load_state_dict(full_state, assign=True)
             export.tie_weights()
             if config.lora_rank and config.merge_lora:
