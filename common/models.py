@@ -1,13 +1,15 @@
 """Model and tokenizer loading, parameter counts and training FLOPs per token.
 
 `--model` takes one of:
-- a preset: `qwen3-tiny`, `qwen3-0.6b`, `qwen3-1.7b`, `qwen3-4b`. The three real sizes use the published Qwen3
+- a preset: `qwen3-tiny`, `qwen3-0.6b`, `qwen3-1.7b`, `qwen3-4b` (and the larger published sizes `qwen3-8b`,
+  `qwen3-14b`, `qwen3-32b`, for pricing them in common.memory). The real sizes use the published Qwen3
   geometry (hidden size, layers, heads, KV heads, head_dim, MLP width, vocabulary, tied embeddings, RoPE base) with
   random weights, so throughput and memory are those of the real model without downloading it; `qwen3-tiny` is
   the same architecture at ~5M parameters for CPU runs and tests. The mixture-of-experts presets build
-  transformers' Qwen3-MoE model: `qwen3-30b-a3b` (the published geometry: 128 experts, 8 per token) and
-  `qwen3-moe-tiny` (8 experts, 2 per token, ~8M parameters, for CPU runs and tests). Presets use the byte-level
-  BPE tokenizer in assets/tokenizer/ (8k tokens; the larger embedding tables of the real sizes have unused rows).
+  transformers' Qwen3-MoE model: `qwen3-30b-a3b` and `qwen3-235b-a22b` (the published geometries: 128 experts,
+  8 per token) and `qwen3-moe-tiny` (8 experts, 2 per token, ~8M parameters, for CPU runs and tests). Presets use
+  the byte-level BPE tokenizer in assets/tokenizer/ (8k tokens; the larger embedding tables of the real sizes have
+  unused rows).
 - a hub id such as `Qwen/Qwen3-0.6B-Base` (downloaded by transformers, or read from its cache when offline: when
   the Hub cannot be reached, a cached model loads at once and an uncached one stops in seconds with the fix);
 - a local folder written by `save_pretrained` (or by any experiment's `--save-hf`); it is recorded by its absolute
@@ -49,8 +51,8 @@ TOKENIZER_DIR = next((folder for folder in (REPO_ROOT / "assets" / "tokenizer",
 DEFAULT_GPU_MODEL = "Qwen/Qwen3-0.6B-Base"
 DEFAULT_CPU_MODEL = "qwen3-tiny"
 
-# Published geometry (the config.json of Qwen/Qwen3-{0.6B,1.7B,4B}-Base). All three tie the input embedding
-# and the LM head, use RoPE base 1e6 and RMSNorm eps 1e-6.
+# Published geometry (the config.json of Qwen/Qwen3-{0.6B,1.7B,4B,8B,14B}-Base and Qwen/Qwen3-32B). All use RoPE base
+# 1e6 and RMSNorm eps 1e-6; 0.6B to 4B tie the input embedding and the LM head, 8B and larger do not.
 PRESETS: dict[str, dict] = {
     "qwen3-tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                        head_dim=32, intermediate_size=768, vocab_size=8192),
@@ -60,10 +62,17 @@ PRESETS: dict[str, dict] = {
                        head_dim=128, intermediate_size=6144, vocab_size=151936),
     "qwen3-4b": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128, intermediate_size=9728, vocab_size=151936),
+    "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False),
+    "qwen3-14b": dict(hidden_size=5120, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8,
+                      head_dim=128, intermediate_size=17408, vocab_size=151936, tie_word_embeddings=False),
+    "qwen3-32b": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
+                      head_dim=128, intermediate_size=25600, vocab_size=151936, tie_word_embeddings=False),
 }
-# Qwen3-MoE (the config.json of Qwen/Qwen3-30B-A3B-Base): every layer's MLP is a sparse block of `num_experts` SwiGLU
-# experts of width moe_intermediate_size, `num_experts_per_tok` of them per token, chosen by a linear router whose
-# top-k probabilities are renormalised (norm_topk_prob); the embedding and the LM head are not tied.
+# Qwen3-MoE (the config.json of Qwen/Qwen3-30B-A3B-Base and Qwen/Qwen3-235B-A22B): every layer's MLP is a sparse
+# block of `num_experts` SwiGLU experts of width moe_intermediate_size, `num_experts_per_tok` of them per token,
+# chosen by a linear router whose top-k probabilities are renormalised (norm_topk_prob); the embedding and the LM
+# head are not tied.
 # intermediate_size only sizes dense MLP layers, which these geometries do not have (mlp_only_layers is empty).
 MOE_PRESETS: dict[str, dict] = {
     "qwen3-moe-tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
@@ -72,11 +81,16 @@ MOE_PRESETS: dict[str, dict] = {
     "qwen3-30b-a3b": dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
                           head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
                           num_experts_per_tok=8, vocab_size=151936),
+    "qwen3-235b-a22b": dict(hidden_size=4096, num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
+                            head_dim=128, intermediate_size=12288, moe_intermediate_size=1536, num_experts=128,
+                            num_experts_per_tok=8, vocab_size=151936),
 }
 # The published checkpoints whose geometry the real-size presets copy (a command that should train the real weights
-# names these).
+# names these; Qwen3-32B and Qwen3-235B-A22B were published without a base checkpoint).
 PRESET_HUB_IDS = {"qwen3-0.6b": "Qwen/Qwen3-0.6B-Base", "qwen3-1.7b": "Qwen/Qwen3-1.7B-Base",
-                  "qwen3-4b": "Qwen/Qwen3-4B-Base", "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B-Base"}
+                  "qwen3-4b": "Qwen/Qwen3-4B-Base", "qwen3-8b": "Qwen/Qwen3-8B-Base",
+                  "qwen3-14b": "Qwen/Qwen3-14B-Base", "qwen3-32b": "Qwen/Qwen3-32B",
+                  "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B-Base", "qwen3-235b-a22b": "Qwen/Qwen3-235B-A22B"}
 MOE_COMMON = dict(tie_word_embeddings=False, norm_topk_prob=True, router_aux_loss_coef=0.001, decoder_sparse_step=1,
                   mlp_only_layers=[])
 TINY_PRESETS = ("qwen3-tiny", "qwen3-moe-tiny")  # the CPU-sized presets (default --seq-len 256)
@@ -209,7 +223,7 @@ def model_config(name: str, tokenizer=None) -> PretrainedConfig:
                            pad_token_id=tokenizer.pad_token_id)
         if name in MOE_PRESETS:
             return Qwen3MoeConfig(**MOE_PRESETS[name], **{**PRESET_COMMON, **MOE_COMMON}, **special)
-        return Qwen3Config(**PRESETS[name], **PRESET_COMMON, **special)
+        return Qwen3Config(**{**PRESET_COMMON, **PRESETS[name]}, **special)
     try:
         return AutoConfig.from_pretrained(name, **hub_options(name))
     except (OSError, ValueError) as error:

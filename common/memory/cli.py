@@ -182,7 +182,7 @@ def _command_model(args) -> str:
     return PRESET_HUB_IDS.get(args.model, args.model or "") if args.model else ""
 
 
-def _kv_expanded() -> bool:
+def varlen_repeats_kv() -> bool:
     """Whether this machine's torch repeats K/V heads in its variable-length attention (common.attention)."""
     try:
         from common.attention import torch_varlen_takes_gqa
@@ -236,7 +236,7 @@ def ask(argv: list[str], parser: argparse.ArgumentParser | None = None) -> Asked
         raise AnswerError(f"{args.gpus} x {gpu_mem_gb:g} GB ({usable_gib:.1f} GiB usable in all) cannot hold even "
                           f"{shape.name}'s weights in 4 bits ({four_bit_gib:.1f} GiB): more or larger GPUs")
     precision = PRECISIONS[args.precision] if args.precision else args.dtype
-    kv_expanded = _kv_expanded()
+    kv_expanded = varlen_repeats_kv()
     question = dict(seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum,
                     rows_per_gpu=args.rows_per_gpu, activation_checkpointing=args.activation_checkpointing,
                     lora_rank=args.lora_rank, qlora=args.qlora, precision=precision, attention=args.attention,
