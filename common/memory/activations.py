@@ -52,9 +52,11 @@ the cross-entropy hold at the start of backward. (common/memory/__init__.py says
 3. The loss. The plain loss (common/data.py's token_loss_sum) holds micro_batch x seq x vocab logits in the compute
    dtype (c) as the LM head writes them, and inside the cross-entropy's backward three fp32 tensors of the same size
    alive together (log-probabilities, their gradient, the logits' gradient): c + 12 bytes per element, at the very
-   start of backward, when every activation is still alive. The chunked loss (--loss-chunk-tokens N,
-   common/loss.py) holds the same per element, for one chunk of at most N loss tokens (every token of a micro-batch
-   counted as a loss token: the prediction cannot know how many carry loss), recomputed in backward.
+   start of backward, when every activation is still alive. The fused loss (--loss-chunk-tokens N,
+   common/loss.py's fused_linear_cross_entropy) holds the same per element for one chunk of at most N loss tokens
+   (every token of a micro-batch counted as a loss token: the prediction cannot know how many carry loss), and
+   beside it, computed in forward and handed on in backward, the gradient of the loss tokens' hidden states (c d
+   each, with their gathered copy r d and its cast c d) and the head weight's fp32 gradient, 4 V d.
    Tensor parallelism with loss parallel keeps each rank's V / t columns.
 """
 
@@ -139,15 +141,24 @@ def outside_layers_bytes_per_token(shape: ModelShape, *, compute_bytes: int, aut
     r = residual_bytes or (FP32_BYTES if autocast else compute_bytes)
     final_norm = FP32_BYTES * shape.hidden + FP32_BYTES + (0 if lora_rank else r * shape.hidden)
     if chunked_loss:
-        lm_head_input = r * shape.hidden  # the loss tokens' hidden states, gathered, kept by the chunks' checkpoints
+        lm_head_input = 0  # the fused loss keeps gradients, not inputs: loss_bytes counts them
     else:  # autocast's cast of the norm's output, or that output itself; a frozen head keeps no input
         lm_head_input = 0 if lora_rank else compute_bytes * shape.hidden
     return final_norm + lm_head_input + 2 * shape.head_dim * r
 
 
 def loss_bytes(shape: ModelShape, tokens: int, *, compute_bytes: int, vocab_share: float = 1.0,
-               loss_chunk_tokens: int = 0) -> float:
-    """The logits and the cross-entropy's fp32 buffers at their peak, at the start of backward (module docstring,
-    section 3): every token's, or one chunk's with the chunked loss."""
-    positions = min(loss_chunk_tokens, tokens) if loss_chunk_tokens else tokens
-    return positions * shape.vocab * vocab_share * (compute_bytes + CROSS_ENTROPY_FP32_BUFFERS * FP32_BYTES)
+               loss_chunk_tokens: int = 0, residual_bytes: int | None = None, trainable_head: bool = True) -> float:
+    """The loss's buffers at their peak, with every activation alive (module docstring, section 3): the plain loss's
+    logits and fp32 tensors at the start of backward; the fused loss's (common/loss.py) at its last chunk, in
+    forward: one chunk of logits and its fp32 arithmetic, the loss tokens' hidden states (gathered, and cast to the
+    compute dtype), their gradient, and the head weight's fp32 gradient, which the loss computes in forward and
+    hands on in backward."""
+    per_logit = compute_bytes + CROSS_ENTROPY_FP32_BUFFERS * FP32_BYTES
+    if not loss_chunk_tokens:
+        return tokens * shape.vocab * vocab_share * per_logit
+    r = residual_bytes or FP32_BYTES
+    chunk = min(loss_chunk_tokens, tokens) * shape.vocab * vocab_share * per_logit
+    hidden = tokens * shape.hidden * (r + 2 * compute_bytes)  # gathered, its compute-dtype cast, its gradient
+    head_gradient = shape.vocab * vocab_share * shape.hidden * FP32_BYTES if trainable_head else 0
+    return chunk + hidden + head_gradient

@@ -404,7 +404,8 @@ def _estimate_slice(shape: ModelShape, piece: DeviceSlice, strategy: str, world_
         per_token += outside_layers_bytes_per_token(shape, compute_bytes=c, autocast=autocast, lora_rank=lora_rank,
                                                     residual_bytes=residual, chunked_loss=loss_chunk_tokens > 0)
         logits = loss_bytes(shape, tokens, compute_bytes=c, vocab_share=piece.vocab_share,
-                            loss_chunk_tokens=loss_chunk_tokens)
+                            loss_chunk_tokens=loss_chunk_tokens, residual_bytes=residual,
+                            trainable_head=piece.root_trainable > 0)
 
     buffers = step_buffers = cpu_buffers = 0.0
     if qlora:
