@@ -32,7 +32,7 @@ from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import DataError, build_data, describe, evaluate, sample_text, to_device, token_loss_sum
 from common.dist import all_ranks, init_distributed, print0, teardown
 from common.generate import generate, sample_prompt
-from common.loss import chunked_token_loss_sum
+from common.loss import fused_linear_cross_entropy
 from common.memory import attention_kind, estimate
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     state_bytes, summary_table
@@ -222,6 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum)
         loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step
+        # The same, as a device tensor: the fused loss scales its gradients by it without reading anything back.
+        step_scale = torch.full((), 1.0 / max(loss_tokens, 1), device=device)
         lr = scheduler.get_last_lr()[0]
 
         stopwatch.reset()
@@ -236,23 +238,23 @@ def main(argv: list[str] | None = None) -> dict:
             packed = attention.forward_kwargs(host_batch["position_ids"], device)
             if moe:
                 moe.begin()
+            # Each micro-batch's loss is divided by the whole step's loss tokens, not its own: summing the
+            # micro-batch gradients then gives exactly the gradient of the token-weighted step loss.
             with autocast():
                 # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
                 # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen needs none).
                 if config.loss_chunk_tokens:
-                    # Final hidden states, then the LM head on loss tokens only, chunk by chunk; the labels' host
-                    # copy picks those tokens without waiting for the device (a CUDA mask would force a sync).
+                    # Final hidden states, then the LM head and the loss on loss tokens only, chunk by chunk, their
+                    # gradients computed on the way (common/loss.py); the labels' host copy picks those tokens
+                    # without waiting for the device (a CUDA mask would force a sync).
                     hidden = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                      attention_mask=None, use_cache=False, **packed).last_hidden_state
-                    loss_sum = chunked_token_loss_sum(hidden, lm_head.weight, host_batch["labels"],
-                                                      config.loss_chunk_tokens)
+                    loss = fused_linear_cross_entropy(hidden, lm_head.weight, host_batch["labels"],
+                                                      config.loss_chunk_tokens, step_scale)
                 else:
                     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                    attention_mask=None, use_cache=False, **packed).logits
-                    loss_sum = token_loss_sum(logits, batch["labels"])
-            # Divide by the whole step's loss tokens, not this micro-batch's: summing the micro-batch gradients
-            # then gives exactly the gradient of the token-weighted step loss.
-            loss = loss_sum / loss_tokens
+                    loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
             if moe:
                 # The load-balancing loss of this micro-batch (every layer's routing), averaged over the step's
                 # micro-batches: the mean the step optimises, with the model's coefficient.
