@@ -39,6 +39,7 @@ from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit
 from common.models import TINY_PRESETS, count_parameters, flops_per_token, is_moe, is_preset, load_model, \
     load_model_4bit, load_tokenizer, qlora_unavailable, resolve_model_name
 from common.moe import RouterStats, load_summary, split_load
+from common.step import GarbageCollection, clip_grad_norm
 
 EXPERIMENT = "single-ft"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -219,7 +220,10 @@ def main(argv: list[str] | None = None) -> dict:
     # gradients exist, and so does AdamW's state, created by the first update.
     state_step = min(start_step + 1, config.steps - 1)
     measured_state = None
+    # From here on Python's garbage collector runs on a schedule, between steps, never inside one (common/step.py).
+    collector = GarbageCollection()
     for step in range(start_step, config.steps):
+        collector.step(step)  # every few steps, a young-generation collection: before the clock starts
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum)
         loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step
         # The same, as a device tensor: the fused loss scales its gradients by it without reading anything back.
@@ -266,7 +270,8 @@ def main(argv: list[str] | None = None) -> dict:
         if step == state_step:
             measured_state = state_bytes(model.parameters(), optimizer)  # every weight, its gradient, AdamW's state
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)
+        # The norm before clipping; the clipping itself rides on fused AdamW's step (GPU), or is done here (CPU).
+        grad_norm = clip_grad_norm(optimizer, trainable, max_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -293,6 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
             print0(f"sample step {step + 1}: {completion!r}")
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             print0(f"checkpoint: {save_checkpoint(config.out_dir, step + 1, model, optimizer, scheduler)}")
+    collector.close()
 
     # ---------------------------------------------------------------------------------------------------------
     # Evaluation, results, export
@@ -323,7 +329,8 @@ def main(argv: list[str] | None = None) -> dict:
         collective_bytes_formula={},  # one process: no collective (common/comm.py)
         packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
         n_truncated=data.stats["n_truncated"], data=data.stats,
-        expert_load=load_summary(metrics.records))  # a mixture of experts: tokens per expert, imbalance
+        expert_load=load_summary(metrics.records),  # a mixture of experts: tokens per expert, imbalance
+        garbage_collection=collector.summary())
     print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
            f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
 
