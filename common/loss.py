@@ -19,10 +19,10 @@ hidden states (a second GEMM) and the chunk's share of the head's weight gradien
 Backward then only hands the two stored gradients on. The head costs 6*d*V FLOPs per loss token, as in the plain
 loss, and nothing is recomputed; the weight is cast to the compute dtype once per call, not once per chunk. What it
 holds from forward to backward: the gradient of the loss tokens' hidden states ([n_loss, d]) and, when the head is
-trained, an fp32 weight gradient ([V, d], 0.6 GB for Qwen3-0.6B); for one chunk at a time, its logits in the compute
-dtype and one fp32 buffer of the same shape (log-softmax, then the gradient in place). The scale (1 / the step's loss
-tokens) comes in as a tensor, so nothing is read back to the host, and on a GPU the per-chunk arithmetic is one
-compiled kernel whose shapes do not depend on the scale's value. This is the scheme of Liger-Kernel's fused linear
+trained, an fp32 weight gradient ([V, d], 0.6 GB for Qwen3-0.6B); for one chunk at a time, its logits and their
+gradient in the compute dtype (run eagerly, as on the CPU, fp32 temporaries of the chunk's shape too). The scale
+(1 / the step's loss tokens) comes in as a tensor, so nothing is read back to the host, and on a GPU the per-chunk
+arithmetic is compiled (a reduction and one element-wise kernel) whatever the scale's value. This is the scheme of Liger-Kernel's fused linear
 cross-entropy and, in spirit, of cut-cross-entropy (which never writes the logits at all); the GPU suite's probe
 times the three on the real shapes (assets/gpu_suite.py). Those two are Triton kernels, which do not run on CPU;
 this is plain PyTorch, so the CPU tests run the same code the GPU runs (uncompiled).
@@ -99,14 +99,15 @@ def chunked_token_loss_sum(hidden: torch.Tensor, lm_head_weight: torch.Tensor, l
 def _chunk_loss_and_logit_grad(logits: torch.Tensor, labels: torch.Tensor,
                                scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of the chunk's token losses (fp32) and the gradient of scale x that sum with respect to its logits
-    (softmax - one_hot, times scale), in the logits' dtype: what F.cross_entropy's forward and backward compute."""
-    logits = logits.float()  # a copy when the logits are bf16; in fp32 the logits themselves, no longer needed after
-    log_sum_exp = torch.logsumexp(logits, dim=-1)
-    target_logit = logits.gather(1, labels.unsqueeze(1)).squeeze(1)
-    loss = (log_sum_exp - target_logit).sum()
-    grad = logits.sub_(log_sum_exp.unsqueeze(1)).exp_()  # softmax, in place
-    grad.scatter_add_(1, labels.unsqueeze(1), torch.full_like(target_logit, -1.0).unsqueeze(1))
-    return loss, grad.mul_(scale)
+    (softmax - one_hot, times scale), in the logits' dtype: what F.cross_entropy's forward and backward compute.
+    Written as one reduction (the log-sum-exp) and one element-wise expression, which torch.compile turns into two
+    kernels that read the logits twice and write the gradient once."""
+    logits_f = logits.float()
+    log_sum_exp = torch.logsumexp(logits_f, dim=-1, keepdim=True)
+    loss = (log_sum_exp - logits_f.gather(1, labels.unsqueeze(1))).sum()
+    is_target = torch.arange(logits.shape[1], device=logits.device) == labels.unsqueeze(1)
+    grad = (torch.exp(logits_f - log_sum_exp) - is_target.to(torch.float32)) * scale
+    return loss, grad.to(logits.dtype)
 
 
 _compiled_chunk_math: dict[str, object] = {}
@@ -152,7 +153,6 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 logits = hidden_c[start:end] @ weight_c.t()  # [chunk, V]: the only logits that exist at a time
                 chunk_loss, grad_logits = chunk_math(logits, labels[start:end], scale)
                 del logits
-                grad_logits = grad_logits.to(compute_dtype)
                 loss += chunk_loss
                 if grad_hidden is not None:
                     torch.mm(grad_logits, weight_c, out=grad_hidden[start:end])
