@@ -510,9 +510,15 @@ def loss_bench(plan: Plan, device_name: str) -> list[dict]:
 
 
 def probe(plan: Plan, device_name: str) -> dict:
+    import torch
+
+    from common import loss
+
     started = time.perf_counter()
     result = {"versions": versions(), "kernels": kernel_check(device_name), "losses": loss_bench(plan, device_name),
-              "shape": {"loss_tokens": plan.bench_tokens, "hidden": plan.bench_hidden, "vocab": plan.bench_vocab}}
+              "shape": {"loss_tokens": plan.bench_tokens, "hidden": plan.bench_hidden, "vocab": plan.bench_vocab},
+              # whether the fused loss adds each chunk's bf16 weight-gradient product into fp32 inside the GEMM
+              "fused_loss_fp32_gemm_accumulation": loss._addmm_accumulates_in_fp32(torch.device(device_name))}
     result["seconds"] = time.perf_counter() - started
     return result
 
@@ -824,9 +830,11 @@ def probe_lines(probed: dict, data: str) -> list[str]:
         lines.append(f"- {row['kernel']}, {row['dtype']}, {'with' if row['backward'] else 'without'} "
                      f"backward: {error}{limit}")
     shape = probed["shape"]
+    accumulation = "in the GEMM (addmm with an fp32 output)" if probed.get("fused_loss_fp32_gemm_accumulation") \
+        else "through a 16-bit product cast up (this torch has no fp32-output addmm here)"
     lines += ["", f"LM-head losses on {shape['loss_tokens']:,} loss tokens x {shape['hidden']:,} x "
               f"{shape['vocab']:,} (forward + backward, median of {BENCH_REPEATS}; errors of the loss and both "
-              "gradients against fp32):", ""]
+              f"gradients against fp32; the fused loss accumulates the weight gradient in fp32 {accumulation}):", ""]
     for row in probed["losses"]:
         if row.get("error"):
             lines.append(f"- {row['loss']}: did not run: {row['error']}")

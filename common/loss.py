@@ -34,6 +34,8 @@ plain loss and its gradients.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -123,13 +125,30 @@ def _chunk_math(device: torch.device):
     return _compiled_chunk_math["cuda"]
 
 
+@functools.cache
+def _addmm_accumulates_in_fp32(device: torch.device) -> bool:
+    """Whether this torch can add a 16-bit product into an fp32 tensor in one GEMM on `device` (addmm with
+    out_dtype: CUDA in recent releases): tried once on small tensors, the answer checked against the product
+    computed in fp32 from the same 16-bit values."""
+    if device.type != "cuda":
+        return False
+    a = torch.arange(12, device=device, dtype=torch.bfloat16).view(4, 3) / 8
+    b = torch.arange(20, device=device, dtype=torch.bfloat16).view(4, 5) / 8
+    accumulator = torch.ones(3, 5, device=device)
+    try:
+        torch.addmm(accumulator, a.t(), b, out_dtype=torch.float32, out=accumulator)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return torch.allclose(accumulator, 1 + a.float().t() @ b.float())
+
+
 def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
     """grad_weight (fp32) += grad_logits.T @ hidden. Same-dtype operands (fp32 runs) accumulate in place; 16-bit
-    ones go through the GEMM's fp32 output on CUDA (addmm with out_dtype: no 16-bit copy of the [V, d] product),
+    ones go through the GEMM's fp32 output where the torch at hand can (no 16-bit copy of the [V, d] product),
     elsewhere through a 16-bit product cast up (a CPU bf16 run is a test, not a speed path)."""
     if grad_logits.dtype == grad_weight.dtype:
         grad_weight.addmm_(grad_logits.t(), hidden)
-    elif grad_weight.device.type == "cuda":
+    elif _addmm_accumulates_in_fp32(grad_weight.device):
         torch.addmm(grad_weight, grad_logits.t(), hidden, out_dtype=torch.float32, out=grad_weight)
     else:
         grad_weight.add_((grad_logits.t() @ hidden).float())
