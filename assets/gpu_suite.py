@@ -830,11 +830,13 @@ def probe_lines(probed: dict, data: str) -> list[str]:
         lines.append(f"- {row['kernel']}, {row['dtype']}, {'with' if row['backward'] else 'without'} "
                      f"backward: {error}{limit}")
     shape = probed["shape"]
-    accumulation = "in the GEMM (addmm with an fp32 output)" if probed.get("fused_loss_fp32_gemm_accumulation") \
-        else "through a 16-bit product cast up (this torch has no fp32-output addmm here)"
+    fp32_run = probed["kernels"] and probed["kernels"][0]["dtype"] == "float32"
+    accumulation = "in fp32 GEMMs (an fp32 run)" if fp32_run else \
+        "in the GEMM (addmm with an fp32 output)" if probed.get("fused_loss_fp32_gemm_accumulation") else \
+        "through a 16-bit product cast up (this torch has no fp32-output addmm here)"
     lines += ["", f"LM-head losses on {shape['loss_tokens']:,} loss tokens x {shape['hidden']:,} x "
               f"{shape['vocab']:,} (forward + backward, median of {BENCH_REPEATS}; errors of the loss and both "
-              f"gradients against fp32; the fused loss accumulates the weight gradient in fp32 {accumulation}):", ""]
+              f"gradients against fp32; the fused loss accumulates the weight gradient {accumulation}):", ""]
     for row in probed["losses"]:
         if row.get("error"):
             lines.append(f"- {row['loss']}: did not run: {row['error']}")
