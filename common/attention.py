@@ -19,7 +19,7 @@ Every experiment calls `setup_attention(device, config.attn)` before building th
   is then the same on every device: full-head q, k, v and the same mask.
 - Any other ROCm arch: not in the table above, so we assume nothing and take the gfx908 path.
 
-`--attn sdpa|eager|flash|varlen` overrides "auto". "flash" is transformers' "flash_attention_2" and needs the
+`--attn sdpa|eager|flash|varlen|flex` overrides "auto". "flash" is transformers' "flash_attention_2" and needs the
 `flash_attn` package. An override that cannot work on the device (flash on CPU) stops the run with a clear
 error instead of falling back without saying so.
 
@@ -38,9 +38,20 @@ takes grouped heads, and no FLOP spent on the masked-out blocks between document
 - ROCm MI200/MI300/MI350: torch's varlen_attn where the installed torch has it (not run by this project yet),
   else the reference.
 
-Packed rows (several conversations in one row) rely on transformers building a block-diagonal mask from
-position_ids that restart at 0, which it only does when attention_mask is None and the attention
-implementation has a mask function registered. The custom attention therefore registers transformers' own
+"flex" keeps the packed row's shape: every attention call runs PyTorch's FlexAttention over [batch, heads, seq,
+d] with a block mask built once per micro-batch from the row's document ids (`flex_kwargs`: same document and
+causal). Blocks of 128 x 128 query/key positions that the mask leaves empty are skipped, partly filled ones are
+masked inside the kernel, and every tensor has the same shape whatever the number of documents: a compiled step
+does not recompile when that number changes. FlexAttention is compiled (a fused Triton kernel) on a GPU; on CPU
+the installed torch runs its forward only (no backward), so the CPU tests check its forward and training with it
+is refused there.
+
+Neither varlen nor flex registers a mask function with transformers: the documents reach the kernel through the
+model call's keyword arguments, and without a registered mask function transformers builds no mask and does not look
+for packed rows in position_ids, a check that reads a flag back from the device in every forward. The SDPA path does
+need that check: packed rows (several conversations in one row) rely on transformers building a block-diagonal mask
+from position_ids that restart at 0, which it only does when attention_mask is None and the attention
+implementation has a mask function registered. The custom SDPA attention therefore registers transformers' own
 `sdpa_mask` under its name (see `register_math_expanded_kv_attention`).
 """
 
@@ -54,11 +65,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-VALID_REQUESTS = ("auto", "sdpa", "eager", "flash", "varlen")
+VALID_REQUESTS = ("auto", "sdpa", "eager", "flash", "varlen", "flex")
 MATH_EXPANDED_KV = "sdpa_math_expanded_kv"  # name under which the custom attention is registered
 VARLEN = "varlen"  # attn_implementation name of the variable-length attention (one registration per kernel)
+FLEX = "flex"  # attn_implementation name of FlexAttention with a document block mask
 # Variable-length kernels, in order of preference on NVIDIA; "reference" is the per-document SDPA loop.
 VARLEN_KERNELS = ("torch", "flash_attn", "flex", "reference")
 
@@ -107,8 +119,13 @@ class AttentionChoice:
 
     def forward_kwargs(self, position_ids: torch.Tensor, device: torch.device) -> dict:
         """Extra keyword arguments of the model call for this micro-batch: {} except for varlen, which gets the
-        document boundaries (`document_kwargs`). Pass the host copy of position_ids: no device sync."""
-        return document_kwargs(position_ids, device) if self.impl == VARLEN else {}
+        document boundaries (`document_kwargs`), and flex, which gets its block mask (`flex_kwargs`). Pass the host
+        copy of position_ids: no device sync."""
+        if self.impl == VARLEN:
+            return document_kwargs(position_ids, device)
+        if self.impl == FLEX:
+            return flex_kwargs(position_ids, device)
+        return {}
 
 
 def available_varlen_kernels() -> tuple[str, ...]:
@@ -138,6 +155,15 @@ def choose_attention(info: DeviceInfo, requested: str = "auto",
 
     if requested == "eager":
         return AttentionChoice("eager", (), f"eager attention requested on {device} (plain matmul + softmax)")
+
+    if requested == "flex":
+        if info.kind == "cpu" and not flex_trains_on_cpu():
+            raise ValueError(f"--attn flex trains on a GPU only: FlexAttention has no backward on CPU in torch "
+                             f"{torch.__version__} (its forward runs: the tests check it); on CPU use --attn varlen "
+                             "or sdpa")
+        compiled = "compiled to a fused kernel" if info.kind != "cpu" else "uncompiled on CPU"
+        return AttentionChoice(FLEX, (), f"{device}: FlexAttention requested, a block mask from the packed rows' "
+                                         f"document ids ({compiled}; static shapes whatever the document count)")
 
     if requested == "flash":
         if info.kind == "cpu":
@@ -237,14 +263,20 @@ def document_boundaries(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
 def document_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict:
     """The model call's keyword arguments that tell every varlen attention call where the documents are.
 
-    transformers passes `cu_seq_lens_q/k` and `max_length_q/k` (its flash-attention kwargs) from the model call to
-    every attention function, so the boundaries are computed once per micro-batch, not once per layer.
+    transformers passes the model call's keyword arguments on to every attention function, so the boundaries are
+    computed once per micro-batch, not once per layer: `cu_seq_lens_q/k` (its flash-attention names) and
+    `longest_document`, an empty tensor whose length is the longest document's. Both change from one micro-batch to
+    the next, and under torch.compile (--compile compiles each decoder layer) a changed shape or int is a recompile:
+    so their lengths are marked dynamic from the first call (one graph for every document count), and the longest
+    length travels as a tensor's size, not as an int, which torch.compile would treat as a constant of the graph.
     """
     cu_seq_lens, max_length = document_boundaries(position_ids.cpu())
     if device.type == "cuda":
         cu_seq_lens = cu_seq_lens.pin_memory().to(device, non_blocking=True)  # pinned: the copy does not block
-    return dict(cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=max_length,
-                max_length_k=max_length)
+    longest_document = torch.empty(max_length, 0, device=device)  # holds no data
+    torch._dynamo.mark_dynamic(cu_seq_lens, 0)
+    torch._dynamo.mark_dynamic(longest_document, 0)
+    return dict(cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, longest_document=longest_document)
 
 
 @functools.cache
@@ -308,6 +340,7 @@ def _flex(q, k, v, cu_seq_lens, max_length, scale):
     return out.squeeze(0).transpose(0, 1)
 
 
+@torch.compiler.disable  # a loop over the documents read from cu_seq_lens: it runs eagerly inside a compiled layer
 def _reference_varlen(q, k, v, cu_seq_lens, max_length, scale):
     """SDPA once per document with a plain causal mask: what the fused kernels compute, one document at a time."""
     bounds = cu_seq_lens.tolist()  # a host sync on a GPU; free on CPU, where this path is meant to run
@@ -334,6 +367,7 @@ def varlen_attention_forward(
     sliding_window: int | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
     max_length_q: int | None = None,
+    longest_document: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     *,
     kernel: str,
@@ -343,9 +377,9 @@ def varlen_attention_forward(
 
     Same contract as transformers' sdpa_attention_forward: query (batch, heads, seq, head_dim), key and value
     (batch, kv_heads, seq, head_dim); returns ((batch, seq, heads, head_dim), None). The documents come from
-    `cu_seq_lens_q`/`max_length_q` (the model call's kwargs, see `document_kwargs`); without them, from the
-    `position_ids` every Qwen3 decoder layer passes on (a host sync per layer on a GPU, so the training loops pass
-    the kwargs).
+    `cu_seq_lens_q` and `longest_document` (the model call's kwargs, see `document_kwargs`; transformers' own
+    `max_length_q` is taken too); without them, from the `position_ids` every Qwen3 decoder layer passes on (a host
+    sync per layer on a GPU, so the training loops pass the kwargs).
     """
     if attention_mask is not None:
         raise ValueError("--attn varlen takes packed rows with restarted position_ids and no padding mask")
@@ -359,6 +393,10 @@ def varlen_attention_forward(
         if position_ids is None:
             raise ValueError("--attn varlen needs cu_seq_lens_q (document_kwargs) or position_ids in the call")
         cu_seq_lens_q, max_length_q = document_boundaries(position_ids.expand(batch, seq))
+    elif longest_document is not None:
+        max_length_q = longest_document.shape[0]
+    elif max_length_q is None:
+        raise ValueError("--attn varlen needs the longest document's length with cu_seq_lens_q (document_kwargs)")
     if int(cu_seq_lens_q.shape[0]) < 2:
         raise ValueError("cu_seq_lens_q must hold at least one document")
     scale = scaling if scaling is not None else head_dim ** -0.5
@@ -375,10 +413,116 @@ def varlen_attention_forward(
 
 
 def register_varlen_attention(kernel: str) -> None:
-    """Make VARLEN a valid attn_implementation running `kernel`. Its mask function is transformers' flash one,
-    which returns None for rows without padding: no [seq x seq] mask is ever built."""
+    """Make VARLEN a valid attn_implementation running `kernel`. No mask function is registered: transformers then
+    builds no mask (the kernel needs none) and skips its packed-row check, which reads the device (see the module's
+    docstring); a padding mask is refused by the attention function itself."""
     AttentionInterface.register(VARLEN, functools.partial(varlen_attention_forward, kernel=kernel))
-    AttentionMaskInterface.register(VARLEN, flash_attention_mask)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FlexAttention with a document block mask
+
+
+@functools.cache
+def flex_trains_on_cpu() -> bool:
+    """Whether the installed torch's FlexAttention has a CPU backward (torch 2.15 has none: a forward-only op)."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q = torch.zeros(1, 1, 16, 8, requires_grad=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "flex_attention called without torch.compile"
+            flex_attention(q, q, q).sum().backward()
+    except NotImplementedError:
+        return False
+    return True
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] index of each slot's document within its row, by the rule of `document_boundaries`: a document
+    starts at the row's start and wherever a position does not follow its predecessor by one. No host read."""
+    starts = torch.ones_like(position_ids, dtype=torch.int32)
+    starts[:, 1:] = (position_ids[:, 1:] != position_ids[:, :-1] + 1).to(torch.int32)
+    return starts.cumsum(1, dtype=torch.int32) - 1
+
+
+def block_mask_of_documents(documents: torch.Tensor):
+    """FlexAttention's block mask for rows of packed documents ([batch, seq] ids on the device): a query attends to
+    the keys of its own document at or before it. Built once per micro-batch and shared by every layer."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document_causal(batch, head, q_index, kv_index):
+        return (documents[batch, q_index] == documents[batch, kv_index]) & (q_index >= kv_index)
+
+    rows, seq = documents.shape
+    return create_block_mask(same_document_causal, rows, None, seq, seq, device=documents.device)
+
+
+def flex_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict:
+    """The model call's keyword argument that hands every flex attention call the micro-batch's block mask: the
+    document ids come from the host copy of position_ids and are copied from pinned memory, the mask is built on
+    the device. Its tensors' shapes depend on the row count and length only."""
+    documents = document_ids(position_ids.cpu())
+    if device.type == "cuda":
+        documents = documents.pin_memory().to(device, non_blocking=True)
+    return dict(document_block_mask=block_mask_of_documents(documents))
+
+
+_compiled_flex: dict = {}
+
+
+def flex_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    document_block_mask=None,
+    position_ids: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """An attention function for transformers' AttentionInterface: FlexAttention over packed rows.
+
+    Same contract as transformers' sdpa_attention_forward. The block mask comes from `document_block_mask` (the
+    model call's kwarg, see `flex_kwargs`); without it, it is built in every layer from the `position_ids` the
+    layers pass on (evaluation and generation, where speed matters less).
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if attention_mask is not None:
+        raise ValueError("--attn flex takes packed rows with restarted position_ids and no padding mask")
+    if dropout or sliding_window:
+        raise ValueError("--attn flex supports neither attention dropout nor a sliding window")
+    batch, heads, seq, head_dim = query.shape
+    if key.shape[2] != seq:
+        # Decoding with a KV cache (queries shorter than keys): not a packed row; transformers' SDPA handles it.
+        return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, **kwargs)
+    if document_block_mask is None:
+        if position_ids is None:
+            raise ValueError("--attn flex needs document_block_mask (flex_kwargs) or position_ids in the call")
+        document_block_mask = block_mask_of_documents(document_ids(position_ids.expand(batch, seq)))
+    if torch.is_autocast_enabled(query.device.type):
+        # As for varlen: Qwen3's normed queries and keys are fp32 under autocast, its values bf16; the kernel takes
+        # one dtype, the autocast one.
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    if query.is_cuda and "cuda" not in _compiled_flex:
+        # Uncompiled, FlexAttention materialises the scores; compiled, it is one fused kernel (inside a compiled
+        # decoder layer it is compiled with the layer either way).
+        _compiled_flex["cuda"] = torch.compile(flex_attention)
+    kernel = _compiled_flex["cuda"] if query.is_cuda else flex_attention
+    out = kernel(query, key, value, block_mask=document_block_mask, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_flex_attention() -> None:
+    """Make FLEX a valid attn_implementation; like varlen, without a mask function (see the module's docstring)."""
+    AttentionInterface.register(FLEX, flex_attention_forward)
 
 
 def sdpa_math_expanded_kv_forward(
@@ -432,6 +576,8 @@ def apply_attention_choice(choice: AttentionChoice) -> None:
         register_math_expanded_kv_attention()
     if choice.impl == VARLEN:
         register_varlen_attention(choice.varlen_kernel)
+    if choice.impl == FLEX:
+        register_flex_attention()
     # eager and flash_attention_2 never call SDPA, so there is no backend to choose; leave the switches alone.
     if not choice.sdpa_backends:
         return

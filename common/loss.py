@@ -1,4 +1,5 @@
-"""Chunked cross-entropy over the LM head: the loss without ever holding the [tokens x vocabulary] logits.
+"""The LM head and its cross-entropy without ever holding the [tokens x vocabulary] logits: a fused loss (what
+`--loss-chunk-tokens` runs) and the chunked, recomputing reference it is tested against.
 
 The plain loss (common/data.py's `token_loss_sum`) multiplies every position's final hidden state by the LM head,
 then takes cross-entropy over the whole logits tensor. With Qwen3's 151,936-token vocabulary that is the largest
@@ -6,29 +7,61 @@ activation of a small model: for Qwen3-0.6B at micro-batch 1 x 4,096 tokens, fp3
 4,096 x 151,936 x 4 B = 2.5 GB; in bf16 training the step holds the bf16 logits (1.2 GB), their fp32 copy and the
 fp32 log-softmax kept for backward (2.5 GB each), and backward allocates the same sizes again for their gradients.
 
-`chunked_token_loss_sum` gives the same number and the same gradients while saving two things:
-- memory: only the hidden states of the loss tokens are kept for backward ([n_loss, d]: at most
-  4,096 x 1,024 x 4 B = 17 MB in the example above); logits and softmax buffers exist for one chunk of
-  `chunk_tokens` tokens at a time, in forward and again in backward, where torch.utils.checkpoint recomputes the
-  chunk's logits instead of storing them;
+Both functions here give the same number and the same gradients as the plain loss while saving two things:
+- memory: logits and softmax buffers exist for one chunk of `chunk_tokens` tokens at a time;
 - compute: positions whose label is -100 (prompts, system turns, padding: only assistant tokens carry loss) never
-  go through the LM head. The head costs 6*d*V FLOPs per token (forward + backward); here it costs 8*d*V per loss
-  token (the recomputation is one more forward) and nothing per other position, a win whenever fewer than 3/4 of
-  the positions carry loss (summary.json's data.train_loss_tokens over the row slots says how many do).
+  go through the LM head (summary.json's data.train_loss_tokens over the row slots says how many positions do).
 
-Why not Liger-Kernel's fused linear cross-entropy, which does the same in Triton and computes the gradient during
-the forward (no recomputation)? It is an optional extra that is not installed here, and Triton kernels do not run
-on CPU, where the tests run. This is plain PyTorch, works under autocast and with a tied embedding, and
-tests/test_loss.py holds it to the plain loss and its gradients.
+`fused_linear_cross_entropy` (the one the experiments run) computes the gradients during the forward pass. For each
+chunk: the logits (one GEMM, in the compute dtype), their log-sum-exp and loss in fp32, and at once the gradient of
+the logits, softmax - one_hot, already multiplied by the step's 1 / loss tokens; from it the gradient of the chunk's
+hidden states (a second GEMM) and the chunk's share of the head's weight gradient (a third, accumulated in fp32).
+Backward then only hands the two stored gradients on. The head costs 6*d*V FLOPs per loss token, as in the plain
+loss, and nothing is recomputed; the weight is cast to the compute dtype once per call, not once per chunk. What it
+holds from forward to backward: the gradient of the loss tokens' hidden states ([n_loss, d]) and, when the head is
+trained, an fp32 weight gradient ([V, d], 0.6 GB for Qwen3-0.6B); for one chunk at a time, its logits and their
+gradient in the compute dtype (run eagerly, as on the CPU, fp32 temporaries of the chunk's shape too). The scale
+(1 / the step's loss tokens) comes in as a tensor, so nothing is read back to the host, and on a GPU the per-chunk
+arithmetic is compiled (a reduction and one element-wise kernel) whatever the scale's value. This is the scheme of Liger-Kernel's fused linear
+cross-entropy and, in spirit, of cut-cross-entropy (which never writes the logits at all); the GPU suite's probe
+times the three on the real shapes (assets/gpu_suite.py). Those two are Triton kernels, which do not run on CPU;
+this is plain PyTorch, so the CPU tests run the same code the GPU runs (uncompiled).
+
+`chunked_token_loss_sum` is the reference: it keeps only the loss tokens' hidden states for backward and recomputes
+each chunk's logits there (torch.utils.checkpoint): 8*d*V FLOPs per loss token. tests/test_loss.py holds both to the
+plain loss and its gradients.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from common.data import IGNORE_INDEX
+
+
+def _loss_positions(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss tokens' hidden states [n_loss, d] and their labels [n_loss], both on hidden's device.
+
+    `labels` may live on the CPU (the batch before it is copied to the device): the loss tokens are then chosen on
+    the host, without the host-device synchronisation that nonzero() on a CUDA mask forces (the number of loss
+    tokens, which sets the number of chunks, must be known on the host either way), and copied from pinned memory.
+    """
+    labels = labels.flatten()
+    positions = (labels != IGNORE_INDEX).nonzero().squeeze(1)  # on the labels' device: no sync if that is the CPU
+    labels = labels.index_select(0, positions)
+    if hidden.device.type == "cuda" and labels.device.type == "cpu":
+        positions, labels = positions.pin_memory(), labels.pin_memory()  # so that the copies do not block the host
+    positions = positions.to(hidden.device, non_blocking=True)
+    labels = labels.to(hidden.device, non_blocking=True)
+    return hidden.flatten(0, 1).index_select(0, positions), labels
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The reference: chunk by chunk, the logits recomputed in backward
 
 
 def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -43,27 +76,144 @@ def chunked_token_loss_sum(hidden: torch.Tensor, lm_head_weight: torch.Tensor, l
     """Sum of cross-entropy over loss tokens, equal to token_loss_sum(hidden @ lm_head_weight.T, labels).
 
     hidden: final hidden states [batch, seq, d] (after the final norm); lm_head_weight: [V, d]; labels: [batch, seq],
-    already shifted, -100 where there is no loss. Divide the result by the step's loss-token count, as with
-    token_loss_sum. Call it under the same autocast as the model: checkpoint replays the autocast state in backward.
-
-    `labels` may live on the CPU (the batch before it is copied to the device): the loss tokens are then chosen on
-    the host, without the host-device synchronisation that nonzero() on a CUDA mask forces (the number of loss
-    tokens, which sets the number of chunks, must be known on the host either way).
+    already shifted, -100 where there is no loss (on the host, preferably: see _loss_positions). Divide the result by
+    the step's loss-token count, as with token_loss_sum. Call it under the same autocast as the model: checkpoint
+    replays the autocast state in backward.
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    labels = labels.flatten()
-    positions = (labels != IGNORE_INDEX).nonzero().squeeze(1)  # on the labels' device: no sync if that is the CPU
-    n_loss = positions.numel()
-    positions = positions.to(hidden.device, non_blocking=True)
-    hidden = hidden.flatten(0, 1).index_select(0, positions)  # [n_loss, d]: all that is kept for backward
-    labels = labels.to(hidden.device, non_blocking=True).index_select(0, positions)
+    hidden, labels = _loss_positions(hidden, labels)  # [n_loss, d]: all that is kept for backward
     # A micro-batch without loss tokens still returns a zero that is connected to the graph, so backward() works
     # (and gives zero gradients), as the plain loss does.
     total = None
-    for start in range(0, max(n_loss, 1), chunk_tokens):
+    for start in range(0, max(labels.numel(), 1), chunk_tokens):
         end = start + chunk_tokens
         chunk = checkpoint(_chunk_loss_sum, hidden[start:end], lm_head_weight, labels[start:end],
                            use_reentrant=False)
         total = chunk if total is None else total + chunk
     return total
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The fused loss: gradients computed in the forward pass
+
+
+def _chunk_loss_and_logit_grad(logits: torch.Tensor, labels: torch.Tensor,
+                               scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of the chunk's token losses (fp32) and the gradient of scale x that sum with respect to its logits
+    (softmax - one_hot, times scale), in the logits' dtype: what F.cross_entropy's forward and backward compute.
+    Written as one reduction (the log-sum-exp) and one element-wise expression, which torch.compile turns into two
+    kernels that read the logits twice and write the gradient once."""
+    logits_f = logits.float()
+    log_sum_exp = torch.logsumexp(logits_f, dim=-1, keepdim=True)
+    loss = (log_sum_exp - logits_f.gather(1, labels.unsqueeze(1))).sum()
+    is_target = torch.arange(logits.shape[1], device=logits.device) == labels.unsqueeze(1)
+    grad = (torch.exp(logits_f - log_sum_exp) - is_target.to(torch.float32)) * scale
+    return loss, grad.to(logits.dtype)
+
+
+_compiled_chunk_math: dict[str, object] = {}
+
+
+def _chunk_math(device: torch.device):
+    """The per-chunk arithmetic: compiled into one kernel on a GPU (dynamic shapes: the last chunk is shorter), the
+    same Python eagerly on the CPU, the path the tests check."""
+    if device.type != "cuda":
+        return _chunk_loss_and_logit_grad
+    if "cuda" not in _compiled_chunk_math:
+        _compiled_chunk_math["cuda"] = torch.compile(_chunk_loss_and_logit_grad, dynamic=True)
+    return _compiled_chunk_math["cuda"]
+
+
+@functools.cache
+def _addmm_accumulates_in_fp32(device: torch.device) -> bool:
+    """Whether this torch can add a 16-bit product into an fp32 tensor in one GEMM on `device` (addmm with
+    out_dtype: CUDA in recent releases): tried once on small tensors, the answer checked against the product
+    computed in fp32 from the same 16-bit values."""
+    if device.type != "cuda":
+        return False
+    a = torch.arange(12, device=device, dtype=torch.bfloat16).view(4, 3) / 8
+    b = torch.arange(20, device=device, dtype=torch.bfloat16).view(4, 5) / 8
+    accumulator = torch.ones(3, 5, device=device)
+    try:
+        torch.addmm(accumulator, a.t(), b, out_dtype=torch.float32, out=accumulator)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return torch.allclose(accumulator, 1 + a.float().t() @ b.float())
+
+
+def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
+    """grad_weight (fp32) += grad_logits.T @ hidden. Same-dtype operands (fp32 runs) accumulate in place; 16-bit
+    ones go through the GEMM's fp32 output where the torch at hand can (no 16-bit copy of the [V, d] product),
+    elsewhere through a 16-bit product cast up (a CPU bf16 run is a test, not a speed path)."""
+    if grad_logits.dtype == grad_weight.dtype:
+        grad_weight.addmm_(grad_logits.t(), hidden)
+    elif _addmm_accumulates_in_fp32(grad_weight.device):
+        torch.addmm(grad_weight, grad_logits.t(), hidden, out_dtype=torch.float32, out=grad_weight)
+    else:
+        grad_weight.add_((grad_logits.t() @ hidden).float())
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, scale, chunk_tokens, compute_dtype):
+        # hidden [n, d] (loss tokens only), weight [V, d], labels [n], scale 0-d: returns scale x sum of losses.
+        want_hidden_grad, want_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        with torch.autocast(hidden.device.type, enabled=False):  # dtypes are explicit below
+            weight_c, hidden_c = weight.to(compute_dtype), hidden.to(compute_dtype)  # one cast per call
+            chunk_math = _chunk_math(hidden.device)
+            loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            grad_hidden = torch.empty_like(hidden_c) if want_hidden_grad else None
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+                if want_weight_grad else None
+            scale = scale.to(torch.float32)
+            for start in range(0, labels.numel(), chunk_tokens):
+                end = start + chunk_tokens
+                logits = hidden_c[start:end] @ weight_c.t()  # [chunk, V]: the only logits that exist at a time
+                chunk_loss, grad_logits = chunk_math(logits, labels[start:end], scale)
+                del logits
+                loss += chunk_loss
+                if grad_hidden is not None:
+                    torch.mm(grad_logits, weight_c, out=grad_hidden[start:end])
+                if grad_weight is not None:
+                    _accumulate_weight_grad(grad_weight, grad_logits, hidden_c[start:end])
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.hidden_dtype, ctx.weight_dtype, ctx.backward_done = hidden.dtype, weight.dtype, False
+        return loss * scale
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        # grad_output is d(what backward starts from)/d(our output): 1 for loss.backward(), world_size for the data-
+        # parallel experiments' (loss * world_size).backward(). It is a device tensor: multiplying by it, rather
+        # than testing it for 1, keeps the host from waiting for the device.
+        if ctx.backward_done:
+            raise RuntimeError("fused_linear_cross_entropy: backward ran twice through one forward (retain_graph); "
+                               "its gradients were computed once, in the forward pass")
+        ctx.backward_done = True
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden = (grad_hidden * grad_output).to(ctx.hidden_dtype)
+        if grad_weight is not None:
+            grad_weight = grad_weight.mul_(grad_output).to(ctx.weight_dtype)  # in place: backward runs once
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
+                               chunk_tokens: int, scale: torch.Tensor) -> torch.Tensor:
+    """scale x the sum of cross-entropy over loss tokens: token_loss_sum(hidden @ lm_head_weight.T, labels) * scale,
+    with its gradients computed chunk by chunk in this call (see the module's docstring).
+
+    hidden: final hidden states [batch, seq, d] (after the final norm); lm_head_weight: [V, d]; labels: [batch, seq],
+    already shifted, -100 where there is no loss (on the host, preferably: see _loss_positions); scale: a 0-d tensor
+    on the device, 1 / the step's loss tokens, so that the result is this micro-batch's share of the step loss.
+    Under autocast the head's GEMMs run in the autocast dtype (as the model's nn.Linear would), the softmax and the
+    loss in fp32. Backward may run once (the saved weight gradient is scaled in place).
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    device_type = hidden.device.type
+    compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+    hidden, labels = _loss_positions(hidden, labels)
+    # A micro-batch without loss tokens still returns a zero that is connected to the graph, so backward() works
+    # (and gives zero gradients), as the plain loss does.
+    return _FusedLinearCrossEntropy.apply(hidden, lm_head_weight, labels, scale, chunk_tokens, compute_dtype)

@@ -19,6 +19,11 @@ Definitions (the same in every experiment):
   summary.json, the timed steps' FLOPs over their time; `flops_per_token` is their FLOPs per real token, and
   `mfu_dense` the MFU of the model's figure with every token attending to its whole row (model.flops_per_token).
   A GPU missing from the peak table gets null, said once on rank 0.
+- gc_ms: time in Python's garbage collector between two step lines (common/step.py schedules the collections).
+- compiles: frames torch.compile compiled between two step lines; summary.json's `recompiles` counts those after the
+  first optimizer step (once every compiled region has run, a compilation means a changed shape or guard), and
+  `warmup_steps_observed` the leading steps slower than 1.5x the median of the run's second half (compilation,
+  allocator growth): when it exceeds the configured warm-up, the averages include unsettled steps.
 """
 
 from __future__ import annotations
@@ -490,6 +495,7 @@ class MetricsLogger:
         # slow step can be told apart from a slow kernel.
         self._gc_s, self._gc_started = 0.0, None
         gc.callbacks.append(self._time_gc)
+        self._frames_compiled = frames_compiled()
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "metrics.jsonl").write_text("")
@@ -519,15 +525,17 @@ class MetricsLogger:
             raise ValueError(f"log_step: the step's documents hold {sum(documents):,} tokens, not its {tokens:,}")
         tokens_per_s = tokens / (step_ms / 1000.0)
         flops = None if documents is None else self.flops.of_documents(documents)
+        compiled = frames_compiled()
         record = dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=tokens, loss_tokens=loss_tokens,
                       step_ms=step_ms, comm_ms=comm_ms, tokens_per_s=tokens_per_s,
                       peak_mem_gib=peak_memory_gib(self.device),
                       mfu=None if flops is None or not tokens else mfu(tokens_per_s, flops / tokens, self.peak_flops,
                                                                          self.world_size),
-                      flops=flops, gc_ms=self._gc_s * 1000.0, **(extra or {}))
+                      flops=flops, gc_ms=self._gc_s * 1000.0, compiles=compiled - self._frames_compiled,
+                      **(extra or {}))
         if self.steps_per_epoch:
             record["epoch"] = step / self.steps_per_epoch
-        self._gc_s = 0.0
+        self._gc_s, self._frames_compiled = 0.0, compiled
         self.records.append(record)
         now = time.perf_counter()
         self.wall_s.append(step_ms / 1000.0 if self._last_line is None else now - self._last_line)
@@ -606,6 +614,11 @@ class MetricsLogger:
                                       if profiled_records else None)
         tokens_per_s = result["tokens_per_s"]
         result["tokens_per_s_per_device"] = None if tokens_per_s is None else tokens_per_s / self.world_size
+        result["warmup_steps_observed"] = steps_until_settled([r["step_ms"] for r in self.records])
+        result["gc_ms_total"] = sum(r["gc_ms"] for r in self.records)
+        result["gc_ms_max"] = max((r["gc_ms"] for r in self.records), default=None)
+        result["compiled_frames"] = sum(r["compiles"] for r in self.records)
+        result["recompiles"] = sum(r["compiles"] for r in self.records[1:])
         return result
 
     def write_summary(self, comm_timer: CollectiveTimer | None = None, **fields) -> dict:
@@ -657,6 +670,22 @@ def summary_table(summary: dict) -> str:
             text = f"{value:,}" if isinstance(value, int) else str(value)
         lines.append(f"| {key} | {text} |")
     return "\n".join(lines)
+
+
+def frames_compiled() -> int:
+    """Frames torch.compile has compiled in this process so far (0 when it was never imported)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return utils.counters["frames"]["ok"] if utils is not None else 0
+
+
+def steps_until_settled(step_ms: list[float], factor: float = 1.5) -> int | None:
+    """How many leading steps are slower than `factor` x the median of the second half of the run (None for runs
+    shorter than 4 steps, too short to tell)."""
+    if len(step_ms) < 4:
+        return None
+    later = sorted(step_ms[len(step_ms) // 2:])
+    settled = later[len(later) // 2]
+    return next((index for index, ms in enumerate(step_ms) if ms <= factor * settled), len(step_ms))
 
 
 class Stopwatch:

@@ -1,6 +1,7 @@
 """common/attention.py: the per-device choice, device description, global switches, the custom expanded-KV math
-attention and the variable-length attention (document boundaries, every kernel's adapter, the CPU reference)
-checked numerically on a tiny Qwen3 with packed rows."""
+attention, the variable-length attention (document boundaries, every kernel's adapter, the CPU reference) and
+FlexAttention with a document block mask, checked numerically on a tiny Qwen3 with packed rows; neither packed path
+reads the device, and neither recompiles a compiled layer when the document count changes."""
 
 import importlib.util
 from importlib.machinery import ModuleSpec
@@ -309,7 +310,7 @@ def test_forward_kwargs_are_empty_except_for_varlen(packed_row):
     kwargs = choose_attention(CPU, "varlen").forward_kwargs(position_ids, torch.device("cpu"))
     assert kwargs["cu_seq_lens_q"].tolist() == [0, FIRST_DOC_LEN, FIRST_DOC_LEN + SECOND_DOC_LEN]
     assert kwargs["cu_seq_lens_k"] is kwargs["cu_seq_lens_q"]
-    assert kwargs["max_length_q"] == kwargs["max_length_k"] == SECOND_DOC_LEN
+    assert kwargs["longest_document"].shape == (SECOND_DOC_LEN, 0)  # the length as a size: no data
 
 
 # --- varlen: document boundaries -----------------------------------------------------------------------------
@@ -370,14 +371,19 @@ def test_varlen_reference_equals_masked_sdpa_in_loss_and_gradients(packed_rows):
 
 
 @pytest.mark.usefixtures("restore_sdp_switches")
-def test_varlen_refuses_a_padding_mask(packed_rows):
-    apply_attention_choice(choose_attention(CPU, "varlen"))
-    model = tiny_qwen3("varlen")
-    input_ids, position_ids = packed_rows
-    mask = torch.ones_like(input_ids)
-    mask[0, -3:] = 0
-    with pytest.raises(ValueError, match="no padding mask"):
-        model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False)
+def test_varlen_and_flex_register_no_mask_function(packed_rows):
+    """Without a mask function transformers builds no mask for them and skips its packed-row check (a device read
+    per forward, see test_the_packed_paths_read_nothing_back_where_sdpa_does); a mask handed to the attention
+    function itself is refused."""
+    mask_functions = transformers.masking_utils.AttentionMaskInterface._global_mapping
+    for choice in (choose_attention(CPU, "varlen"), FLEX_CHOICE):
+        apply_attention_choice(choice)
+        assert choice.impl in transformers.AttentionInterface._global_mapping and choice.impl not in mask_functions
+    q = torch.zeros(1, 4, 24, 16)
+    for function in (attention.flex_attention_forward,
+                     transformers.AttentionInterface._global_mapping[attention.VARLEN]):
+        with pytest.raises(ValueError, match="no padding mask"):
+            function(None, q, q, q, torch.ones(1, 1, 24, 24, dtype=torch.bool))
 
 
 def qkv_of_packed_rows(heads=4, kv_heads=2, head_dim=16):
@@ -479,3 +485,160 @@ def test_varlen_kernels_get_one_dtype_under_autocast(monkeypatch, packed_rows):
                        use_cache=False).logits
     assert seen and set(seen) == {(torch.bfloat16,) * 3}
     torch.testing.assert_close(varlen.float(), masked.float(), rtol=0, atol=2e-2)
+
+
+# --- flex: document block mask ---------------------------------------------------------------------------------
+
+
+FLEX_CHOICE = AttentionChoice(attention.FLEX, (), "FlexAttention on CPU, forward only (tests)")
+
+
+def test_document_ids_follow_the_boundaries_rule():
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 0], [5, 6, 7, 8, 9, 3, 4, 0, 1, 2]])
+    assert attention.document_ids(position_ids).tolist() == [[0, 0, 0, 1, 1, 2, 2, 2, 2, 3],
+                                                             [0, 0, 0, 0, 0, 1, 1, 2, 2, 2]]
+    cu_seq_lens, _ = attention.document_boundaries(position_ids)
+    lengths = torch.unique_consecutive(attention.document_ids(position_ids) + 10 * torch.arange(2)[:, None],
+                                       return_counts=True)[1]
+    assert lengths.tolist() == (cu_seq_lens[1:] - cu_seq_lens[:-1]).tolist()
+
+
+def test_flex_on_cpu_is_refused_for_training_with_the_reason():
+    if attention.flex_trains_on_cpu():
+        pytest.skip("this torch's FlexAttention has a CPU backward")
+    with pytest.raises(ValueError, match="--attn flex trains on a GPU only: FlexAttention has no backward on CPU"):
+        choose_attention(CPU, "flex")
+    choice = choose_attention(H100, "flex")
+    assert choice.impl == "flex" and "static shapes" in choice.reason
+
+
+@pytest.mark.usefixtures("restore_sdp_switches")
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_forward_equals_masked_sdpa_and_eager(packed_rows):
+    """FlexAttention with the block mask from the rows' document ids computes what SDPA and eager attention compute
+    with transformers' block-diagonal mask (forward: this torch has no FlexAttention backward on CPU; the GPU suite
+    checks the backward), with the mask from the model call's kwargs or built in each layer from position_ids."""
+    apply_attention_choice(FLEX_CHOICE)
+    model = tiny_qwen3(attention.FLEX).eval()
+    input_ids, position_ids = packed_rows
+
+    def logits(**kwargs):
+        with torch.no_grad():
+            return model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False,
+                         **kwargs).logits
+
+    with_kwargs = logits(**FLEX_CHOICE.forward_kwargs(position_ids, torch.device("cpu")))
+    from_position_ids = logits()
+    references = {}
+    for impl in ("sdpa", "eager"):
+        model.set_attn_implementation(impl)
+        references[impl] = logits()
+    for reference in references.values():
+        torch.testing.assert_close(with_kwargs, reference, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(from_position_ids, reference, rtol=1e-5, atol=1e-5)
+    # The check has teeth: each row as one document gives other logits.
+    model.set_attn_implementation(attention.FLEX)
+    one_document = attention.block_mask_of_documents(torch.zeros_like(position_ids, dtype=torch.int32))
+    assert (logits(document_block_mask=one_document) - references["sdpa"]).abs().max() > 1e-3
+
+
+def caller_outside_torch() -> str:
+    import traceback
+
+    frame = [f for f in traceback.extract_stack() if "/torch/" not in f.filename and f.filename != __file__][-1]
+    return f"{frame.filename.rsplit('/', 1)[-1]}:{frame.name}"
+
+
+class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that copy a tensor's value to the host (item(), bool(), int(), float() all dispatch
+    _local_scalar_dense, also when C++ code asks), each with the last Python frame outside torch that led to it."""
+
+    def __init__(self):
+        super().__init__()
+        self.callers = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.callers.append(caller_outside_torch())
+        return func(*args, **(kwargs or {}))
+
+
+READ_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+@pytest.mark.usefixtures("restore_sdp_switches")
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_the_packed_paths_read_nothing_back_where_sdpa_does(packed_rows, monkeypatch):
+    """On a GPU a value read back from the device stops the host until the device has caught up. transformers'
+    SDPA path over packed rows reads one per forward (its packed-row check in masking_utils); varlen and flex do
+    not: their mask-free registration skips that check, and flex builds its block mask on the device without a
+    read. Counted in two ways: the block mask's construction under a dispatch mode that sees every read, C++ ones
+    included; the second forward by wrapping every Tensor method that reads (FlexAttention's eager kernel compiles
+    itself on its first calls, which torch.compile refuses under a dispatch mode, and tracing reads host scalars).
+    varlen's boundaries come from the batch's host copy by design (tests/test_single_ft.py counts the step's
+    reads)."""
+    input_ids, position_ids = packed_rows
+    forward_reads = []
+    torch._dynamo.reset()  # a graph compiled by an earlier test for another attention scale takes it as a tensor
+
+    def counting(method):
+        def wrapper(self, *args, **kwargs):
+            forward_reads.append(f"{caller_outside_torch()}:{method.__name__}")
+            return method(self, *args, **kwargs)
+        return wrapper
+
+    counts = {}
+    for name, choice in (("sdpa", choose_attention(CPU, "sdpa")), ("flex", FLEX_CHOICE)):
+        apply_attention_choice(choice)
+        model = tiny_qwen3(choice.impl).eval()
+        with HostReads() as build:
+            kwargs = choice.forward_kwargs(position_ids, torch.device("cpu"))
+        with torch.no_grad():  # a first forward: eager FlexAttention on CPU compiles itself on its first calls
+            model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False, **kwargs)
+        forward_reads.clear()
+        with monkeypatch.context() as patch, torch.no_grad():
+            for method in READ_METHODS:
+                patch.setattr(torch.Tensor, method, counting(getattr(torch.Tensor, method)))
+            model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False, **kwargs)
+        counts[name] = (build.callers, list(forward_reads))
+    assert counts["sdpa"] == ([], ["masking_utils.py:find_packed_sequence_indices:__bool__"])
+    assert counts["flex"] == ([], [])
+
+
+def compiled_forwards(choice, documents_per_row, int_length=False):
+    """Frames torch.compile has compiled after each forward of a tiny Qwen3 whose decoder layers are compiled one
+    by one (as --compile does), over micro-batches with different numbers of documents (backend "eager": what
+    recompiles is decided by the guards, before any code generation)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    apply_attention_choice(choice)
+    model = tiny_qwen3(choice.impl).eval()
+    for layer in model.model.layers:
+        layer.compile(backend="eager")
+    generator = torch.Generator().manual_seed(0)
+    compiled = []
+    for lengths in documents_per_row:
+        position_ids = torch.stack([torch.cat([torch.arange(n) for n in lengths])] * 2)
+        kwargs = choice.forward_kwargs(position_ids, torch.device("cpu"))
+        if int_length:  # the longest document as a plain int (transformers' max_length_q): a constant of the graph
+            kwargs = dict(cu_seq_lens_q=kwargs["cu_seq_lens_q"], max_length_q=kwargs["longest_document"].shape[0])
+        with torch.no_grad():
+            model(input_ids=torch.randint(0, 64, position_ids.shape, generator=generator), position_ids=position_ids,
+                  attention_mask=None, use_cache=False, **kwargs)
+        compiled.append(counters["frames"]["ok"])
+    torch._dynamo.reset()
+    return compiled
+
+
+@pytest.mark.usefixtures("restore_sdp_switches")
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_compiled_layers_do_not_recompile_when_the_document_count_changes():
+    documents = [(10, 14), (5, 12, 7), (3, 3, 3, 15), (24,), (2, 2, 2, 2, 16)]
+    for choice in (choose_attention(CPU, "varlen"), FLEX_CHOICE):
+        compiled = compiled_forwards(choice, documents)
+        assert compiled[0] > 0 and compiled[1:] == [compiled[0]] * 4, (choice.impl, compiled)
+    # The test has teeth: the longest document passed as an int is guarded on, and its first change recompiles.
+    compiled = compiled_forwards(choose_attention(CPU, "varlen"), documents, int_length=True)
+    assert compiled[1] > compiled[0]

@@ -267,7 +267,7 @@ def test_summary_excludes_warmup_and_profiled_steps(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     assert set(records[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "loss_tokens", "step_ms", "comm_ms",
-                               "tokens_per_s", "peak_mem_gib", "mfu", "flops", "gc_ms"}
+                               "tokens_per_s", "peak_mem_gib", "mfu", "flops", "gc_ms", "compiles"}
     assert records[1]["gc_ms"] > 0 and records[1]["gc_ms"] > records[2]["gc_ms"]  # counted once, then reset
     # A run too short to have unprofiled measured steps averages what it has.
     short = MetricsLogger(out_dir=tmp_path / "short", total_steps=2, warmup_steps=1,
@@ -344,3 +344,28 @@ def test_checkpoint_of_a_quantized_model_holds_only_its_trainable_parameters(tmp
     assert torch.equal(fresh[0].weight, base)
     restored = fresh_optimizer.state[fresh[0].adapter.weight]["exp_avg_sq"]
     assert torch.equal(restored, optimizer.state[model[0].adapter.weight]["exp_avg_sq"])
+
+
+def test_warm_up_is_counted_until_the_step_time_settles():
+    from common.metrics import steps_until_settled
+
+    # Compilation in steps 1-2, a straggler at step 6: the warm-up is the leading slow steps only.
+    assert steps_until_settled([9000.0, 2500.0, 110.0, 100.0, 105.0, 900.0, 100.0, 98.0]) == 2
+    assert steps_until_settled([100.0, 101.0, 99.0, 100.0]) == 0
+    assert steps_until_settled([100.0, 101.0, 99.0]) is None  # too short to tell
+
+
+def test_compilations_are_counted_per_step(tmp_path):
+    from torch._dynamo.utils import counters
+
+    from common.metrics import MetricsLogger
+
+    logger = MetricsLogger(out_dir=tmp_path, total_steps=3, warmup_steps=1, flops_per_token=1.0,
+                           device=torch.device("cpu"), world_size=1, is_main=True)
+    for step, new_frames in ((1, 2), (2, 0), (3, 1)):  # step 3 recompiles one frame
+        counters["frames"]["ok"] += new_frames
+        logger.log_step(step, loss=1.0, lr=1e-3, grad_norm=1.0, tokens=10, loss_tokens=5, step_ms=10.0,
+                        comm_ms=None, print_fn=lambda line: None)
+    summary = logger.write_summary(experiment="test")
+    assert [record["compiles"] for record in logger.records] == [2, 0, 1]
+    assert summary["compiled_frames"] == 3 and summary["recompiles"] == 1

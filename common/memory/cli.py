@@ -284,11 +284,13 @@ def answer(argv: list[str] | None = None) -> int:
     print(describe_activations(shape, resolve_precision("single", precision), tokens, args.seq_len,
                                "flash-expanded-kv" if args.fast and kv_expanded else "flash" if args.fast
                                else args.attention, advice.lora_rank, compiled=args.fast))
-    layout = (f"micro-batch {args.micro_batch_size} x {args.grad_accum or 1}" if args.micro_batch_size else
-              f"{args.rows_per_gpu} rows per replica per step, as the largest micro-batch that fits x --grad-accum")
-    speed = "with each experiment's speed flags (varlen, chunked loss, compile)" if args.fast else \
+    layout = (f"micro-batches of {args.micro_batch_size} x {args.seq_len} tokens, {args.grad_accum or 1} per step"
+              if args.micro_batch_size else
+              f"{args.rows_per_gpu} rows of {args.seq_len} tokens per replica per step (the largest micro-batch that "
+              f"fits, the rest as --grad-accum)")
+    speed = "with each experiment's speed flags (varlen, fused loss, compile)" if args.fast else \
         f"without speed flags ({args.attention})"
-    print(f"{layout} of {args.seq_len} tokens, {speed}")
+    print(f"{layout}, {speed}")
     print(f"\nGiB per device on {args.gpus} x {gpu_mem_gb:g} GB ({gpu_mem_gb * USABLE_FRACTION:.1f} GiB usable), each "
           f"strategy at its largest micro-batch that fits; copies = autocast's bf16 weight copies, buffers = reduce "
           f"buckets, ep's dispatch, gathered FSDP/ZeRO-3 parameters and unsharded gradients; peak = the larger of "

@@ -50,7 +50,7 @@ from common.comm import as_backend, ep_collectives
 from common.data import DataError, build_data, describe, evaluate, sample_text, token_loss_sum
 from common.dist import all_ranks, init_distributed, print0, teardown
 from common.generate import generate, sample_prompt
-from common.loss import chunked_token_loss_sum
+from common.loss import fused_linear_cross_entropy
 from common.memory import attention_kind, estimate
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     state_bytes, summary_table
@@ -89,7 +89,7 @@ class Config:
     lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
     lora_alpha: float | None = None  # LoRA scaling numerator; default 2 x rank
     merge_lora: bool = False  # with --save-hf and LoRA: write the merged full model instead of the adapter
-    attn: Literal["auto", "sdpa", "eager", "flash", "varlen"] = "auto"  # attention implementation; auto: common/attention.py decides per device (varlen: packed documents without a mask)
+    attn: Literal["auto", "sdpa", "eager", "flash", "varlen", "flex"] = "auto"  # attention implementation; auto: common/attention.py decides per device (varlen: packed documents without a mask; flex: FlexAttention with a document block mask, GPU)
     eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
     eval_every: int = 0  # also evaluate every N steps (0 = only at the end)
     log_every: int = 1  # print every N-th step line (the first and the last always); metrics.jsonl keeps every step
@@ -357,6 +357,8 @@ def main(argv: list[str] | None = None) -> dict:
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum, rank, world_size)
         loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the whole step's, on every rank (as ddp-ft)
+        # The same, as a device tensor: the fused loss scales its gradients by it without reading anything back.
+        step_scale = torch.full((), 1.0 / max(loss_tokens, 1), device=device)
         lr = scheduler.get_last_lr()[0]
 
         stopwatch.reset()
@@ -375,19 +377,19 @@ def main(argv: list[str] | None = None) -> dict:
                 if config.loss_chunk_tokens:
                     hidden = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                      attention_mask=None, use_cache=False, **packed).last_hidden_state
-                    loss_sum = chunked_token_loss_sum(hidden, lm_head.weight, host_batch["labels"],
-                                                      config.loss_chunk_tokens)
+                    loss = fused_linear_cross_entropy(hidden, lm_head.weight, host_batch["labels"],
+                                                      config.loss_chunk_tokens, step_scale)
                 else:
                     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                    attention_mask=None, use_cache=False, **packed).logits
-                    loss_sum = token_loss_sum(logits, batch["labels"])
+                    loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
             # The token loss over the whole step's loss tokens (all ranks), plus this micro-batch's share of the
             # mean load-balancing loss over all the step's micro-batches. Summed over ranks, the gradients are the
             # gradient of single-ft's step loss: so the dense gradients are summed (not averaged) below, and the
             # experts' ones, which the all-to-all's backward already summed from every rank's tokens, are final.
             aux = moe.end() / micro_batches_per_step
             step_forwards += [rows for module in ep_layers for rows in module.forwards]
-            loss = loss_sum / loss_tokens + aux_coef * aux
+            loss = loss + aux_coef * aux
             loss.backward()
             step_loss += loss.detach()
             step_aux += aux.detach()

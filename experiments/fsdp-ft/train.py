@@ -48,7 +48,7 @@ from common.data import DataError, build_data, describe, evaluate, sample_text, 
 from common.comm import as_backend, fsdp_collectives
 from common.dist import all_ranks, init_distributed, print0, teardown
 from common.generate import generate, sample_prompt
-from common.loss import chunked_token_loss_sum
+from common.loss import fused_linear_cross_entropy
 from common.memory import attention_kind, estimate
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     state_bytes, summary_table
@@ -86,7 +86,7 @@ class Config:
     lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
     lora_alpha: float | None = None  # LoRA scaling numerator; default 2 x rank
     merge_lora: bool = False  # with --save-hf and LoRA: write the merged full model instead of the adapter
-    attn: Literal["auto", "sdpa", "eager", "flash", "varlen"] = "auto"  # attention implementation; auto: common/attention.py decides per device (varlen: packed documents without a mask)
+    attn: Literal["auto", "sdpa", "eager", "flash", "varlen", "flex"] = "auto"  # attention implementation; auto: common/attention.py decides per device (varlen: packed documents without a mask; flex: FlexAttention with a document block mask, GPU)
     eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
     eval_every: int = 0  # also evaluate every N steps (0 = only at the end)
     log_every: int = 1  # print every N-th step line (the first and the last always); metrics.jsonl keeps every step
@@ -347,6 +347,8 @@ def main(argv: list[str] | None = None) -> dict:
         # sequence is a pure function of seed, data and seq_len), so each counts the global number locally and
         # they all agree without a collective.
         loss_tokens = data.step_loss_tokens(step, rows_per_step)
+        # The same, as a device tensor: the fused loss scales its gradients by it without reading anything back.
+        step_scale = torch.full((), 1.0 / max(loss_tokens, 1), device=device)
         lr = scheduler.get_last_lr()[0]
 
         stopwatch.reset()
@@ -379,17 +381,16 @@ def main(argv: list[str] | None = None) -> dict:
                 hidden = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                attention_mask=None, use_cache=False, output_hidden_states=True,
                                logits_to_keep=no_positions, **packed).hidden_states[-1]
-                loss_sum = chunked_token_loss_sum(hidden, lm_head.weight, host_batch["labels"],
-                                                  config.loss_chunk_tokens)
+                loss = fused_linear_cross_entropy(hidden, lm_head.weight, host_batch["labels"],
+                                                  config.loss_chunk_tokens, step_scale)
             else:
                 logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                attention_mask=None, use_cache=False, **packed).logits
-                loss_sum = token_loss_sum(logits, batch["labels"])
-            # Divide by the whole step's loss tokens (all micro-batches, all ranks), not this micro-batch's:
-            # summing the gradients over micro-batches and ranks then gives exactly the gradient of the
-            # token-weighted step loss. FSDP's reduce-scatter averages over ranks (like DDP's all-reduce), so the
-            # backward runs on world_size x loss: the average of those is the sum we want.
-            loss = loss_sum / loss_tokens
+                loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
+            # Both losses are divided by the whole step's loss tokens (all micro-batches, all ranks), not this
+            # micro-batch's: summing the gradients over micro-batches and ranks then gives exactly the gradient of
+            # the token-weighted step loss. FSDP's reduce-scatter averages over ranks (like DDP's all-reduce), so
+            # the backward runs on world_size x loss: the average of those is the sum we want.
             (loss * world_size).backward()
             step_loss += loss.detach()
         if step == state_step:

@@ -33,13 +33,14 @@ from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import DataError, build_data, describe, evaluate, sample_text, to_device, token_loss_sum
 from common.dist import all_ranks, init_distributed, print0, teardown
 from common.generate import generate, sample_prompt
-from common.loss import chunked_token_loss_sum
+from common.loss import fused_linear_cross_entropy
 from common.memory import attention_kind, estimate
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     state_bytes, summary_table
 from common.models import TINY_PRESETS, add_lora, count_parameters, flops_per_token, is_moe, is_preset, load_model, \
     load_model_4bit, load_tokenizer, qlora_unavailable, record_adapter_base, resolve_model_name, weights_dtype
 from common.moe import RouterStats, load_summary, split_load
+from common.step import GarbageCollection, clip_grad_norm
 
 EXPERIMENT = "single-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -72,7 +73,7 @@ class Config:
     lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
     lora_alpha: float | None = None  # LoRA scaling numerator; default 2 x rank
     merge_lora: bool = False  # with --save-hf and LoRA: write the merged full model instead of the adapter
-    attn: Literal["auto", "sdpa", "eager", "flash", "varlen"] = "auto"  # attention implementation; auto: common/attention.py decides per device (varlen: packed documents without a mask)
+    attn: Literal["auto", "sdpa", "eager", "flash", "varlen", "flex"] = "auto"  # attention implementation; auto: common/attention.py decides per device (varlen: packed documents without a mask; flex: FlexAttention with a document block mask, GPU)
     eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
     eval_every: int = 0  # also evaluate every N steps (0 = only at the end)
     log_every: int = 1  # print every N-th step line (the first and the last always); metrics.jsonl keeps every step
@@ -218,9 +219,14 @@ def main(argv: list[str] | None = None) -> dict:
     # gradients exist, and so does AdamW's state, created by the first update.
     state_step = min(start_step + 1, config.steps - 1)
     measured_state = None
+    # From here on Python's garbage collector runs on a schedule, between steps, never inside one (common/step.py).
+    collector = GarbageCollection()
     for step in range(start_step, config.steps):
+        collector.step(step)  # every few steps, a young-generation collection: before the clock starts
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum)
         loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step
+        # The same, as a device tensor: the fused loss scales its gradients by it without reading anything back.
+        step_scale = torch.full((), 1.0 / max(loss_tokens, 1), device=device)
         lr = scheduler.get_last_lr()[0]
 
         stopwatch.reset()
@@ -235,23 +241,23 @@ def main(argv: list[str] | None = None) -> dict:
             packed = attention.forward_kwargs(host_batch["position_ids"], device)
             if moe:
                 moe.begin()
+            # Each micro-batch's loss is divided by the whole step's loss tokens, not its own: summing the
+            # micro-batch gradients then gives exactly the gradient of the token-weighted step loss.
             with autocast():
                 # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
                 # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen needs none).
                 if config.loss_chunk_tokens:
-                    # Final hidden states, then the LM head on loss tokens only, chunk by chunk; the labels' host
-                    # copy picks those tokens without waiting for the device (a CUDA mask would force a sync).
+                    # Final hidden states, then the LM head and the loss on loss tokens only, chunk by chunk, their
+                    # gradients computed on the way (common/loss.py); the labels' host copy picks those tokens
+                    # without waiting for the device (a CUDA mask would force a sync).
                     hidden = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                      attention_mask=None, use_cache=False, **packed).last_hidden_state
-                    loss_sum = chunked_token_loss_sum(hidden, lm_head.weight, host_batch["labels"],
-                                                      config.loss_chunk_tokens)
+                    loss = fused_linear_cross_entropy(hidden, lm_head.weight, host_batch["labels"],
+                                                      config.loss_chunk_tokens, step_scale)
                 else:
                     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                    attention_mask=None, use_cache=False, **packed).logits
-                    loss_sum = token_loss_sum(logits, batch["labels"])
-            # Divide by the whole step's loss tokens, not this micro-batch's: summing the micro-batch gradients
-            # then gives exactly the gradient of the token-weighted step loss.
-            loss = loss_sum / loss_tokens
+                    loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
             if moe:
                 # The load-balancing loss of this micro-batch (every layer's routing), averaged over the step's
                 # micro-batches: the mean the step optimises, with the model's coefficient.
@@ -263,7 +269,8 @@ def main(argv: list[str] | None = None) -> dict:
         if step == state_step:
             measured_state = state_bytes(model.parameters(), optimizer)  # every weight, its gradient, AdamW's state
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)
+        # The norm before clipping; the clipping itself rides on fused AdamW's step (GPU), or is done here (CPU).
+        grad_norm = clip_grad_norm(optimizer, trainable, max_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -292,6 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             saved = save_checkpoint(config.out_dir, step + 1, model, optimizer, scheduler, run=plan.identity)
             print0(f"checkpoint: {saved}")
+    collector.close()
 
     # ---------------------------------------------------------------------------------------------------------
     # Evaluation, results, export
@@ -322,7 +330,8 @@ def main(argv: list[str] | None = None) -> dict:
         collective_bytes_formula={},  # one process: no collective (common/comm.py)
         packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
         n_truncated=data.stats["n_truncated"], data=data.stats,
-        expert_load=load_summary(metrics.records))  # a mixture of experts: tokens per expert, imbalance
+        expert_load=load_summary(metrics.records),  # a mixture of experts: tokens per expert, imbalance
+        garbage_collection=collector.summary())
     print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
            f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
 

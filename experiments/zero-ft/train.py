@@ -52,7 +52,7 @@ from common.data import DataError, build_data, describe, evaluate, sample_text, 
 from common.comm import as_backend, zero_collectives  # noqa: E402
 from common.dist import act_as_launcher_if_alone, all_ranks, init_distributed, print0, teardown  # noqa: E402
 from common.generate import generate, sample_prompt  # noqa: E402
-from common.loss import chunked_token_loss_sum  # noqa: E402
+from common.loss import fused_linear_cross_entropy  # noqa: E402
 from common.memory import STRATEGIES, attention_kind, estimate  # noqa: E402
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     memory_label, peak_memory_gib, state_bytes, storage_bytes, summary_table  # noqa: E402
@@ -91,7 +91,7 @@ class Config:
     lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
     lora_alpha: float | None = None  # LoRA scaling numerator; default 2 x rank
     merge_lora: bool = False  # with --save-hf and LoRA: write the merged full model instead of the adapter
-    attn: Literal["auto", "sdpa", "eager", "flash", "varlen"] = "auto"  # attention implementation; auto: common/attention.py decides per device (varlen: packed documents without a mask)
+    attn: Literal["auto", "sdpa", "eager", "flash", "varlen", "flex"] = "auto"  # attention implementation; auto: common/attention.py decides per device (varlen: packed documents without a mask; flex: FlexAttention with a document block mask, GPU)
     eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
     eval_every: int = 0  # also evaluate every N steps (0 = only at the end)
     log_every: int = 1  # print every N-th step line (the first and the last always); metrics.jsonl keeps every step
@@ -364,6 +364,8 @@ def main(argv: list[str] | None = None) -> dict:
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum, rank, world_size)
         loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the whole step's, all ranks: counted locally
+        # The same, as a device tensor: the fused loss scales its gradients by it without reading anything back.
+        step_scale = torch.full((), 1.0 / max(loss_tokens, 1), device=device)
         lr = scheduler.get_last_lr()[0]
 
         stopwatch.reset()
@@ -388,21 +390,20 @@ def main(argv: list[str] | None = None) -> dict:
                 else:
                     logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                     attention_mask=None, use_cache=False, **packed).logits
-            # ZeRO-3 gathers a weight only around the forward and backward of the modules that own it; the chunked
-            # loss uses the LM head's weight outside them (after the model's forward, and again in backward, where
-            # it recomputes each chunk's logits), so it is gathered here, from the loss until the end of backward,
-            # and partitioned again on leaving. Its gradient still goes through ZeRO-3's hook, like the plain path's.
+            # ZeRO-3 gathers a weight only around the forward and backward of the modules that own it; the fused
+            # loss uses the LM head's weight outside them (after the model's forward), so it is gathered here, from
+            # the loss until the end of backward (where the loss hands its weight gradient to ZeRO-3's hook, like
+            # the plain path's), and partitioned again on leaving.
             with deepspeed.zero.GatheredParameters([lm_head.weight], enabled=gather_head):
+                # Both losses are divided by the whole step's loss tokens, not this micro-batch's: summing the
+                # micro-batch gradients of all ranks then gives exactly the gradient of the token-weighted step loss.
                 if config.loss_chunk_tokens:
-                    # The LM head on loss tokens only, chunk by chunk; the labels' host copy picks those tokens
-                    # without waiting for the device (a CUDA mask would force a sync).
-                    loss_sum = chunked_token_loss_sum(hidden, lm_head.weight, host_batch["labels"],
-                                                      config.loss_chunk_tokens)
+                    # The LM head and the loss on loss tokens only, chunk by chunk, their gradients computed on the
+                    # way; the labels' host copy picks those tokens without waiting for the device.
+                    loss = fused_linear_cross_entropy(hidden, lm_head.weight, host_batch["labels"],
+                                                      config.loss_chunk_tokens, step_scale)
                 else:
-                    loss_sum = token_loss_sum(logits, batch["labels"])
-                # Divide by the whole step's loss tokens, not this micro-batch's: summing the micro-batch gradients
-                # of all ranks then gives exactly the gradient of the token-weighted step loss.
-                loss = loss_sum / loss_tokens
+                    loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
                 # DeepSpeed assumes a per-micro-batch mean loss: engine.backward divides it by grad_accum, and the
                 # gradient reduction over ranks (in every stage) divides the sum by world_size. Our loss is already
                 # a share of the global step loss, so the gradients must simply be summed: scale_wrt_gas=False skips

@@ -1,0 +1,77 @@
+"""Two things a fast training step needs besides data, attention and the loss: no pause from Python's garbage
+collector in the middle of a step, and gradient clipping without a pass of its own over the gradients.
+
+Garbage collection. CPython collects cyclic garbage when allocations cross a threshold, wherever the program is: in
+a process that holds torch and transformers, a full collection walks millions of objects and takes hundreds of
+milliseconds, and it lands in whichever step happens to allocate at that moment (on a GPU, with the device waiting
+for the host). `GarbageCollection` follows torchtitan's policy (torchtitan/tools/utils.py): once the set-up is done,
+collect, freeze what survived (`gc.freeze()`: the model's modules, the libraries' objects, the data) into the
+permanent generation that no collection scans again, turn automatic collection off, and run a young-generation
+collection (`gc.collect(1)`) every `every_steps` steps, before the step's clock starts. MetricsLogger times every
+collection (`gc_ms` in metrics.jsonl), so a slow step can still be told apart from a slow collection.
+
+Clipping. torch.nn.utils.clip_grad_norm_ computes the global norm (one pass that reads every gradient) and then
+multiplies every gradient by min(1, max_norm / norm) (a second pass that reads and writes them all). PyTorch's fused
+AdamW already reads every gradient once more, and it can divide them by a device scalar on the way: the `grad_scale`
+it takes from torch.amp.GradScaler to unscale fp16 gradients. `clip_grad_norm` computes the norm and hands the
+fused step 1 / min(1, max_norm / norm) as that scalar, so the clipped gradients are never written: the same update
+up to rounding (tests/test_step.py), one pass over the gradients fewer, no host read. Where the optimizer is not the
+fused one (CPU runs, DTensor-sharded parameters), it clips as clip_grad_norm_ does.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+GC_EVERY_STEPS = 20  # young-generation collections every this many optimizer steps (torchtitan's default is 50)
+
+
+class GarbageCollection:
+    """The collector on a schedule. Create it after the set-up, call `step(step)` before each step's clock starts
+    and `close()` after the last step (automatic collection comes back, the frozen objects become collectable)."""
+
+    def __init__(self, every_steps: int = GC_EVERY_STEPS):
+        if every_steps < 1:
+            raise ValueError(f"every_steps must be >= 1, got {every_steps}")
+        self.every_steps = every_steps
+        self.collections = 0
+        gc.collect()  # the set-up's own garbage, once
+        gc.freeze()
+        gc.disable()
+
+    def step(self, step: int) -> None:
+        """Before optimizer step `step` (0-based): a young-generation collection every `every_steps` steps."""
+        if step > 0 and step % self.every_steps == 0:
+            gc.collect(1)
+            self.collections += 1
+
+    def close(self) -> None:
+        gc.unfreeze()
+        gc.enable()
+
+    def summary(self) -> dict:
+        return dict(policy="frozen after set-up, automatic collection off", every_steps=self.every_steps,
+                    collections=self.collections)
+
+
+def folds_clipping(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` can apply the clipping factor itself: a fused Adam/AdamW (its kernels take the
+    grad_scale GradScaler uses; the installed torch marks such optimizers with _step_supports_amp_scaling)."""
+    return bool(optimizer.defaults.get("fused")) and getattr(optimizer, "_step_supports_amp_scaling", False)
+
+
+def clip_grad_norm(optimizer: torch.optim.Optimizer, parameters: list[torch.Tensor],
+                   max_norm: float) -> torch.Tensor:
+    """The global L2 norm of the gradients before clipping (what clip_grad_norm_ returns), with the gradients
+    clipped to `max_norm` (inf: not at all) by the next `optimizer.step()` when the optimizer can fold it in
+    (`folds_clipping`), else here, in place, as clip_grad_norm_ does."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if folds_clipping(optimizer):
+        # clip_grad_norm_ multiplies by min(1, max_norm / (norm + 1e-6)); the fused step divides by grad_scale.
+        optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0).to(torch.float32)
+    else:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach=True)
+    return norm
