@@ -813,7 +813,7 @@ def test_qwen3_4b_on_two_80gb_gpus_checkpoints_ddp_before_sharding():
     assert advice.command() == (
         "uv run torchrun --nproc_per_node=2 experiments/ddp-ft/train.py --model Qwen/Qwen3-4B-Base --seq-len 1024 "
         "--micro-batch-size 2 --grad-accum 4 --attn varlen --loss-chunk-tokens 1024 --compile "
-        "--activation-checkpointing")
+        "--activation-checkpointing --dtype bf16")
 
 
 def test_qwen3_4b_on_one_and_two_24gb_gpus_offloads_the_optimizer():
@@ -908,7 +908,7 @@ def test_a_given_lora_rank_walks_the_ladder():
     assert advice.choice.weights_bytes == 2 * QWEN3_4B_PARAMETERS + 4 * adapters
     assert advice.command().endswith("--model Qwen/Qwen3-4B-Base --seq-len 1024 --micro-batch-size 8 --grad-accum 1 "
                                      "--attn varlen --loss-chunk-tokens 1024 --compile --activation-checkpointing "
-                                     "--lora-rank 16")
+                                     "--lora-rank 16 --dtype bf16")
 
 
 def test_fsdp_reduces_every_micro_batch_before_the_strategy_changes():
@@ -920,7 +920,7 @@ def test_fsdp_reduces_every_micro_batch_before_the_strategy_changes():
     advice = recommend("qwen3-1.7b", 2, 20, micro_batch_size=1, grad_accum=8, fast=False)
     assert (advice.strategy, advice.rung.flags, advice.activation_checkpointing) == (
         "fsdp", ("--reduce-every-micro-batch",), False)
-    assert advice.command().endswith("--micro-batch-size 1 --grad-accum 8 --reduce-every-micro-batch")
+    assert advice.command().endswith("--micro-batch-size 1 --grad-accum 8 --reduce-every-micro-batch --dtype bf16")
     for checkpointing in (False, True):
         assert not estimate("qwen3-1.7b", "fsdp", 2, grad_accum=8, activation_checkpointing=checkpointing).fits(20)
     assert estimate("qwen3-1.7b", "fsdp", 2, grad_accum=1).fits(20)

@@ -160,7 +160,7 @@ class Recommendation:
         parts += ["--qlora"] * rung.qlora
         parts += [f"--lora-rank {rung.lora_rank}"] * (rung.lora_rank > 0)
         parts += list(rung.flags)
-        parts += ["--dtype fp32"] * (self.dtype == "fp32")
+        parts += [f"--dtype {self.dtype}"] * bool(self.dtype)  # explicit: a CPU's default is fp32
         return " ".join(parts)
 
 
