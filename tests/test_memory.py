@@ -203,7 +203,11 @@ def test_activation_formula_by_hand_for_qwen3_0_6b():
 def _saved_bytes_per_token(layers: int, autocast: bool, packed: bool, lora_rank: int = 0,
                            seq_len: int = 96) -> float:
     """Bytes autograd keeps for backward after one forward of qwen3-tiny, per token, without the parameters and
-    autocast's copies of them (counted apart, as `compute_copy`). Tensors sharing storage count once."""
+    autocast's copies of them (counted apart, as `compute_copy`). Tensors sharing storage count once.
+
+    `saved` holds each storage it counts, not only its address: a storage freed during the forward (one saved by
+    a part of the graph that is dropped) would otherwise hand its address to a later tensor, which then replaced
+    its entry, and the total depended on where the allocator put things (the test failed about one run in three)."""
     torch.manual_seed(0)
     config = Qwen3Config(**{**PRESETS["qwen3-tiny"], "num_hidden_layers": layers}, **PRESET_COMMON)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
@@ -215,13 +219,13 @@ def _saved_bytes_per_token(layers: int, autocast: bool, packed: bool, lora_rank:
     model.train()
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     weight_shapes = {shape for p in model.parameters() for shape in (tuple(p.shape), tuple(p.shape[::-1]))}
-    saved: dict[int, int] = {}
+    saved: dict[int, torch.UntypedStorage] = {}
 
     def keep(tensor):
         storage = tensor.untyped_storage()
         is_weight_copy = tensor.dtype == torch.bfloat16 and tuple(tensor.shape) in weight_shapes
         if storage.data_ptr() not in parameters and not is_weight_copy:
-            saved[storage.data_ptr()] = storage.nbytes()
+            saved[storage.data_ptr()] = storage
         return tensor
 
     half = seq_len // 2
@@ -230,7 +234,7 @@ def _saved_bytes_per_token(layers: int, autocast: bool, packed: bool, lora_rank:
             torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         model(input_ids=torch.randint(0, 8000, (1, seq_len)), position_ids=position_ids[None],
               attention_mask=None, use_cache=False)
-    return sum(saved.values()) / seq_len
+    return sum(storage.nbytes() for storage in saved.values()) / seq_len
 
 
 @pytest.mark.parametrize("autocast,packed,lora_rank", [(False, False, 0), (True, True, 0), (True, False, 8)])
@@ -834,8 +838,10 @@ def test_ep_model_states_by_hand():
 
 def _moe_saved_bytes_per_token(layers: int, autocast: bool, packed: bool, expert_parallel: bool,
                                seq_len: int = 96) -> float:
-    """As _saved_bytes_per_token, for qwen3-moe-tiny with common.moe's load-balancing loss; `expert_parallel`:
-    ep-ft's expert block on a one-rank group (needs torch.distributed initialised)."""
+    """As _saved_bytes_per_token (each storage held while counting), for qwen3-moe-tiny with common.moe's
+    load-balancing loss; `expert_parallel`: ep-ft's expert block on a one-rank group (needs torch.distributed
+    initialised). The load-balancing loss saves each layer's top-k expert ids for a topk backward that the loss
+    never uses: they are freed layer by layer, their address reused by the next layer's softmax output."""
     from common.moe import RouterStats
 
     torch.manual_seed(0)
@@ -854,13 +860,13 @@ def _moe_saved_bytes_per_token(layers: int, autocast: bool, packed: bool, expert
     parameters = {p.untyped_storage().data_ptr() for p in local}
     weight_shapes = {shape for p in local for shape in (tuple(p.shape), tuple(p.shape[::-1]), (*p.shape[:1],
                                                                                                *p.shape[:0:-1]))}
-    saved: dict[int, int] = {}
+    saved: dict[int, torch.UntypedStorage] = {}
 
     def keep(tensor):
         storage = tensor.untyped_storage()
         is_weight_copy = tensor.dtype == torch.bfloat16 and tuple(tensor.shape) in weight_shapes
         if storage.data_ptr() not in parameters and not is_weight_copy:
-            saved[storage.data_ptr()] = storage.nbytes()
+            saved[storage.data_ptr()] = storage
         return tensor
 
     half = seq_len // 2
@@ -871,7 +877,7 @@ def _moe_saved_bytes_per_token(layers: int, autocast: bool, packed: bool, expert
             model(input_ids=torch.randint(0, 8000, (1, seq_len)), position_ids=position_ids[None],
                   attention_mask=None, use_cache=False)
         stats.end()  # the load-balancing loss, as single-ft and ep-ft add it
-    return sum(saved.values()) / seq_len
+    return sum(storage.nbytes() for storage in saved.values()) / seq_len
 
 
 def _moe_activation_check(autocast: bool, packed: bool, expert_parallel: bool) -> None:
