@@ -98,7 +98,14 @@ def torchrun(experiment: str, runs: list[list], nproc: int = 2, timeout: int = 9
     if result.returncode != 0:
         raise AssertionError(f"torchrun {experiment} failed ({result.returncode}):\n{result.stdout[-5000:]}\n"
                              f"{result.stderr[-10000:]}")
+    # A run that worked also ends cleanly: no collective issued and never waited on (torch lists them when the
+    # process exits), no abort after the summary.
+    for sign in UNCLEAN_EXIT:
+        assert sign not in result.stderr, f"torchrun {experiment}: {sign!r} at exit:\n{result.stderr[-5000:]}"
     return result
+
+
+UNCLEAN_EXIT = ("unwaited collective calls", "terminate called")
 
 
 def read_losses(out_dir: Path) -> list[float]:

@@ -53,8 +53,9 @@ def tp(tmp_path_factory, small_data):
                     out / "full" / "hf", *PROFILE_ONE),
         common_args(small_data, out / "resumed", "--steps", STEPS, "--resume",
                     out / "full" / "checkpoints" / f"step-{RESUME_AT}"),
-        common_args(small_data, out / "lora", "--steps", STEPS, "--lora-rank", LORA_RANK, "--save-hf",
-                    out / "lora" / "hf", "--merge-lora"),
+        # LoRA with activation checkpointing (the same steps as without; no collective left unwaited at exit).
+        common_args(small_data, out / "lora", "--steps", STEPS, "--lora-rank", LORA_RANK, "--activation-checkpointing",
+                    "--save-hf", out / "lora" / "hf", "--merge-lora"),
         # Without the q_norm/k_norm all-reduce: two steps are enough for the replicas to part.
         common_args(small_data, out / "unsynced", "--steps", 2, "--no-sync-qk-norm-grads"),
         common_args(small_data, out / "varlen", "--steps", 3, "--attn", "varlen"),
@@ -67,9 +68,9 @@ def tp_sp(tmp_path_factory, small_data):
     out = tmp_path_factory.mktemp("tp-sp-ft")
     torchrun("tp-sp-ft", [
         common_args(small_data, out / "full", "--steps", STEPS, *PROFILE_ONE),
-        # LoRA, with the logits gathered instead of loss-parallel, exported as an adapter.
-        common_args(small_data, out / "lora", "--steps", STEPS, "--lora-rank", LORA_RANK, "--no-loss-parallel",
-                    "--save-hf", out / "lora" / "hf"),
+        # LoRA with activation checkpointing, the logits gathered instead of loss-parallel, exported as an adapter.
+        common_args(small_data, out / "lora", "--steps", STEPS, "--lora-rank", LORA_RANK, "--activation-checkpointing",
+                    "--no-loss-parallel", "--save-hf", out / "lora" / "hf"),
         common_args(small_data, out / "varlen-compile", "--steps", 2, "--attn", "varlen", "--compile"),
     ])
     return out

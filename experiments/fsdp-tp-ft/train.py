@@ -458,7 +458,12 @@ def main(argv: list[str] | None = None) -> dict:
     if config.activation_checkpointing:
         # Before the plan and the sharding, as in fsdp-ft: the checkpoint wraps each layer's forward, so the TP and
         # FSDP hooks around the module call stay outside the recomputed region.
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        # early_stop=False and disable_input_require_grads, as in tp-ft: every recomputed layer runs to its end, so
+        # no asynchronous DTensor collective is left unwaited under LoRA, and the embedding's output (frozen under
+        # LoRA) does not get a gradient nobody uses.
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False,
+                                                                         "early_stop": False})
+        model.disable_input_require_grads()
     # Order matters: TP first, then FSDP over the TP-parallelized modules (FSDP shards the DTensor slices the plan
     # made; a plan applied after fully_shard would find FSDP's flat shards instead of nn.Linear weights).
     partial_grad_modules = apply_tp(model, tp_mesh, config.loss_parallel)

@@ -419,9 +419,6 @@ def main(argv: list[str] | None = None) -> dict:
     # Model: built whole on every rank from the same seed (so LoRA's A is initialised exactly as in single-ft),
     # then split by apply_tp; parallelize_module scatters rank 0's values, so the ranks start from one model.
     model = load_model(config.model, tokenizer, attention.impl, dtype=torch.float32, device=device)
-    if config.activation_checkpointing:
-        # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     lora = None
     if config.lora_rank:
         from peft import LoraConfig, get_peft_model
@@ -429,6 +426,18 @@ def main(argv: list[str] | None = None) -> dict:
         lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
         model = get_peft_model(model, lora)
+    if config.activation_checkpointing:
+        # After peft, so that only transformers makes the embedding's output require a gradient (for the reentrant
+        # variant), and disable_input_require_grads undoes it: non-reentrant checkpointing, the variant PyTorch
+        # recommends, needs no input that requires grad, and under LoRA that gradient is never used (in tp-sp-ft
+        # its reduce-scatter was never even waited on). early_stop=False: by default the recomputation stops once
+        # it has remade the last tensor backward needs, under LoRA the row-parallel adapter's input, after the base
+        # projection's all-reduce (an asynchronous DTensor collective) was issued: torch kept that work and its
+        # buffers registered until exit, one per layer per step ("N unwaited collective calls"). Recomputing each
+        # layer to its end waits on it, for the cost of a few elementwise ops.
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False,
+                                                                         "early_stop": False})
+        model.disable_input_require_grads()
     partial_grad_params = apply_tp(model, tp_mesh, config.loss_parallel)
     if not config.sync_qk_norm_grads:
         partial_grad_params = []
