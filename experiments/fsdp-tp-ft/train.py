@@ -51,7 +51,8 @@ from transformers import AutoModelForCausalLM, HfArgumentParser
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import DataError, build_data, describe, evaluate, sample_text, token_loss_sum
-from common.dist import all_ranks, init_distributed, print0, teardown
+from common.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, all_ranks, init_distributed, print0, record_collectives_in, \
+    teardown
 from common.memory import attention_kind, estimate
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     state_bytes, summary_table
@@ -98,6 +99,7 @@ class Config:
     resume: str | None = None  # a checkpoints/step-<k> folder to continue from (same data, B and --steps)
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
     report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: also write the step metrics as TensorBoard scalars to <out-dir>/tensorboard (uv sync --group tensorboard)
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # seconds one collective may wait for the other ranks; then the run ends with one line naming the rank that stopped answering (gloo) or NCCL's watchdog report and flight-recorder dump (common/dist.py)
     # The 2-D mesh
     tp_degree: int = 2  # tensor-parallel ranks per data-parallel row (the mesh's "tp" size; keep it within one node); the rest, world / tp, is the FSDP dimension "dp"
     loss_parallel: bool = True  # keep the logits split over the vocabulary and compute the cross-entropy on the shards (--no-loss-parallel: gather the full logits on every tp rank)
@@ -399,7 +401,7 @@ def main(argv: list[str] | None = None) -> dict:
     # ---------------------------------------------------------------------------------------------------------
     # Processes, device and the 2-D mesh: one process per device (torchrun). A plain `python train.py` gets a
     # one-rank group in memory (DTensor and FSDP need one even then), and so a 1 x 1 mesh.
-    dist_info = init_distributed()
+    dist_info = init_distributed(config.collective_timeout_s)
     device = dist_info.device
     own_group = dist_info.backend is None
     if own_group:
@@ -421,6 +423,7 @@ def main(argv: list[str] | None = None) -> dict:
     out_dir = [config.out_dir]
     dist.broadcast_object_list(out_dir, src=0)
     config.out_dir = out_dir[0]
+    record_collectives_in(config.out_dir)  # CUDA: where NCCL's flight recorder dumps on a timeout
     print0(f"config: {json.dumps(asdict(config))}")
     if world_size == 1 and config.tp_degree != 1:
         print0(f"one process: a 1 x 1 mesh, no parallelism (--tp-degree {config.tp_degree} takes effect under "

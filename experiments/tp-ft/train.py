@@ -43,7 +43,8 @@ from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import DataError, build_data, describe, evaluate, sample_text, token_loss_sum
 from common.comm import as_backend, tp_collectives
-from common.dist import all_ranks, init_distributed, print0, teardown
+from common.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, all_ranks, init_distributed, print0, record_collectives_in, \
+    teardown
 from common.memory import attention_kind, estimate
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     state_bytes, summary_table
@@ -90,6 +91,7 @@ class Config:
     resume: str | None = None  # a checkpoints/step-<k> folder to continue from (same data, B and --steps)
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
     report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: also write the step metrics as TensorBoard scalars to <out-dir>/tensorboard (uv sync --group tensorboard)
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # seconds one collective may wait for the other ranks; then the run ends with one line naming the rank that stopped answering (gloo) or NCCL's watchdog report and flight-recorder dump (common/dist.py)
     # Tensor parallelism
     loss_parallel: bool = True  # keep the logits split over the vocabulary and compute the cross-entropy on the shards (--no-loss-parallel: gather the full logits on every rank)
     sync_qk_norm_grads: bool = True  # sum the q_norm/k_norm gradients over the TP group (--no-sync-qk-norm-grads only to watch the replicas drift apart)
@@ -373,7 +375,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Processes, device and mesh: one process per device (torchrun), all of them one TP group.
-    dist_info = init_distributed()
+    dist_info = init_distributed(config.collective_timeout_s)
     device = dist_info.device
     own_group = dist_info.backend is None
     if own_group:
@@ -388,6 +390,7 @@ def main(argv: list[str] | None = None) -> dict:
     out_dir = [config.out_dir]
     dist.broadcast_object_list(out_dir, src=0)
     config.out_dir = out_dir[0]
+    record_collectives_in(config.out_dir)  # CUDA: where NCCL's flight recorder dumps on a timeout
     print0(f"config: {json.dumps(asdict(config))}")
     torch.manual_seed(config.seed)
     attention = setup_attention(device, config.attn, print_fn=print0)
