@@ -103,7 +103,7 @@ def init_distributed(collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S)
     )
     _created_group = True
     if world_size > 1:
-        _watch_for_lost_ranks(rank, world_size, collective_timeout_s)
+        watch_for_lost_ranks(rank, world_size, collective_timeout_s)
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
 
 
@@ -180,7 +180,9 @@ class _Heartbeat:
 _heartbeat: _Heartbeat | None = None
 
 
-def _watch_for_lost_ranks(rank: int, world_size: int, timeout_s: float) -> None:
+def watch_for_lost_ranks(rank: int, world_size: int, timeout_s: float) -> None:
+    """Start this rank's heartbeat and make a collective's failure end the process with lost_rank_line (module
+    docstring). init_distributed calls it; a driver that creates the group itself (tests/run_many.py) can too."""
     global _heartbeat
     _heartbeat = _Heartbeat(rank, world_size)
     # Stopped before the interpreter shuts down when a run ends without teardown() (an error before its end): a
@@ -285,10 +287,11 @@ def _stop_heartbeat() -> None:
 
 
 def teardown() -> None:
-    """Destroy the process group if init_distributed created it; stop the heartbeat first."""
+    """Stop the heartbeat and destroy the process group, if init_distributed created them (a test driver's own
+    group and heartbeat, shared by several runs, stay)."""
     global _created_group
-    _stop_heartbeat()
     if _created_group and dist.is_initialized():
+        _stop_heartbeat()
         dist.barrier()
         dist.destroy_process_group()
     _created_group = False

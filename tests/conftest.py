@@ -1,4 +1,5 @@
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -71,13 +72,22 @@ def formats(tmp_path_factory, small_data):
     return root
 
 
-def torchrun(experiment: str, runs: list[list], nproc: int = 2, timeout: int = 900, nodes: int = 1):
+def torchrun(experiment: str, runs: list[list], nproc: int = 2, timeout: int = 3600, nodes: int = 1):
     """Launch tests/run_many.py under torchrun with `nproc` ranks; fail with the ranks' output if it fails.
     nodes > 1: that many torchrun agents (nproc / nodes ranks each) meet at a c10d rendezvous on localhost, as the
-    nodes of a multi-node job do, so LOCAL_RANK differs from RANK. Returns the finished process (stdout, stderr)."""
+    nodes of a multi-node job do, so LOCAL_RANK differs from RANK. Returns the finished process (stdout, stderr).
+
+    A hang ends sooner, as a failed collective (run_many's collective timeout); `timeout` only bounds a launch that
+    keeps computing, e.g. on a machine shared with other work. When it runs out, the ranks are asked for their
+    threads' stacks (faulthandler) before they are killed, and those are in the failure's message."""
     import json
+    import signal
     import socket
     import subprocess
+    import tempfile
+    import time
+
+    from common.soak import descendants, kill_tree
 
     script = [str(REPO_ROOT / "tests" / "run_many.py"), experiment, json.dumps([[str(a) for a in r] for r in runs])]
     if nodes == 1:
@@ -90,11 +100,37 @@ def torchrun(experiment: str, runs: list[list], nproc: int = 2, timeout: int = 9
         agents = [[sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={node}",
                    f"--nproc-per-node={nproc // nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                    f"--rdzv-id={experiment}", *script] for node in range(nodes)]
-    processes = [subprocess.Popen(agent, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for agent in agents]
-    outputs = [process.communicate(timeout=timeout) for process in processes]
+    # Output into files, not pipes: an agent blocked on a full pipe that nobody reads (while this process waits on
+    # another agent) would stop its ranks, and with them every other rank at the next collective.
+    with tempfile.TemporaryDirectory() as logs:
+        files = [(open(f"{logs}/{i}.out", "w+"), open(f"{logs}/{i}.err", "w+")) for i in range(len(agents))]
+        processes = [subprocess.Popen(agent, cwd=REPO_ROOT, stdout=out, stderr=err, text=True)
+                     for agent, (out, err) in zip(agents, files)]
+        deadline, timed_out = time.monotonic() + timeout, False
+        try:
+            for process in processes:
+                process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            for process in processes:
+                for pid in descendants(process.pid):
+                    try:
+                        os.kill(pid, signal.SIGUSR1)
+                    except ProcessLookupError:
+                        pass
+            time.sleep(5)
+            for process in processes:
+                kill_tree(process)
+        outputs = []
+        for out, err in files:
+            out.seek(0), err.seek(0)
+            outputs.append((out.read(), err.read()))
+            out.close(), err.close()
     result = subprocess.CompletedProcess(agents, max(p.returncode for p in processes),
                                          "".join(out for out, _ in outputs), "".join(err for _, err in outputs))
+    if timed_out:
+        raise AssertionError(f"torchrun {experiment} still running after {timeout} s; the ranks' threads then:\n"
+                             f"{result.stderr[-20000:]}")
     if result.returncode != 0:
         raise AssertionError(f"torchrun {experiment} failed ({result.returncode}):\n{result.stdout[-5000:]}\n"
                              f"{result.stderr[-10000:]}")

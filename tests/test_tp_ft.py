@@ -2,7 +2,7 @@
 q_norm/k_norm kept identical by the gradient all-reduce (and drifting without it); export; resume; SP's activations;
 the model-state bytes each rank holds against common/memory.py, the collectives against common/comm.py.
 
-One torchrun launch per experiment runs all of its configurations (tests/run_many.py); single-ft runs in-process.
+One torchrun launch runs every configuration of both experiments (tests/run_many.py); single-ft runs in-process.
 """
 
 import json
@@ -46,34 +46,40 @@ def single(tmp_path_factory, small_data):
 
 
 @pytest.fixture(scope="module")
-def tp(tmp_path_factory, small_data):
-    out = tmp_path_factory.mktemp("tp-ft")
-    torchrun("tp-ft", [
-        common_args(small_data, out / "full", "--steps", STEPS, "--checkpoint-every", RESUME_AT, "--save-hf",
-                    out / "full" / "hf", *PROFILE_ONE),
-        common_args(small_data, out / "resumed", "--steps", STEPS, "--resume",
-                    out / "full" / "checkpoints" / f"step-{RESUME_AT}"),
+def launched(tmp_path_factory, small_data):
+    """tp-ft's and tp-sp-ft's configurations in ONE launch of 2 ranks (one round of imports), each into its own root."""
+    tp, tp_sp = tmp_path_factory.mktemp("tp-ft"), tmp_path_factory.mktemp("tp-sp-ft")
+    tp_runs = [
+        common_args(small_data, tp / "full", "--steps", STEPS, "--checkpoint-every", RESUME_AT, "--save-hf",
+                    tp / "full" / "hf", *PROFILE_ONE),
+        common_args(small_data, tp / "resumed", "--steps", STEPS, "--resume",
+                    tp / "full" / "checkpoints" / f"step-{RESUME_AT}"),
         # LoRA with activation checkpointing (the same steps as without; no collective left unwaited at exit).
-        common_args(small_data, out / "lora", "--steps", STEPS, "--lora-rank", LORA_RANK, "--activation-checkpointing",
-                    "--save-hf", out / "lora" / "hf", "--merge-lora"),
+        common_args(small_data, tp / "lora", "--steps", STEPS, "--lora-rank", LORA_RANK, "--activation-checkpointing",
+                    "--save-hf", tp / "lora" / "hf", "--merge-lora"),
         # Without the q_norm/k_norm all-reduce: two steps are enough for the replicas to part.
-        common_args(small_data, out / "unsynced", "--steps", 2, "--no-sync-qk-norm-grads"),
-        common_args(small_data, out / "varlen", "--steps", 3, "--attn", "varlen"),
-    ])
-    return out
+        common_args(small_data, tp / "unsynced", "--steps", 2, "--no-sync-qk-norm-grads"),
+        common_args(small_data, tp / "varlen", "--steps", 3, "--attn", "varlen"),
+    ]
+    tp_sp_runs = [
+        common_args(small_data, tp_sp / "full", "--steps", STEPS, *PROFILE_ONE),
+        # LoRA with activation checkpointing, the logits gathered instead of loss-parallel, exported as an adapter.
+        common_args(small_data, tp_sp / "lora", "--steps", STEPS, "--lora-rank", LORA_RANK, "--activation-checkpointing",
+                    "--no-loss-parallel", "--save-hf", tp_sp / "lora" / "hf"),
+        common_args(small_data, tp_sp / "varlen-compile", "--steps", 2, "--attn", "varlen", "--compile"),
+    ]
+    torchrun("+", [["tp-ft", *run] for run in tp_runs] + [["tp-sp-ft", *run] for run in tp_sp_runs])
+    return tp, tp_sp
 
 
 @pytest.fixture(scope="module")
-def tp_sp(tmp_path_factory, small_data):
-    out = tmp_path_factory.mktemp("tp-sp-ft")
-    torchrun("tp-sp-ft", [
-        common_args(small_data, out / "full", "--steps", STEPS, *PROFILE_ONE),
-        # LoRA with activation checkpointing, the logits gathered instead of loss-parallel, exported as an adapter.
-        common_args(small_data, out / "lora", "--steps", STEPS, "--lora-rank", LORA_RANK, "--activation-checkpointing",
-                    "--no-loss-parallel", "--save-hf", out / "lora" / "hf"),
-        common_args(small_data, out / "varlen-compile", "--steps", 2, "--attn", "varlen", "--compile"),
-    ])
-    return out
+def tp(launched):
+    return launched[0]
+
+
+@pytest.fixture(scope="module")
+def tp_sp(launched):
+    return launched[1]
 
 
 @pytest.fixture(scope="module")
