@@ -5,6 +5,12 @@ from pathlib import Path
 
 import pytest
 
+# One intra-op thread in this process and in every process a test starts, as torchrun gives each rank
+# (OMP_NUM_THREADS=1), set before torch is imported: the tiny models of the tests gain nothing from a second thread,
+# and on a 2-core machine doing other work OpenMP's threads spin waiting for each other (two of test_single_ft.py's
+# training tests: 93 s of CPU with 2 threads, 21 s with 1).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_DATA = REPO_ROOT / "assets" / "data" / "sft_en.jsonl"
 
@@ -27,6 +33,15 @@ def load_infer():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def pytest_collection_modifyitems(items):
+    """The quick tier (`uv run pytest -m quick`, a few minutes on 2 cores) is every test not marked slow: the unit
+    tests of common/, the formulas, the documentation's commands and the posts' regions. The slow ones are the
+    torchrun launches that hold each experiment to single-ft, and training runs; CI runs everything."""
+    for item in items:
+        if item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.quick)
 
 
 @pytest.fixture(scope="session")

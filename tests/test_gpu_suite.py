@@ -44,6 +44,7 @@ def test_every_gpu_rung_is_a_valid_command_line_of_its_experiment():
     assert sorted(order[len(whole) + 3:][:len(ends)]) == sorted(ends) and order[-1] == f"syncs-{first_ladder}"
 
 
+@pytest.mark.slow
 def test_dry_run_keeps_each_run_and_writes_the_entry_with_parity(tmp_path, capsys, monkeypatch):
     # CI's environment has no trl (the "peer" dependency group): the TRL comparison is skipped, and says how to fix it.
     monkeypatch.setattr(gpu_suite, "peer_installed", lambda: False)

@@ -589,6 +589,7 @@ def _census(runs: list[tuple[int, str, int]]) -> dict:
     return counted
 
 
+@pytest.mark.slow
 def test_a_live_deepspeed_engine_holds_the_modelled_states():
     runs = [(1, "bf16", 0), (2, "bf16", 8), (3, "bf16", 0), (2, "fp32", 0)]
     result = subprocess.run([sys.executable, __file__, "census", json.dumps(runs)], cwd=REPO_ROOT,
@@ -947,6 +948,7 @@ def _ep_optimizer(model, experts) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=1e-3)
 
 
+@pytest.mark.slow
 def test_ep_ft_block_and_states_on_one_rank(tmp_path):
     """ep-ft's own expert block on a one-rank group (it holds every expert): its saved tensors are the formula's,
     and a rank's model states after a step are estimate(..., "ep", 1).state_bytes() to the byte, AdamW's step

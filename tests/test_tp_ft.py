@@ -18,6 +18,8 @@ from common.models import load_model, model_config
 from conftest import load_experiment, read_losses, torchrun
 from test_comm import assert_formula_matches, tiny_parameters
 
+pytestmark = pytest.mark.slow  # torchrun launches (the quick tier leaves them out)
+
 STEPS = 5  # optimizer steps compared; resume continues from step 3
 RESUME_AT = 3
 LORA_RANK = 4
