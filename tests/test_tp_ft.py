@@ -70,7 +70,12 @@ def launched(tmp_path_factory, small_data):
                     "--no-loss-parallel", "--save-hf", tp_sp / "lora" / "hf"),
         common_args(small_data, tp_sp / "varlen-compile", "--steps", 2, "--attn", "varlen", "--compile"),
     ]
-    torchrun("+", [["tp-ft", *run] for run in tp_runs] + [["tp-sp-ft", *run] for run in tp_sp_runs])
+    # fsdp-tp-ft on the same 2 ranks as a 1 x 2 mesh (FSDP over one rank, TP over two), LoRA with activation
+    # checkpointing: its own apply_tp and checkpointing call, the same B.
+    fsdp_tp = common_args(small_data, tp / "fsdp-tp-lora", "--steps", 3, "--lora-rank", LORA_RANK,
+                          "--activation-checkpointing", "--tp-degree", 2)
+    torchrun("+", [["tp-ft", *run] for run in tp_runs] + [["tp-sp-ft", *run] for run in tp_sp_runs] +
+             [["fsdp-tp-ft", *fsdp_tp]])
     return tp, tp_sp
 
 
@@ -110,6 +115,12 @@ def test_tp_sp_losses_equal_single_ft(tp_sp, single, run):
     # SequenceParallel re-creates the norm weights; under LoRA they must stay frozen
     assert summary(tp_sp / run)["model"]["trainable_parameters"] == \
         summary(single / run)["model"]["trainable_parameters"]
+
+
+def test_fsdp_tp_lora_with_checkpointing_equals_single_ft_lora(tp, single):
+    # Its first 3 steps: 2 warm-up steps, then the cosine's first value, whatever --steps is.
+    assert read_losses(tp / "fsdp-tp-lora") == pytest.approx(read_losses(single / "lora")[:3], rel=1e-5)
+    assert summary(tp / "fsdp-tp-lora")["replica_drift"] == 0.0
 
 
 def test_qk_norm_replicas_stay_identical_only_with_the_all_reduce(tp, tp_sp):
