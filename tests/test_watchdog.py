@@ -77,6 +77,7 @@ def latest_checkpoint(out_dir: Path) -> int:
     return max(steps, default=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["killed", "frozen"])
 def test_a_lost_rank_ends_the_run_with_one_line_and_a_resumable_checkpoint(tmp_path, small_data, loss):
     out_dir = tmp_path / "run"
@@ -131,3 +132,47 @@ def test_a_lost_rank_ends_the_run_with_one_line_and_a_resumable_checkpoint(tmp_p
     compared = min(2, len(logged) - step)
     assert read_losses(resumed)[:compared] == pytest.approx(logged[step:step + compared], rel=1e-5)
     assert json.loads((resumed / "summary.json").read_text())["config"]["resume"].endswith(f"step-{step}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# On CUDA (no GPU here: the code path, with the device faked)
+
+
+def test_nccl_gets_its_watchdog_and_the_flight_recorder_dumps_into_the_out_dir(tmp_path, monkeypatch):
+    import torch
+
+    from common import dist
+
+    names = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE",
+             "TORCH_FR_DUMP_ON_TIMEOUT", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE",
+             "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "500")  # a user's own setting wins
+    dist._enable_nccl_watchdog()
+    assert {name: os.environ.get(name) for name in names[:5]} == {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "500",
+        "TORCH_FR_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    dist.record_collectives_in(tmp_path / "run")  # without CUDA: nothing to point
+    assert "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist.dist, "is_initialized", lambda: True)
+    dist.record_collectives_in(tmp_path / "run")
+    prefix = str(tmp_path / "run" / "flight_recorder" / "rank_")  # PyTorch appends the rank
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == prefix
+    assert (tmp_path / "run" / "flight_recorder").is_dir()
+
+
+def test_only_a_collective_that_failed_is_reported_as_a_lost_rank():
+    from common.dist import is_collective_failure, lost_rank_line
+
+    timeout = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                           "30000ms for recv operation to complete")
+    closed = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer "
+                          "[127.0.0.1]:49284")
+    assert is_collective_failure(timeout) and is_collective_failure(closed)
+    assert not is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_collective_failure(SystemExit("bad training data"))
+    line = lost_rank_line(3, timeout, None, 30.0)
+    assert line.startswith("rank 3: collective ") and "got no answer within --collective-timeout-s 30;" in line
+    assert "lost its connection to a peer" in lost_rank_line(0, closed, None, 30.0)
