@@ -6,7 +6,8 @@ what must never happen: hangs, aborts, non-zero exits and unclean ends.
     uv run python -m common.soak --load 0 --runs 1 --out runs/soak   # no background load
 
 Each run is what a user starts: `python -m torch.distributed.run --standalone --nproc_per_node=2
-experiments/<name>/train.py` with the experiment's defaults (plus --steps when given, and an --out-dir of its own).
+experiments/<name>/train.py` with the experiment's defaults (plus --steps when given, an --out-dir of its own, and
+what NEEDS names for an experiment whose defaults do not run on 2 ranks).
 Its outcome is one of:
 - hang: still running after --timeout-s; its processes (torchrun's workers run in sessions of their own) are killed;
 - abort: ended by a signal (SIGABRT after "terminate called ...", SIGSEGV), or "terminate called" in its output;
@@ -35,12 +36,15 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # Every experiment that runs more than one rank (single-ft is the one-process reference).
 MULTI_RANK = ("ddp-ft", "fsdp-ft", "zero-ft", "tp-ft", "tp-sp-ft", "pp-ft", "pp-ds-ft", "fsdp-tp-ft", "ep-ft")
 OUTCOMES = ("ok", "hang", "abort", "exit", "unclean")
+# What an experiment needs beyond its defaults to run on 2 ranks at all: pp-ft's default is one micro-batch per step,
+# which 1F1B over 2 stages refuses (in one line, before anything starts); its docstring's runs all pass --grad-accum.
+NEEDS = {"pp-ft": ("--grad-accum", "4")}
 
 
 def command(experiment: str, nproc: int, out_dir: Path, steps: int | None) -> list[str]:
     script = str(REPO_ROOT / "experiments" / experiment / "train.py")
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script,
-            "--out-dir", str(out_dir)]
+            *NEEDS.get(experiment, ()), "--out-dir", str(out_dir)]
     return argv + (["--steps", str(steps)] if steps is not None else [])
 
 
