@@ -110,7 +110,8 @@ def init_distributed(collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S)
 def _enable_nccl_watchdog() -> None:
     """NCCL's watchdog, as PyTorch documents its variables (torch_nccl_environment_variables, the flight recorder
     tutorial), set before the group exists because the group reads them when it is created. A value the user set
-    wins. Both names of each variable: torch 2.11 reads TORCH_NCCL_*, newer releases TORCH_FR_* first."""
+    wins. Both names where PyTorch has two (the flight recorder's TORCH_NCCL_* names came first, TORCH_FR_* ones
+    later; torch 2.15 reads either): each release takes the names it knows."""
     for names, value in (
         # 3: on a timeout or a NCCL error, the watchdog ends the process (without aborting the communicator, which
         # can itself hang): the rank exits instead of waiting, and torchrun ends the others.
