@@ -133,7 +133,8 @@ def torchrun(experiment: str, runs: list[list], nproc: int = 2, timeout: int = 3
                         os.kill(pid, signal.SIGUSR1)
                     except ProcessLookupError:
                         pass
-            time.sleep(5)
+                    time.sleep(1)  # one rank at a time, so that their stacks do not interleave
+            time.sleep(3)
             for process in processes:
                 kill_tree(process)
         outputs = []
