@@ -1,19 +1,46 @@
-"""Process-group setup, device choice, rank-0 printing and teardown.
+"""Process-group setup, device choice, rank-0 printing, the collective watchdog and teardown.
 
 Every experiment runs either as a plain process (`python train.py`) or under torchrun, which sets RANK,
 WORLD_SIZE and LOCAL_RANK. On a GPU machine the backend is NCCL (RCCL on ROCm, where torch.cuda and "nccl" map
 to AMD's libraries); on a CPU-only machine it is gloo, so the same scripts and tests run anywhere.
+
+A rank that is lost (killed, frozen, cut off from the others) must not leave the others waiting forever in their
+next collective. Every experiment's `--collective-timeout-s` is the process group's timeout: how long one collective
+may wait for the other ranks.
+- gloo: the waiting collective raises after the timeout, or at once when the peer's process is gone (its sockets
+  close). The rank then prints one line that names itself, the collective (from PyTorch's flight recorder, which
+  records gloo's collectives in torch 2.15; else the torch.distributed call it was in) and the ranks that stopped
+  answering, and exits without tearing down a group that a peer will never join again. Which ranks stopped: every
+  rank adds to a counter in the launch's store every HEARTBEAT_S seconds from a thread of its own (a rank blocked in
+  a collective has released the GIL, so its thread goes on); the counters that no longer move are the lost ranks.
+- NCCL: PyTorch's watchdog thread does the waiting. With async error handling it ends the process after the
+  timeout, logging the collective (sequence number, type, sizes), and its flight recorder (the ring of the last
+  collectives of every group) is dumped beforehand into `<out-dir>/flight_recorder/rank_<r>` (see
+  record_collectives_in); torch.distributed.flight_recorder's analyzer reads those files and names the rank that
+  fell behind.
 """
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import socket
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+# A collective that waits this long for a peer ends the run. Long enough for what one rank legitimately does while the
+# others wait (rank 0 reading or writing a model, the first step's compilation, a loaded 2-core CI machine), short
+# enough that a lost rank costs minutes, not the hours until a job's time limit. PyTorch's own default for NCCL.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+HEARTBEAT_S = 2.0  # seconds between two heartbeats of a rank (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -32,12 +59,16 @@ class DistInfo:
 _created_group = False  # whether init_distributed created the default group (and so teardown destroys it)
 
 
-def init_distributed(timeout_minutes: int = 30) -> DistInfo:
+def init_distributed(collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> DistInfo:
     """Create the default process group when launched by torchrun; pick this rank's device.
 
-    If a group already exists (a test driver running several configurations in one launch), it is reused.
+    `collective_timeout_s` (--collective-timeout-s) bounds every collective's wait for the other ranks (module
+    docstring). If a group already exists (a test driver running several configurations in one launch), it is
+    reused as it is.
     """
     global _created_group
+    if not collective_timeout_s > 0:
+        raise SystemExit(f"--collective-timeout-s must be a number of seconds > 0, got {collective_timeout_s}")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -61,15 +92,164 @@ def init_distributed(timeout_minutes: int = 30) -> DistInfo:
     if dist.is_initialized():
         return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device,
                         backend=dist.get_backend())
+    if backend == "nccl":
+        _enable_nccl_watchdog()
     # Passing device_id binds the NCCL communicator to this GPU eagerly, which avoids a lazy init on the first
     # collective (and a warning from recent PyTorch); gloo has no such notion.
     dist.init_process_group(
         backend=backend,
-        timeout=timedelta(minutes=timeout_minutes),
+        timeout=timedelta(seconds=collective_timeout_s),
         device_id=device if backend == "nccl" else None,
     )
     _created_group = True
+    if world_size > 1:
+        watch_for_lost_ranks(rank, world_size, collective_timeout_s)
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
+
+
+def _enable_nccl_watchdog() -> None:
+    """NCCL's watchdog, as PyTorch documents its variables (torch_nccl_environment_variables, the flight recorder
+    tutorial), set before the group exists because the group reads them when it is created. A value the user set
+    wins. Both names where PyTorch has two (the flight recorder's TORCH_NCCL_* names came first, TORCH_FR_* ones
+    later; torch 2.15 reads either): each release takes the names it knows."""
+    for names, value in (
+        # 3: on a timeout or a NCCL error, the watchdog ends the process (without aborting the communicator, which
+        # can itself hang): the rank exits instead of waiting, and torchrun ends the others.
+        (("TORCH_NCCL_ASYNC_ERROR_HANDLING",), "3"),
+        # The flight recorder: a ring of the last 2,000 collectives of every group (kind, sequence number, sizes,
+        # state, Python stack), dumped to a file per rank when the watchdog sees a timeout.
+        (("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"), "2000"),
+        (("TORCH_FR_DUMP_ON_TIMEOUT", "TORCH_NCCL_DUMP_ON_TIMEOUT"), "1"),
+    ):
+        for name in names:
+            os.environ.setdefault(name, value)
+
+
+def record_collectives_in(out_dir: str | Path) -> None:
+    """On CUDA, where NCCL's flight recorder dumps on a timeout: `<out_dir>/flight_recorder/rank_<r>`.
+
+    PyTorch reads the path when it writes the first dump (not when the group is created), so it can be set once the
+    run's out-dir is known. Nothing to do with gloo, whose ranks report the failure themselves (module docstring).
+    """
+    if not torch.cuda.is_available() or not dist.is_initialized():
+        return
+    prefix = Path(out_dir).resolve() / "flight_recorder" / "rank_"
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        os.environ.setdefault(name, str(prefix))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# gloo: a lost rank ends the run with one line
+
+
+class _Heartbeat:
+    """Every HEARTBEAT_S seconds, add 1 to this rank's counter in the launch's store (torchrun's TCPStore)."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.store = dist.PrefixStore("collective-heartbeat/", dist.distributed_c10d._get_default_store())
+        self.rank, self.world_size = rank, world_size
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._beat, name="collective-heartbeat", daemon=True)
+        self.thread.start()
+
+    def _beat(self) -> None:
+        while not self.stopped.wait(HEARTBEAT_S):
+            try:
+                self.store.add(str(self.rank), 1)
+            except Exception:  # the store is gone (the launcher ended): nobody is left to read the counter
+                return
+
+    def silent_ranks(self) -> list[int] | None:
+        """The ranks whose counter did not move for 2.5 heartbeats (what a lost rank looks like); None when the
+        store itself does not answer (it lived in the lost rank's launcher)."""
+        def counts():
+            return [self.store.add(str(rank), 0) for rank in range(self.world_size)]
+        try:
+            before = counts()
+            time.sleep(2.5 * HEARTBEAT_S)
+            after = counts()
+        except Exception:
+            return None
+        return [rank for rank, (a, b) in enumerate(zip(before, after)) if rank != self.rank and a == b]
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=2 * HEARTBEAT_S)  # not forever: a store call in flight can wait on a lost store
+
+
+_heartbeat: _Heartbeat | None = None
+
+
+def watch_for_lost_ranks(rank: int, world_size: int, timeout_s: float) -> None:
+    """Start this rank's heartbeat and make a collective's failure end the process with lost_rank_line (module
+    docstring). init_distributed calls it; a driver that creates the group itself (tests/run_many.py) can too."""
+    global _heartbeat
+    _heartbeat = _Heartbeat(rank, world_size)
+    # Stopped before the interpreter shuts down when a run ends without teardown() (an error before its end): a
+    # thread still inside a store call while C++ objects are destroyed at exit could crash the process.
+    atexit.register(_stop_heartbeat)
+    previous_hook = sys.excepthook
+
+    def report(exc_type, exc, traceback):
+        if not is_collective_failure(exc):
+            return previous_hook(exc_type, exc, traceback)
+        print(lost_rank_line(rank, exc, traceback, timeout_s), file=sys.stderr, flush=True)
+        # No teardown: destroying a group waits for its queued collectives, which wait for the lost rank.
+        os._exit(1)
+
+    sys.excepthook = report
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """A collective that could not complete: its timeout, or the connection to a peer lost (gloo reports both as a
+    RuntimeError from its transport; newer releases raise torch.distributed's DistError kinds)."""
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo/transport" in text)
+
+
+def lost_rank_line(rank: int, exc: BaseException, traceback, timeout_s: float) -> str:
+    """One line: this rank, the collective it was in, what went wrong, and who stopped answering."""
+    text = str(exc)
+    if "Timed out" in text or "timed out" in text:
+        what = f"got no answer within --collective-timeout-s {timeout_s:g}"
+    elif "closed by peer" in text or "reset by peer" in text:
+        what = "lost its connection to a peer (its process is gone)"
+    else:
+        what = "failed: " + text.splitlines()[0][-200:]
+    silent = _heartbeat.silent_ranks() if _heartbeat is not None else None
+    who = ("no heartbeat ran to tell which rank stopped" if _heartbeat is None else
+           "the launch's store does not answer either" if silent is None else
+           f"rank {silent[0]} stopped answering" if len(silent) == 1 else
+           f"ranks {', '.join(map(str, silent))} stopped answering" if silent else
+           "every other rank still answers its heartbeat")
+    return f"rank {rank}: collective {_failed_collective(traceback)} {what}; {who}. Ending the run."
+
+
+def _failed_collective(traceback) -> str:
+    """The flight recorder's last entry of this process (torch 2.15 records gloo's collectives natively), else the
+    torch.distributed function the traceback ends in."""
+    try:
+        entries = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(
+            includeCollectives=True, onlyActive=False, backend="gloo"))["entries"]
+        if entries:
+            last = entries[-1]
+            tensors = ", ".join(f"{dtype.lower()}[{', '.join(map(str, size))}]"
+                                for dtype, size in zip(last["input_dtypes"], last["input_sizes"]))
+            return (f"{last['profiling_name']} #{last['collective_seq_id']} of group {last['process_group'][1]} "
+                    f"({tensors or 'no tensor'})")
+    except (AttributeError, KeyError, RuntimeError, TypeError, ValueError):
+        pass
+    frames = []
+    while traceback is not None:
+        code = traceback.tb_frame.f_code
+        if f"torch{os.sep}distributed" in code.co_filename:
+            frames.append(code.co_name)
+        traceback = traceback.tb_next
+    return frames[-1] if frames else "(unknown)"
+
+
+# ---------------------------------------------------------------------------------------------------------------
 
 
 def act_as_launcher_if_alone() -> None:
@@ -101,16 +281,26 @@ def all_ranks(value):
     return gathered
 
 
-def teardown() -> None:
-    """Destroy the process group if init_distributed created it.
+def _stop_heartbeat() -> None:
+    global _heartbeat
+    if _heartbeat is not None:
+        _heartbeat.stop()
+        _heartbeat = None
 
-    The barrier first: no rank tears its group down while a peer is still inside a collective, and every
-    asynchronous operation (FSDP's reduce-scatters, DDP's bucket all-reduces) has completed on every rank before
-    the backend's worker threads are stopped. Without it, fsdp-ft over gloo on a loaded machine sometimes aborted
-    after writing its summary ("terminate called without an active exception", SIGABRT).
+
+def teardown() -> None:
+    """Stop the heartbeat and destroy the process group, if init_distributed created them (a test driver's own
+    group and heartbeat, shared by several runs, stay).
+
+    The barrier first: no rank destroys its group, and exits, while a peer may still have a collective in flight
+    with it (a peer that exits closes its sockets, and gloo fails whatever it still had to receive). It was added
+    after fsdp-ft over gloo twice aborted at exit after writing its summary ("terminate called without an active
+    exception", SIGABRT); that abort has not been seen again, with or without the barrier, in repeated runs of
+    that sweep's cells under load, nor in python -m common.soak's.
     """
     global _created_group
     if _created_group and dist.is_initialized():
+        _stop_heartbeat()
         dist.barrier()
         dist.destroy_process_group()
     _created_group = False

@@ -1,14 +1,15 @@
 """Every command line the documentation quotes is accepted by the parser of the script it runs, without running it.
 
 Commands are read from README.md, blogs/*.md, devlog/*.md, experiments/*/README.md and the docstrings of
-experiments/*/train.py, common/memory/*.py and common/sweep.py: every line of a fenced code block (or docstring) and
-every `inline code` span, with backslash continuations joined and trailing comments dropped. A command is one that
-launches experiments/<name>/train.py (through python, uv run, torchrun or python -m torch.distributed.run),
-experiments/infer.py, python -m common.memory or python -m common.sweep. Its arguments go through that script's own parser:
-common.cli.parse_flags for an experiment (the parser its train.py runs, from its Config), and the argparse
-parsers of common.memory and common.sweep (whose grids are expanded, so every cell's flags are parsed by the
-experiment they launch). A renamed or removed flag anywhere in the docs fails here, naming the file and line.
-Commands with a placeholder (`<run>`, `...`, a shell `$variable`) are not exact commands and are left out.
+experiments/*/train.py, common/memory/*.py, common/sweep.py and common/soak.py: every line of a fenced code block
+(or docstring) and every `inline code` span, with backslash continuations joined and trailing comments dropped. A
+command is one that launches experiments/<name>/train.py (through python, uv run, torchrun or python -m
+torch.distributed.run), experiments/infer.py, python -m common.memory, common.sweep or common.soak. Its arguments go
+through that script's own parser: common.cli.parse_flags for an experiment (the parser its train.py runs, from its
+Config), and the argparse parsers of common.memory, common.soak and common.sweep (whose grids are expanded, so every
+cell's flags are parsed by the experiment they launch). A renamed or removed flag anywhere in the docs fails here,
+naming the file and line. Commands with a placeholder (`<run>`, `...`, a shell `$variable`) are not exact commands
+and are left out.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from common.cli import parse_flags
 from conftest import REPO_ROOT, load_experiment, load_infer
 
 DOCUMENTS = ("README.md", "blogs/*.md", "devlog/*.md", "experiments/*/README.md")
-DOCSTRINGS = ("experiments/*/train.py", "experiments/infer.py", "common/memory/*.py", "common/sweep.py")
-MODULES = ("common.memory", "common.sweep")
+DOCSTRINGS = ("experiments/*/train.py", "experiments/infer.py", "common/memory/*.py", "common/sweep.py",
+              "common/soak.py")
+MODULES = ("common.memory", "common.sweep", "common.soak")
 FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
 CODE_SPAN = re.compile(r"(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.S)
 SCRIPT = re.compile(r"(?:\./)?experiments/([\w-]+)/train\.py")
@@ -196,6 +198,11 @@ def parse_module(module_name: str, argv: list[str]) -> None:
             memory.build_parser().parse_args(argv)
         else:
             parse_only(memory.main, argv)
+        return
+    if module_name == "common.soak":
+        from common import soak
+
+        soak.parse_args(argv)
         return
     from common import sweep
 

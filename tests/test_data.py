@@ -298,7 +298,7 @@ def test_show_sample_marks_what_carries_loss(small_data, tokenizer):
 # Formats other than JSONL, through datasets
 
 
-def test_every_format_reads_as_its_jsonl(formats, small_data):
+def test_every_format_reads_as_its_jsonl(formats, small_data, tokenizer):
     expected = [c.messages for c in read_conversations(small_data)]
     for name in ("data.parquet", "sharegpt.json", "saved"):
         conversations = read_conversations(formats / name)
@@ -307,6 +307,14 @@ def test_every_format_reads_as_its_jsonl(formats, small_data):
     csv = read_conversations(formats / "pairs.csv", columns="prompt=question,completion=answer")
     assert [c.messages for c in csv] == [c.messages for c in read_conversations(formats / "pairs.jsonl")]
     assert len(read_conversations(formats / "saved", split="test")) == 5
+    # So build_data makes the same rows of them, which is all an experiment trains on (the launched tests train
+    # one format besides JSONL: a CSV under --data-columns).
+    reference = build_data(small_data, tokenizer, 128, seed=0)
+    for name in ("data.parquet", "sharegpt.json", "saved"):
+        built = build_data(formats / name, tokenizer, 128, seed=0)
+        for rows, want in ((built.train, reference.train), (built.eval, reference.eval)):
+            assert torch.equal(rows.input_ids, want.input_ids) and torch.equal(rows.labels, want.labels), name
+            assert torch.equal(rows.position_ids, want.position_ids), name
 
 
 BAD_SOURCES = {

@@ -25,6 +25,8 @@ from common.data import build_data, evaluate
 from common.models import count_parameters, load_model, model_config
 from conftest import load_experiment, read_losses, torchrun
 
+pytestmark = pytest.mark.slow  # torchrun launches (the quick tier leaves them out)
+
 MODEL = "qwen3-moe-tiny"
 STEPS = 4
 LAYERS, EXPERTS, TOP_K = 4, 8, 2

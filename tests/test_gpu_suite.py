@@ -78,6 +78,7 @@ def test_list_prints_the_plan_in_order_with_a_prediction_per_rung(capsys, tmp_pa
     assert not (tmp_path / "devlog").exists() and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_dry_run_keeps_each_run_in_the_entry_and_one_archive_and_only_merges(tmp_path, capsys, monkeypatch):
     # CI's environment has no trl (the "peer" dependency group): the TRL comparison is skipped, and says how to fix it.
     monkeypatch.setattr(gpu_suite, "peer_installed", lambda: False)

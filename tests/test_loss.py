@@ -166,6 +166,7 @@ def run(tmp_path, name, data, *args):
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_single_ft_fused_loss_gives_the_same_steps(tmp_path, small_data, monkeypatch):
     args = ("--steps", 3, "--micro-batch-size", 2, "--grad-accum", 2)
     plain_losses = run(tmp_path, "plain", small_data, *args)
@@ -180,6 +181,7 @@ def test_single_ft_fused_loss_gives_the_same_steps(tmp_path, small_data, monkeyp
     assert plain_losses[-1] != pytest.approx(plain_losses[0], rel=1e-3)  # the steps really trained
 
 
+@pytest.mark.slow
 def test_single_ft_fused_loss_with_lora(tmp_path, small_data):
     args = ("--steps", 3, "--micro-batch-size", 2, "--lora-rank", 4)
     plain_losses = run(tmp_path, "plain", small_data, *args)
@@ -188,6 +190,7 @@ def test_single_ft_fused_loss_with_lora(tmp_path, small_data):
     assert plain_losses[-1] != pytest.approx(plain_losses[0], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_single_ft_compile_gives_the_same_steps(tmp_path, small_data):
     from torch._dynamo.utils import counters
 

@@ -16,7 +16,7 @@ from transformers.masking_utils import create_causal_mask
 
 from common.memory import (BF16_RULE_OF_THUMB, DEEPSPEED_BF16, DEEPSPEED_FP32, DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD,
                            DEEPSPEED_REDUCE_BUCKET_ELEMENTS, EXPERIMENT_STRATEGY, GB, GIB, PROJECT_BF16, PROJECT_FP32,
-                           STRATEGIES, ZERO_PAPER, attention_kind, device_slices, estimate, estimate_stages,
+                           STRATEGIES, ZERO_PAPER, device_slices, estimate, estimate_stages,
                            largest_trainable_parameter, layer_activation_terms, leaf_modules, main, model_shape,
                            model_state_bytes, multi_node_layouts, outside_layers_bytes_per_token, predict_peak_gib,
                            predict_run, recommend, strategy_precision, zero3_gathered_elements,
@@ -752,6 +752,7 @@ def _census(runs: list[tuple[int, str, int]]) -> dict:
     return counted
 
 
+@pytest.mark.slow
 def test_a_live_deepspeed_engine_holds_the_modelled_states():
     runs = [(1, "bf16", 0), (2, "bf16", 8), (3, "bf16", 0), (2, "fp32", 0)]
     result = subprocess.run([sys.executable, __file__, "census", json.dumps(runs)], cwd=REPO_ROOT,
@@ -1151,8 +1152,10 @@ def test_ep_model_states_by_hand():
 
 def _moe_saved_bytes_per_token(layers: int, autocast: bool, packed: bool, expert_parallel: bool,
                                seq_len: int = 96) -> float:
-    """As _saved_bytes_per_token, for qwen3-moe-tiny with common.moe's load-balancing loss; `expert_parallel`:
-    ep-ft's expert block on a one-rank group (needs torch.distributed initialised)."""
+    """As _saved_bytes_per_token (each storage held while counting), for qwen3-moe-tiny with common.moe's
+    load-balancing loss; `expert_parallel`: ep-ft's expert block on a one-rank group (needs torch.distributed
+    initialised). The load-balancing loss saves each layer's top-k expert ids for a topk backward that the loss
+    never uses: they are freed layer by layer, their address reused by the next layer's softmax output."""
     from common.moe import RouterStats
 
     torch.manual_seed(0)
@@ -1259,6 +1262,7 @@ def _ep_optimizer(model, experts) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=1e-3)
 
 
+@pytest.mark.slow
 def test_ep_ft_block_and_states_on_one_rank(tmp_path):
     """ep-ft's own expert block on a one-rank group (it holds every expert): its saved tensors are the formula's,
     and a rank's model states after a step are estimate(..., "ep", 1).state_bytes() to the byte, AdamW's step

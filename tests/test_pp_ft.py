@@ -23,6 +23,8 @@ from common.data import build_data, evaluate
 from common.models import load_model, load_tokenizer, model_config
 from conftest import load_experiment, read_losses, torchrun
 
+pytestmark = pytest.mark.slow  # torchrun launches (the quick tier leaves them out)
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
 GRADIENT_SCHEDULES = ("1f1b", "zbv")  # the tied gradient summed across ranks, and on one rank (V placement)
 LORA_SCHEDULES = ("1f1b", "zbv")

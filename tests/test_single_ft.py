@@ -28,6 +28,7 @@ def run(tmp_path, name, data, *args):
     return summary, losses
 
 
+@pytest.mark.slow
 def test_any_split_of_the_batch_is_the_same_step(tmp_path, small_data):
     _, four_by_one = run(tmp_path, "4x1", small_data, "--steps", 4, "--micro-batch-size", 4, "--grad-accum", 1)
     _, one_by_four = run(tmp_path, "1x4", small_data, "--steps", 4, "--micro-batch-size", 1, "--grad-accum", 4)
@@ -45,6 +46,7 @@ def test_activation_checkpointing_changes_nothing_but_memory(tmp_path, small_dat
     assert recomputed == pytest.approx(plain, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_packed_and_unpacked_eval_loss_are_equal(tmp_path, small_data):
     packed, _ = run(tmp_path, "packed", small_data, "--steps", 0, "--eval-fraction", 0.2)
     unpacked, _ = run(tmp_path, "unpacked", small_data, "--steps", 0, "--eval-fraction", 0.2, "--no-packing")
@@ -52,12 +54,14 @@ def test_packed_and_unpacked_eval_loss_are_equal(tmp_path, small_data):
     assert packed["eval_loss"] == pytest.approx(unpacked["eval_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_loss_falls(tmp_path, small_data):
     _, losses = run(tmp_path, "learn", small_data, "--steps", 40, "--micro-batch-size", 2, "--warmup-steps", 5)
     first, last = losses[0], sum(losses[-5:]) / 5
     assert last < first - 3.0, (first, last)
 
 
+@pytest.mark.slow
 def test_bf16_tracks_fp32(tmp_path, small_data):
     _, fp32 = run(tmp_path, "fp32", small_data, "--steps", 4, "--micro-batch-size", 2)
     _, bf16 = run(tmp_path, "bf16", small_data, "--steps", 4, "--micro-batch-size", 2, "--dtype", "bf16")
@@ -66,6 +70,7 @@ def test_bf16_tracks_fp32(tmp_path, small_data):
     assert bf16 != pytest.approx(fp32, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_save_hf_reloads_with_the_same_eval_loss(tmp_path, small_data):
     export = tmp_path / "hf"
     summary, _ = run(tmp_path, "export", small_data, "--steps", 3, "--save-hf", export)
@@ -76,6 +81,7 @@ def test_save_hf_reloads_with_the_same_eval_loss(tmp_path, small_data):
     assert reloaded == pytest.approx(summary["eval_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_lora_trains_only_adapters_and_merges(tmp_path, small_data, tokenizer):
     export = tmp_path / "merged"
     summary, losses = run(tmp_path, "lora", small_data, "--steps", 6, "--micro-batch-size", 2, "--lora-rank", 4,
@@ -105,6 +111,7 @@ def test_lora_trains_only_adapters_and_merges(tmp_path, small_data, tokenizer):
         [greedy_by_hand(export, prompt, 6)]
 
 
+@pytest.mark.slow
 def test_lora_on_a_bf16_base_tracks_fp32_and_holds_what_was_predicted(tmp_path, small_data):
     """--dtype bf16 under LoRA: the frozen base is stored in bf16 (2 bytes a weight), the adapters and their AdamW
     state in fp32. The steps track the fp32 run's within bf16 rounding; the model states held are common.memory's
@@ -160,6 +167,7 @@ def test_command_line_run_writes_the_results_contract(tmp_path, small_data, caps
     assert summary["final_loss"] == records[-1]["loss"]
 
 
+@pytest.mark.slow
 def test_resume_equals_the_uninterrupted_run(tmp_path, small_data):
     args = ("--steps", 6, "--micro-batch-size", 2, "--warmup-steps", 2)
     _, uninterrupted = run(tmp_path, "whole", small_data, *args)
@@ -177,6 +185,7 @@ def test_resume_equals_the_uninterrupted_run(tmp_path, small_data):
     assert resumed == pytest.approx(uninterrupted[3:], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_lora_resume_equals_the_uninterrupted_run(tmp_path, small_data):
     # Under LoRA only 2-D adapter matrices train, so the no-weight-decay group would be empty: a checkpoint of an
     # optimizer with an empty group could not be loaded back (IndexError in torch's flattened optimizer state).
@@ -186,6 +195,7 @@ def test_lora_resume_equals_the_uninterrupted_run(tmp_path, small_data):
     assert resumed == pytest.approx(uninterrupted[2:], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_varlen_attention_computes_the_masked_sdpa_steps(tmp_path, small_data):
     """--attn varlen (on CPU: the per-document reference, fed the same cu_seq_lens a GPU kernel gets) against the
     block-diagonal mask of --attn sdpa, full SFT and LoRA, two rows per micro-batch (documents of both rows flattened
@@ -218,6 +228,7 @@ class ScalarReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.slow
 def test_the_step_reads_the_device_once(tmp_path, small_data, monkeypatch):
     """The training step waits for the device once per optimizer step: loss and gradient norm read together for
     the step line. Counted on CPU by wrapping every Tensor method that copies a value to the host and by a dispatch
@@ -274,17 +285,14 @@ def test_the_step_reads_the_device_once(tmp_path, small_data, monkeypatch):
                                  ("_local_scalar_dense", "masking_utils.py:find_packed_sequence_indices"): 6}, elsewhere
 
 
-def test_every_data_format_trains_the_same_steps(tmp_path, small_data, formats):
-    """Parquet, a ShareGPT JSON, a save_to_disk folder: the same records as small_data, so the same steps; a CSV
-    with its own column names (--data-columns): the same steps as its records written as prompt/completion JSONL."""
-    _, reference = run(tmp_path, "jsonl", small_data, "--steps", 2)
-    for name in ("data.parquet", "sharegpt.json", "saved"):
-        _, losses = run(tmp_path, name, formats / name, "--steps", 2)
-        assert losses == pytest.approx(reference, rel=1e-6), name
+def test_a_data_format_trains_the_steps_of_its_jsonl(tmp_path, small_data, formats):
+    """A CSV with its own column names (--data-columns): the same steps as its records written as prompt/completion
+    JSONL. Every other format (parquet, ShareGPT JSON, save_to_disk) reads as its JSONL (tests/test_data.py), and
+    training sees only what build_data made of the records."""
     _, pairs = run(tmp_path, "pairs", formats / "pairs.jsonl", "--steps", 2)
     _, csv = run(tmp_path, "csv", formats / "pairs.csv", "--steps", 2,
                  "--data-columns", "prompt=question,completion=answer")
-    assert csv == pytest.approx(pairs, rel=1e-6) and pairs != pytest.approx(reference, rel=1e-3)
+    assert csv == pytest.approx(pairs, rel=1e-6)
 
 
 def test_bad_data_sources_stop_with_one_line(tmp_path, formats):
@@ -313,6 +321,7 @@ def greedy_by_hand(folder, prompt: str, max_new_tokens: int) -> str:
     return tokenizer.decode(new, skip_special_tokens=True)
 
 
+@pytest.mark.slow
 def test_infer_generates_and_evaluates_every_kind_of_export(tmp_path, small_data, monkeypatch, capsys):
     infer = load_infer()
     base = tmp_path / "base-hf"

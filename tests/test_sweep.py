@@ -238,6 +238,7 @@ def test_markdown_and_csv_tables_from_summaries(tmp_path):
 # One real run: the sweep's command line is one single-ft accepts, and its summary lands in the table
 
 
+@pytest.mark.slow
 def test_real_single_ft_cell_runs_and_is_then_skipped(tmp_path, small_data, monkeypatch):
     real = Cell("single-ft", 1, 2, 1, True, "fp32", "qwen3-tiny", 64, 2, ("--data", str(small_data)))
     results = sweep.run_sweep([real], tmp_path, print_fn=lambda *_: None)

@@ -2,7 +2,7 @@
 q_norm/k_norm kept identical by the gradient all-reduce (and drifting without it); export; resume; SP's activations;
 the model-state bytes each rank holds against common/memory, the collectives against common/comm.py.
 
-One torchrun launch per experiment runs all of its configurations (tests/run_many.py); single-ft runs in-process.
+One torchrun launch runs every configuration of both experiments (tests/run_many.py); single-ft runs in-process.
 """
 
 import json
@@ -17,6 +17,8 @@ from common.data import build_data, evaluate
 from common.models import load_model, model_config
 from conftest import load_experiment, read_losses, torchrun
 from test_comm import assert_formula_matches, tiny_parameters
+
+pytestmark = pytest.mark.slow  # torchrun launches (the quick tier leaves them out)
 
 STEPS = 5  # optimizer steps compared; resume continues from step 3
 RESUME_AT = 3
@@ -46,35 +48,47 @@ def single(tmp_path_factory, small_data):
 
 
 @pytest.fixture(scope="module")
-def tp(tmp_path_factory, small_data):
-    out = tmp_path_factory.mktemp("tp-ft")
-    torchrun("tp-ft", [
-        common_args(small_data, out / "full", "--steps", STEPS, "--checkpoint-every", RESUME_AT, "--save-hf",
-                    out / "full" / "hf", *PROFILE_ONE),
-        common_args(small_data, out / "resumed", "--steps", STEPS, "--resume",
-                    out / "full" / "checkpoints" / f"step-{RESUME_AT}"),
-        common_args(small_data, out / "lora", "--steps", STEPS, "--lora-rank", LORA_RANK, "--save-hf",
-                    out / "lora" / "hf", "--merge-lora"),
+def launched(tmp_path_factory, small_data):
+    """tp-ft's and tp-sp-ft's configurations in ONE launch of 2 ranks (one round of imports), each into its own root."""
+    tp, tp_sp = tmp_path_factory.mktemp("tp-ft"), tmp_path_factory.mktemp("tp-sp-ft")
+    tp_runs = [
+        common_args(small_data, tp / "full", "--steps", STEPS, "--checkpoint-every", RESUME_AT, "--save-hf",
+                    tp / "full" / "hf", *PROFILE_ONE),
+        common_args(small_data, tp / "resumed", "--steps", STEPS, "--resume",
+                    tp / "full" / "checkpoints" / f"step-{RESUME_AT}"),
+        # LoRA with activation checkpointing (the same steps as without; no collective left unwaited at exit).
+        common_args(small_data, tp / "lora", "--steps", STEPS, "--lora-rank", LORA_RANK, "--activation-checkpointing",
+                    "--save-hf", tp / "lora" / "hf", "--merge-lora"),
         # Without the q_norm/k_norm all-reduce: two steps are enough for the replicas to part.
-        common_args(small_data, out / "unsynced", "--steps", 2, "--no-sync-qk-norm-grads"),
-        common_args(small_data, out / "varlen", "--steps", 3, "--attn", "varlen"),
-    ])
-    return out
+        common_args(small_data, tp / "unsynced", "--steps", 2, "--no-sync-qk-norm-grads"),
+        common_args(small_data, tp / "varlen", "--steps", 3, "--attn", "varlen"),
+    ]
+    tp_sp_runs = [
+        common_args(small_data, tp_sp / "full", "--steps", STEPS, *PROFILE_ONE),
+        # LoRA with activation checkpointing, the logits gathered instead of loss-parallel, exported as an adapter.
+        common_args(small_data, tp_sp / "lora", "--steps", STEPS, "--lora-rank", LORA_RANK, "--activation-checkpointing",
+                    "--no-loss-parallel", "--save-hf", tp_sp / "lora" / "hf"),
+        common_args(small_data, tp_sp / "varlen-compile", "--steps", 2, "--attn", "varlen", "--compile"),
+        # A bf16 LoRA base (3 steps: bf16 costs several times fp32 on this CPU); the later --dtype wins.
+        common_args(small_data, tp_sp / "lora-bf16", "--steps", 3, "--lora-rank", LORA_RANK, "--dtype", "bf16"),
+    ]
+    # fsdp-tp-ft on the same 2 ranks as a 1 x 2 mesh (FSDP over one rank, TP over two), LoRA with activation
+    # checkpointing: its own apply_tp and checkpointing call, the same B.
+    fsdp_tp = common_args(small_data, tp / "fsdp-tp-lora", "--steps", 3, "--lora-rank", LORA_RANK,
+                          "--activation-checkpointing", "--tp-degree", 2)
+    torchrun("+", [["tp-ft", *run] for run in tp_runs] + [["tp-sp-ft", *run] for run in tp_sp_runs] +
+             [["fsdp-tp-ft", *fsdp_tp]])
+    return tp, tp_sp
 
 
 @pytest.fixture(scope="module")
-def tp_sp(tmp_path_factory, small_data):
-    out = tmp_path_factory.mktemp("tp-sp-ft")
-    torchrun("tp-sp-ft", [
-        common_args(small_data, out / "full", "--steps", STEPS, *PROFILE_ONE),
-        # LoRA, with the logits gathered instead of loss-parallel, exported as an adapter.
-        common_args(small_data, out / "lora", "--steps", STEPS, "--lora-rank", LORA_RANK, "--no-loss-parallel",
-                    "--save-hf", out / "lora" / "hf"),
-        common_args(small_data, out / "varlen-compile", "--steps", 2, "--attn", "varlen", "--compile"),
-        # A bf16 LoRA base (3 steps: bf16 costs several times fp32 on this CPU); the later --dtype wins.
-        common_args(small_data, out / "lora-bf16", "--steps", 3, "--lora-rank", LORA_RANK, "--dtype", "bf16"),
-    ])
-    return out
+def tp(launched):
+    return launched[0]
+
+
+@pytest.fixture(scope="module")
+def tp_sp(launched):
+    return launched[1]
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +130,12 @@ def test_lora_on_a_bf16_base_tracks_fp32_and_holds_the_prediction(tp_sp, single)
         assert {**held, "optimizer": held["optimizer"] - counters} == run["predicted_state_bytes"]
     assert run["predicted_state_bytes"]["grads"] == 4 * 4 * (
         LORA_RANK * ((256 + 256 / 2) + 2 * (256 + 128 / 2) + 2 * (256 + 768 / 2) + (256 / 2 + 256) + (768 / 2 + 256)))
+
+
+def test_fsdp_tp_lora_with_checkpointing_equals_single_ft_lora(tp, single):
+    # Its first 3 steps: 2 warm-up steps, then the cosine's first value, whatever --steps is.
+    assert read_losses(tp / "fsdp-tp-lora") == pytest.approx(read_losses(single / "lora")[:3], rel=1e-5)
+    assert summary(tp / "fsdp-tp-lora")["replica_drift"] == 0.0
 
 
 def test_qk_norm_replicas_stay_identical_only_with_the_all_reduce(tp, tp_sp):

@@ -20,6 +20,8 @@ from common.memory import DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD, DEEPSPEED_REDUC
 from conftest import load_experiment, read_losses, torchrun
 from test_comm import assert_formula_matches, tiny_parameters
 
+pytestmark = pytest.mark.slow  # torchrun launches (the quick tier leaves them out)
+
 single_ft = load_experiment("single-ft")
 
 STEPS = 6

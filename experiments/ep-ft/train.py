@@ -48,7 +48,8 @@ from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.comm import as_backend, ep_collectives
 from common.data import DataError, build_data, describe, evaluate, sample_text, token_loss_sum
-from common.dist import all_ranks, init_distributed, print0, teardown
+from common.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, all_ranks, init_distributed, print0, record_collectives_in, \
+    teardown
 from common.generate import generate, sample_prompt
 from common.loss import fused_linear_cross_entropy
 from common.memory import attention_kind, estimate
@@ -102,6 +103,7 @@ class Config:
     resume_anyway: bool = False  # with --resume: continue from a checkpoint of another run (other model, data, seq_len, rows per step, seed, LoRA rank or experiment) instead of stopping
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
     report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: also write the step metrics as TensorBoard scalars to <out-dir>/tensorboard (uv sync --group tensorboard)
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # seconds one collective may wait for the other ranks; then the run ends with one line naming the rank that stopped answering (gloo) or NCCL's watchdog report and flight-recorder dump (common/dist.py)
     qlora: bool = False  # QLoRA: 4-bit NF4 base weights (bitsandbytes) under LoRA adapters (rank 16 unless --lora-rank), bf16 compute; CUDA only (uv sync --group qlora)
     dense_bucket_mb: float = 25.0  # MiB of dense (replicated) gradients per all-reduce call at the end of the step
 
@@ -254,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Processes and device: one process per device, started by torchrun (NCCL/RCCL on GPUs, gloo on CPU).
-    dist_info = init_distributed()
+    dist_info = init_distributed(config.collective_timeout_s)
     device = dist_info.device
     own_group = dist_info.backend is None
     if own_group:  # a plain `python train.py`: a group of one rank, which holds every expert
@@ -262,6 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
                                 world_size=1)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     config = resolve(config)
+    record_collectives_in(config.out_dir)  # CUDA: where NCCL's flight recorder dumps on a timeout
     print0(f"config: {json.dumps(asdict(config))}")
     torch.manual_seed(config.seed)
     attention = setup_attention(device, config.attn, print_fn=print0)

@@ -46,7 +46,8 @@ from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import DataError, build_data, describe, evaluate, sample_text, token_loss_sum
 from common.comm import as_backend, fsdp_collectives
-from common.dist import all_ranks, init_distributed, print0, teardown
+from common.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, all_ranks, init_distributed, print0, record_collectives_in, \
+    teardown
 from common.generate import generate, sample_prompt
 from common.loss import fused_linear_cross_entropy
 from common.memory import attention_kind, estimate
@@ -99,6 +100,7 @@ class Config:
     resume_anyway: bool = False  # with --resume: continue from a checkpoint of another run (other model, data, seq_len, rows per step, seed, LoRA rank or experiment) instead of stopping
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
     report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: also write the step metrics as TensorBoard scalars to <out-dir>/tensorboard (uv sync --group tensorboard)
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # seconds one collective may wait for the other ranks; then the run ends with one line naming the rank that stopped answering (gloo) or NCCL's watchdog report and flight-recorder dump (common/dist.py)
     qlora: bool = False  # refused here (README: QLoRA); use single-ft or ddp-ft --qlora
     reshard_after_forward: bool = True  # free each layer's gathered weights after its forward and all-gather them again in backward (--no-reshard-after-forward: keep them until backward: one all-gather per layer less, but the whole gathered model alive at the end of forward)
     reshard_after_backward: bool = True  # free the gathered weights after each micro-batch's backward (--no-reshard-after-backward, with --no-reshard-after-forward: keep them from the step's first forward to its last backward, so each unit is all-gathered once per optimizer step whatever --grad-accum; the whole gathered model stays alive through the step)
@@ -203,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
     # ---------------------------------------------------------------------------------------------------------
     # Processes and device: one process per device, started by torchrun (NCCL/RCCL on GPUs, gloo on CPU).
     # FSDP needs a process group even in a plain `python train.py`: that run gets a group of one rank.
-    dist_info = init_distributed()
+    dist_info = init_distributed(config.collective_timeout_s)
     device = dist_info.device
     own_group = dist_info.backend is None
     if own_group:
@@ -225,6 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
     mesh = (init_device_mesh(device.type, (replicas, shard_size), mesh_dim_names=("replicate", "shard"))
             if replicas > 1 else init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",)))
     config = resolve(config)
+    record_collectives_in(config.out_dir)  # CUDA: where NCCL's flight recorder dumps on a timeout
     print0(f"config: {json.dumps(asdict(config))}")
     torch.manual_seed(config.seed)
     attention = setup_attention(device, config.attn, print_fn=print0)

@@ -53,7 +53,8 @@ from transformers import AutoModelForCausalLM
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import DataError, build_data, describe, evaluate, sample_text, token_loss_sum
-from common.dist import all_ranks, init_distributed, print0, teardown
+from common.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, all_ranks, init_distributed, print0, record_collectives_in, \
+    teardown
 from common.memory import attention_kind, estimate
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     state_bytes, summary_table
@@ -103,6 +104,7 @@ class Config:
     resume_anyway: bool = False  # with --resume: continue from a checkpoint of another run (other model, data, seq_len, rows per step, seed, LoRA rank or experiment) instead of stopping
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
     report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: also write the step metrics as TensorBoard scalars to <out-dir>/tensorboard (uv sync --group tensorboard)
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # seconds one collective may wait for the other ranks; then the run ends with one line naming the rank that stopped answering (gloo) or NCCL's watchdog report and flight-recorder dump (common/dist.py)
     # The 2-D mesh
     tp_degree: int = 2  # tensor-parallel ranks per data-parallel row (the mesh's "tp" size; keep it within one node); the rest, world / tp, is the FSDP dimension "dp"
     loss_parallel: bool = True  # keep the logits split over the vocabulary and compute the cross-entropy on the shards (--no-loss-parallel: gather the full logits on every tp rank)
@@ -396,7 +398,7 @@ def main(argv: list[str] | None = None) -> dict:
     # ---------------------------------------------------------------------------------------------------------
     # Processes, device and the 2-D mesh: one process per device (torchrun). A plain `python train.py` gets a
     # one-rank group in memory (DTensor and FSDP need one even then), and so a 1 x 1 mesh.
-    dist_info = init_distributed()
+    dist_info = init_distributed(config.collective_timeout_s)
     device = dist_info.device
     own_group = dist_info.backend is None
     if own_group:
@@ -418,6 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
     out_dir = [config.out_dir]
     dist.broadcast_object_list(out_dir, src=0)
     config.out_dir = out_dir[0]
+    record_collectives_in(config.out_dir)  # CUDA: where NCCL's flight recorder dumps on a timeout
     print0(f"config: {json.dumps(asdict(config))}")
     if world_size == 1 and config.tp_degree != 1:
         print0(f"one process: a 1 x 1 mesh, no parallelism (--tp-degree {config.tp_degree} takes effect under "
@@ -459,7 +462,12 @@ def main(argv: list[str] | None = None) -> dict:
     if config.activation_checkpointing:
         # Before the plan and the sharding, as in fsdp-ft: the checkpoint wraps each layer's forward, so the TP and
         # FSDP hooks around the module call stay outside the recomputed region.
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        # early_stop=False and disable_input_require_grads, as in tp-ft: every recomputed layer runs to its end, so
+        # no asynchronous DTensor collective is left unwaited under LoRA, and the embedding's output (frozen under
+        # LoRA) does not get a gradient nobody uses.
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False,
+                                                                         "early_stop": False})
+        model.disable_input_require_grads()
     # Order matters: TP first, then FSDP over the TP-parallelized modules (FSDP shards the DTensor slices the plan
     # made; a plan applied after fully_shard would find FSDP's flat shards instead of nn.Linear weights).
     partial_grad_modules = apply_tp(model, tp_mesh, config.loss_parallel)

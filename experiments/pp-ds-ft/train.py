@@ -52,7 +52,8 @@ from common.attention import setup_attention  # noqa: E402
 from common.checkpoint import load_deepspeed_checkpoint, save_deepspeed_checkpoint  # noqa: E402
 from common.comm import as_backend, deepspeed_pipeline_collectives  # noqa: E402
 from common.data import IGNORE_INDEX, DataError, build_data, describe, sample_text, token_loss_sum  # noqa: E402
-from common.dist import act_as_launcher_if_alone, all_ranks, init_distributed, print0, teardown  # noqa: E402
+from common.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, act_as_launcher_if_alone, all_ranks, init_distributed, print0, \
+    record_collectives_in, teardown  # noqa: E402
 from common.memory import DEEPSPEED_BF16, attention_kind, predict_peak_gib  # noqa: E402
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     memory_label, peak_memory_gib, summary_table  # noqa: E402
@@ -103,6 +104,7 @@ class Config:
     resume_anyway: bool = False  # with --resume: continue from a checkpoint of another run (other model, data, seq_len, rows per step, seed, LoRA rank or experiment) instead of stopping
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
     report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: also write the step metrics as TensorBoard scalars to <out-dir>/tensorboard (uv sync --group tensorboard)
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # seconds one collective may wait for the other ranks; then the run ends with one line naming the rank that stopped answering (gloo) or NCCL's watchdog report and flight-recorder dump (common/dist.py)
     # Pipeline
     stages: int | None = None  # pipeline stages; default: the world size (a pure pipeline); the rest of the ranks is data parallelism
     zero_stage: int | None = None  # 1 shards the optimizer state over the data-parallel replicas (ZeRO-2/3 do not combine with the pipeline); default 1 with bf16 (see resolve), 0 with fp32
@@ -357,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
     # group and the launcher's variables even for one process, so a plain `python train.py` plays a launcher with a
     # world of one (a one-stage pipeline).
     act_as_launcher_if_alone()
-    dist_info = init_distributed()
+    dist_info = init_distributed(config.collective_timeout_s)
     # On the CPU accelerator DeepSpeed's communication layer would first build, with g++, a shared-memory all-reduce op
     # (about a minute on 2 cores, once per machine) that only its inference tensor parallelism calls
     # (inference_all_reduce); training's collectives are gloo's either way. Marked unavailable, it is not built.
@@ -367,6 +369,7 @@ def main(argv: list[str] | None = None) -> dict:
     deepspeed.init_distributed(dist_backend=dist_info.backend)
     device, world_size = dist_info.device, dist_info.world_size
     config = resolve(config, world_size)
+    record_collectives_in(config.out_dir)  # CUDA: where NCCL's flight recorder dumps on a timeout
     print0(f"config: {json.dumps(asdict(config))}")
     torch.manual_seed(config.seed)
     attention = setup_attention(device, config.attn, print_fn=print0)

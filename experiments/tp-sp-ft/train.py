@@ -50,7 +50,8 @@ from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import DataError, build_data, describe, evaluate, sample_text, token_loss_sum
 from common.comm import as_backend, tp_collectives
-from common.dist import all_ranks, init_distributed, print0, teardown
+from common.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, all_ranks, init_distributed, print0, record_collectives_in, \
+    teardown
 from common.memory import attention_kind, estimate
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     state_bytes, summary_table
@@ -100,6 +101,7 @@ class Config:
     resume_anyway: bool = False  # with --resume: continue from a checkpoint of another run (other model, data, seq_len, rows per step, seed, LoRA rank or experiment) instead of stopping
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
     report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: also write the step metrics as TensorBoard scalars to <out-dir>/tensorboard (uv sync --group tensorboard)
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # seconds one collective may wait for the other ranks; then the run ends with one line naming the rank that stopped answering (gloo) or NCCL's watchdog report and flight-recorder dump (common/dist.py)
     # Tensor parallelism
     loss_parallel: bool = True  # keep the logits split over the vocabulary and compute the cross-entropy on the shards (--no-loss-parallel: gather the full logits on every rank)
     sync_qk_norm_grads: bool = True  # sum the q_norm/k_norm gradients over the TP group (--no-sync-qk-norm-grads only to watch the replicas drift apart)
@@ -393,7 +395,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Processes, device and mesh: one process per device (torchrun), all of them one TP group.
-    dist_info = init_distributed()
+    dist_info = init_distributed(config.collective_timeout_s)
     device = dist_info.device
     own_group = dist_info.backend is None
     if own_group:
@@ -411,6 +413,7 @@ def main(argv: list[str] | None = None) -> dict:
     out_dir = [config.out_dir]
     dist.broadcast_object_list(out_dir, src=0)
     config.out_dir = out_dir[0]
+    record_collectives_in(config.out_dir)  # CUDA: where NCCL's flight recorder dumps on a timeout
     print0(f"config: {json.dumps(asdict(config))}")
     torch.manual_seed(config.seed)
     attention = setup_attention(device, config.attn, print_fn=print0)
@@ -447,11 +450,20 @@ def main(argv: list[str] | None = None) -> dict:
     # then split by apply_tp; parallelize_module scatters rank 0's values, so the ranks start from one model.
     model = load_model(config.model, tokenizer, attention.impl, device=device,
                        dtype=weights_dtype(config.dtype, config.lora_rank))  # a LoRA base in bf16 under bf16
-    if config.activation_checkpointing:
-        # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if config.lora_rank:
         model = add_lora(model, config.lora_rank, config.lora_alpha)  # fp32 adapters; the rest frozen
+    if config.activation_checkpointing:
+        # After peft, so that only transformers makes the embedding's output require a gradient (for the reentrant
+        # variant), and disable_input_require_grads undoes it: non-reentrant checkpointing, the variant PyTorch
+        # recommends, needs no input that requires grad, and under LoRA that gradient is never used (here
+        # its reduce-scatter was never even waited on). early_stop=False: by default the recomputation stops once
+        # it has remade the last tensor backward needs, under LoRA the row-parallel adapter's input, after the base
+        # projection's reduce-scatter (an asynchronous DTensor collective) was issued: torch kept that work and its
+        # buffers registered until exit, one per layer per step ("N unwaited collective calls"). Recomputing each
+        # layer to its end waits on it, for the cost of a few elementwise ops.
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False,
+                                                                         "early_stop": False})
+        model.disable_input_require_grads()
     partial_grad_params = apply_tp(model, tp_mesh, config.loss_parallel)
     if config.compile:
         # One compiled graph per decoder layer (as in single-ft), after the split: the graph is traced over the

@@ -50,7 +50,8 @@ from common.attention import setup_attention  # noqa: E402
 from common.checkpoint import load_deepspeed_checkpoint, save_deepspeed_checkpoint  # noqa: E402
 from common.data import DataError, build_data, describe, evaluate, sample_text, token_loss_sum  # noqa: E402
 from common.comm import as_backend, zero_collectives  # noqa: E402
-from common.dist import act_as_launcher_if_alone, all_ranks, init_distributed, print0, teardown  # noqa: E402
+from common.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, act_as_launcher_if_alone, all_ranks, init_distributed, print0, \
+    record_collectives_in, teardown  # noqa: E402
 from common.generate import generate, sample_prompt  # noqa: E402
 from common.loss import fused_linear_cross_entropy  # noqa: E402
 from common.memory import STRATEGIES, attention_kind, estimate  # noqa: E402
@@ -104,6 +105,7 @@ class Config:
     resume_anyway: bool = False  # with --resume: continue from a checkpoint of another run (other model, data, seq_len, rows per step, seed, LoRA rank or experiment) instead of stopping
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
     report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: also write the step metrics as TensorBoard scalars to <out-dir>/tensorboard (uv sync --group tensorboard)
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # seconds one collective may wait for the other ranks; then the run ends with one line naming the rank that stopped answering (gloo) or NCCL's watchdog report and flight-recorder dump (common/dist.py)
     zero_stage: int = 2  # ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters
     cpu_offload: bool = False  # ZeRO-Offload: keep the fp32 master partition and AdamW state in host memory and run the update on the CPU (offload_optimizer: cpu); slower, for models whose optimizer state does not fit the GPUs
 
@@ -238,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
     # Processes and devices: one per GPU (or CPU process) under torchrun. DeepSpeed needs a process group and the
     # launcher's variables even for one process, so a plain `python train.py` plays a launcher with a world of one.
     act_as_launcher_if_alone()
-    dist_info = init_distributed()
+    dist_info = init_distributed(config.collective_timeout_s)
     # On the CPU accelerator DeepSpeed's communication layer would first build, with g++, a shared-memory all-reduce op
     # (about a minute on 2 cores, once per machine) that only its inference tensor parallelism calls
     # (inference_all_reduce); training's collectives are gloo's either way. Marked unavailable, it is not built.
@@ -248,6 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
     deepspeed.init_distributed(dist_backend=dist_info.backend)
     device, rank, world_size = dist_info.device, dist_info.rank, dist_info.world_size
     config = resolve(config)
+    record_collectives_in(config.out_dir)  # CUDA: where NCCL's flight recorder dumps on a timeout
     print0(f"config: {json.dumps(asdict(config))}")
     torch.manual_seed(config.seed)
     attention = setup_attention(device, config.attn, print_fn=print0)
