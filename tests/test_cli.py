@@ -54,7 +54,7 @@ FLAG_MISTAKES = {
     "a negative sequence length": (["--seq-len", -5], "--seq-len -5: must be >= 1"),
     "a zero sequence length": (["--seq_len", 0], "--seq-len 0: must be >= 1"),
     "not a number": (["--seq-len", "abc"], f"--seq-len: expected an integer, got 'abc' {HELP_HINT}"),
-    "an unknown choice": (["--attn", "fast"], f"--attn: 'fast' is not one of auto, sdpa, eager, flash, varlen {HELP_HINT}"),
+    "an unknown choice": (["--attn", "fast"], f"--attn: 'fast' is not one of auto, sdpa, eager, flash, varlen, flex {HELP_HINT}"),
     "a missing value": (["--warmup-steps"], f"--warmup-steps: needs a value {HELP_HINT}"),
     "a stray value": (["--steps", 3, "4"], "unexpected argument '4': every value follows its flag, e.g. --steps 3 "
                                            f"{HELP_HINT}"),
@@ -108,6 +108,16 @@ def test_every_flag_of_every_experiment_has_a_meaning_and_a_shown_default(experi
             assert f"(default:{flag.default})" in text
     assert parse_flags(path, ["--seq_len", "64", "--no-packing", "--compile", "--activation-checkpointing=false"]) \
         == {"seq_len": 64, "packing": False, "compile": True, "activation_checkpointing": False}
+
+
+def test_every_experiment_waits_on_a_collective_as_long_as_common_dist_says():
+    """The flags are read from each Config's source as literals, so --collective-timeout-s's default is written in
+    every script: it is common.dist's, the value init_distributed uses when called without one."""
+    from common.dist import DEFAULT_COLLECTIVE_TIMEOUT_S
+
+    for experiment in EXPERIMENTS:
+        flags = {flag.name: flag for flag in config_flags(REPO_ROOT / "experiments" / experiment / "train.py")[1]}
+        assert flags["collective_timeout_s"].default == DEFAULT_COLLECTIVE_TIMEOUT_S, experiment
 
 
 def test_plan_run_turns_epochs_into_steps_and_says_when_data_repeats_or_warm_up_outlasts_the_run():
@@ -251,7 +261,8 @@ def test_preset_for_maps_hub_ids_and_letter_case_and_leaves_the_rest():
         assert preset_for(name)[0] == "qwen3-4b", name
     assert preset_for("Qwen/Qwen3-30B-A3B-Base")[0] == "qwen3-30b-a3b"
     assert preset_for("qwen3-4b") == ("qwen3-4b", None)
-    assert preset_for("Qwen/Qwen3-8B") == ("Qwen/Qwen3-8B", None)  # no preset: read from the hub as before
+    assert preset_for("Qwen/Qwen3-8B")[0] == "qwen3-8b"
+    assert preset_for("Qwen/Qwen2.5-7B") == ("Qwen/Qwen2.5-7B", None)  # no preset: read from the hub as before
 
 
 def bad_json_line() -> str:

@@ -360,7 +360,7 @@ def test_compilations_are_counted_per_step(tmp_path):
 
     from common.metrics import MetricsLogger
 
-    logger = MetricsLogger(out_dir=tmp_path, total_steps=3, warmup_steps=1, flops_per_token=1.0,
+    logger = MetricsLogger(out_dir=tmp_path, total_steps=3, warmup_steps=1, model_config=model_config("qwen3-tiny"),
                            device=torch.device("cpu"), world_size=1, is_main=True)
     for step, new_frames in ((1, 2), (2, 0), (3, 1)):  # step 3 recompiles one frame
         counters["frames"]["ok"] += new_frames

@@ -263,7 +263,8 @@ def test_the_step_reads_the_device_once(tmp_path, small_data, monkeypatch):
     # reference kernel; torch's own (e.g. AdamW's step counts, which it keeps on the CPU unless fused) are not
     # this test's subject.
     host_side = {"attention.py:document_boundaries", "attention.py:document_kwargs", "attention.py:_reference_varlen",
-                 "data.py:rows_for_step", "data.py:step_real_tokens", "data.py:step_loss_tokens", "torch"}
+                 "data.py:rows_for_step", "data.py:step_real_tokens", "data.py:step_loss_tokens", "data.py:step_documents",
+                 "torch"}
     # (A mixture of experts too: its aux loss and expert load join the same read.)
     for extra in ((), ("--loss-chunk-tokens", 64, "--attn", "varlen"), ("--model", "qwen3-moe-tiny")):
         per_run = []

@@ -46,8 +46,7 @@ from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import DataError, build_data, describe, evaluate, sample_text, token_loss_sum
 from common.comm import as_backend, fsdp_collectives
-from common.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, all_ranks, init_distributed, print0, record_collectives_in, \
-    teardown
+from common.dist import all_ranks, init_distributed, print0, record_collectives_in, teardown
 from common.generate import generate, sample_prompt
 from common.loss import fused_linear_cross_entropy
 from common.memory import attention_kind, estimate
@@ -100,7 +99,7 @@ class Config:
     resume_anyway: bool = False  # with --resume: continue from a checkpoint of another run (other model, data, seq_len, rows per step, seed, LoRA rank or experiment) instead of stopping
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
     report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: also write the step metrics as TensorBoard scalars to <out-dir>/tensorboard (uv sync --group tensorboard)
-    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # seconds one collective may wait for the other ranks; then the run ends with one line naming the rank that stopped answering (gloo) or NCCL's watchdog report and flight-recorder dump (common/dist.py)
+    collective_timeout_s: float = 600.0  # seconds one collective may wait for the other ranks; then the run ends with one line naming the rank that stopped answering (gloo) or NCCL's watchdog report and flight-recorder dump (common/dist.py)
     qlora: bool = False  # refused here (README: QLoRA); use single-ft or ddp-ft --qlora
     reshard_after_forward: bool = True  # free each layer's gathered weights after its forward and all-gather them again in backward (--no-reshard-after-forward: keep them until backward: one all-gather per layer less, but the whole gathered model alive at the end of forward)
     reshard_after_backward: bool = True  # free the gathered weights after each micro-batch's backward (--no-reshard-after-backward, with --no-reshard-after-forward: keep them from the step's first forward to its last backward, so each unit is all-gathered once per optimizer step whatever --grad-accum; the whole gathered model stays alive through the step)

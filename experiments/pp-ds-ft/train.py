@@ -52,7 +52,7 @@ from common.attention import setup_attention  # noqa: E402
 from common.checkpoint import load_deepspeed_checkpoint, save_deepspeed_checkpoint  # noqa: E402
 from common.comm import as_backend, deepspeed_pipeline_collectives  # noqa: E402
 from common.data import IGNORE_INDEX, DataError, build_data, describe, sample_text, token_loss_sum  # noqa: E402
-from common.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, act_as_launcher_if_alone, all_ranks, init_distributed, print0, \
+from common.dist import act_as_launcher_if_alone, all_ranks, init_distributed, print0, \
     record_collectives_in, teardown  # noqa: E402
 from common.memory import DEEPSPEED_BF16, attention_kind, predict_peak_gib  # noqa: E402
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
@@ -104,7 +104,7 @@ class Config:
     resume_anyway: bool = False  # with --resume: continue from a checkpoint of another run (other model, data, seq_len, rows per step, seed, LoRA rank or experiment) instead of stopping
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
     report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: also write the step metrics as TensorBoard scalars to <out-dir>/tensorboard (uv sync --group tensorboard)
-    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # seconds one collective may wait for the other ranks; then the run ends with one line naming the rank that stopped answering (gloo) or NCCL's watchdog report and flight-recorder dump (common/dist.py)
+    collective_timeout_s: float = 600.0  # seconds one collective may wait for the other ranks; then the run ends with one line naming the rank that stopped answering (gloo) or NCCL's watchdog report and flight-recorder dump (common/dist.py)
     # Pipeline
     stages: int | None = None  # pipeline stages; default: the world size (a pure pipeline); the rest of the ranks is data parallelism
     zero_stage: int | None = None  # 1 shards the optimizer state over the data-parallel replicas (ZeRO-2/3 do not combine with the pipeline); default 1 with bf16 (see resolve), 0 with fp32

@@ -60,8 +60,7 @@ from common.attention import VARLEN, document_kwargs, setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.comm import as_backend, pipeline_collectives
 from common.data import IGNORE_INDEX, DataError, build_data, describe, sample_text, token_loss_sum
-from common.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, all_ranks, init_distributed, print0, record_collectives_in, \
-    teardown
+from common.dist import all_ranks, init_distributed, print0, record_collectives_in, teardown
 from common.memory import PROJECT_BF16, PROJECT_FP32, attention_kind, estimate_stages, predict_peak_gib
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     memory_label, peak_memory_gib, state_bytes, summary_table, synchronize
@@ -111,7 +110,7 @@ class Config:
     resume_anyway: bool = False  # with --resume: continue from a checkpoint of another run (other model, data, seq_len, rows per step, seed, LoRA rank or experiment) instead of stopping
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
     report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: also write the step metrics as TensorBoard scalars to <out-dir>/tensorboard (uv sync --group tensorboard)
-    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # seconds one collective may wait for the other ranks; then the run ends with one line naming the rank that stopped answering (gloo) or NCCL's watchdog report and flight-recorder dump (common/dist.py)
+    collective_timeout_s: float = 600.0  # seconds one collective may wait for the other ranks; then the run ends with one line naming the rank that stopped answering (gloo) or NCCL's watchdog report and flight-recorder dump (common/dist.py)
     # Pipeline
     schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv"] = "1f1b"  # order of the micro-batches' forwards and backwards (torch.distributed.pipelining)
     stages_per_rank: int | None = None  # pipeline stages held by each rank (v); default 1, and 2 for interleaved-1f1b and zbv (zbv needs exactly 2)

@@ -50,7 +50,7 @@ from common.attention import setup_attention  # noqa: E402
 from common.checkpoint import load_deepspeed_checkpoint, save_deepspeed_checkpoint  # noqa: E402
 from common.data import DataError, build_data, describe, evaluate, sample_text, token_loss_sum  # noqa: E402
 from common.comm import as_backend, zero_collectives  # noqa: E402
-from common.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, act_as_launcher_if_alone, all_ranks, init_distributed, print0, \
+from common.dist import act_as_launcher_if_alone, all_ranks, init_distributed, print0, \
     record_collectives_in, teardown  # noqa: E402
 from common.generate import generate, sample_prompt  # noqa: E402
 from common.loss import fused_linear_cross_entropy  # noqa: E402
@@ -105,7 +105,7 @@ class Config:
     resume_anyway: bool = False  # with --resume: continue from a checkpoint of another run (other model, data, seq_len, rows per step, seed, LoRA rank or experiment) instead of stopping
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
     report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: also write the step metrics as TensorBoard scalars to <out-dir>/tensorboard (uv sync --group tensorboard)
-    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # seconds one collective may wait for the other ranks; then the run ends with one line naming the rank that stopped answering (gloo) or NCCL's watchdog report and flight-recorder dump (common/dist.py)
+    collective_timeout_s: float = 600.0  # seconds one collective may wait for the other ranks; then the run ends with one line naming the rank that stopped answering (gloo) or NCCL's watchdog report and flight-recorder dump (common/dist.py)
     zero_stage: int = 2  # ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters
     cpu_offload: bool = False  # ZeRO-Offload: keep the fp32 master partition and AdamW state in host memory and run the update on the CPU (offload_optimizer: cpu); slower, for models whose optimizer state does not fit the GPUs
 
