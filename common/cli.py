@@ -296,11 +296,16 @@ def find_file(path: str) -> str:
 
 def resolve_paths(config, experiment: str) -> None:
     """--data found (find_file), --out-dir defaulted to runs/<experiment>-<UTC time> under the working directory,
-    --resume turned into the checkpoint folder it names (common.checkpoint.find_checkpoint)."""
+    --resume turned into the checkpoint folder it names (common.checkpoint.find_checkpoint). Called after the process
+    group exists: every rank takes rank 0's time stamp, so that all of them write into one folder."""
     config.data = find_file(config.data)
     if config.out_dir is None:
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-        config.out_dir = str(Path("runs") / f"{experiment}-{stamp}")
+        import torch.distributed as dist
+
+        stamp = [datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(stamp, src=0)
+        config.out_dir = str(Path("runs") / f"{experiment}-{stamp[0]}")
     if config.resume:
         from common.checkpoint import find_checkpoint
 

@@ -408,17 +408,20 @@ def test_model_state_bytes_are_the_predicted_ones(reference, ddp, fsdp):
 
 
 def test_the_readme_main_command_runs_clean(tmp_path):
-    """The README's main command as a new user runs it (with --steps 3): it works, every step line ends with the
-    ETA, and nothing in its output looks like an error (Kineto's USDT and gpuGetDeviceCount lines are silenced)."""
+    """The README's main command as a new user runs it (with --steps 3, from another folder): it works, both ranks
+    write into one default out-dir (rank 0's time stamp), every step line ends with the ETA, and nothing in its
+    output looks like an error (Kineto's USDT and gpuGetDeviceCount lines are silenced)."""
     import re
     import subprocess
 
     readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     command = next(line for line in readme if line.startswith("uv run torchrun")).split("#")[0].split()
     assert command[:3] == ["uv", "run", "torchrun"] and command[-1] == "experiments/fsdp-ft/train.py"
-    argv = [sys.executable, "-m", "torch.distributed.run", *command[3:], "--steps", 3, "--out-dir", tmp_path]
-    result = subprocess.run(list(map(str, argv)), cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    argv = [sys.executable, "-m", "torch.distributed.run", *command[3:-1], REPO_ROOT / command[-1], "--steps", 3]
+    result = subprocess.run(list(map(str, argv)), cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    [out_dir] = (tmp_path / "runs").iterdir()
+    assert out_dir.name.startswith("fsdp-ft-") and (out_dir / "summary.json").exists()
     lines = (result.stdout + result.stderr).splitlines()
     assert [line for line in lines if "ERROR" in line or "USDT" in line or "Traceback" in line] == []
     steps = [line for line in lines if line.startswith("step ")]

@@ -100,6 +100,9 @@ def pp_runs(root, small_data) -> list:
                  "--dtype", "bf16"])  # a bf16 base (its stages pass bf16 hidden states); the later --dtype wins
     runs += [[*common_args(small_data, root / "varlen"), "--schedule", "zbv", "--steps", 3, "--attn", "varlen"],
              [*common_args(small_data, root / "compile"), "--steps", 2, "--compile"]]
+    # Only what a smoke run needs: the default --grad-accum is one micro-batch per stage, which 1F1B accepts.
+    runs.append(["--data", small_data, "--seq-len", 128, "--steps", 1, "--eval-fraction", 0, "--out-dir",
+                 root / "defaults"])
     return runs
 
 
@@ -159,6 +162,12 @@ def test_every_schedule_computes_single_ft_steps(pp, single, schedule):
     # The profiled step: p2p and the small collectives show up as gloo time; the others are not profiled.
     assert summary["profiled_steps"] == [PROFILED_STEP]
     assert [r["comm_ms"] is not None and r["comm_ms"] > 0 for r in got] == [r["step"] == PROFILED_STEP for r in got]
+
+
+def test_the_default_runs_one_micro_batch_per_stage(pp):
+    summary = summary_of(pp / "defaults")
+    assert (summary["config"]["schedule"], summary["config"]["grad_accum"]) == ("1f1b", 2)
+    assert summary["t_eff"] == 2 * 128 and len(records(pp / "defaults")) == 1
 
 
 def test_bf16_tracks_fp32(pp, single):

@@ -415,10 +415,6 @@ def main(argv: list[str] | None = None) -> dict:
     tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
     dp_rank = dp_mesh.get_local_rank()  # which data shard this rank reads: its row, never its global rank
     config = resolve(config)
-    # The default out-dir carries a time stamp: take rank 0's, so that every rank writes into the same folder.
-    out_dir = [config.out_dir]
-    dist.broadcast_object_list(out_dir, src=0)
-    config.out_dir = out_dir[0]
     record_collectives_in(config.out_dir)  # CUDA: where NCCL's flight recorder dumps on a timeout
     print0(f"config: {json.dumps(asdict(config))}")
     if world_size == 1 and config.tp_degree != 1:

@@ -82,7 +82,7 @@ class Config:
     show_sample: bool = False  # before training, print the first conversation with the text that carries loss marked
     seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny, 1024 otherwise
     micro_batch_size: int = 1  # rows per forward pass
-    grad_accum: int = 1  # micro-batches per optimizer step = the pipeline's micro-batches m (1F1B needs m >= stages; larger m, smaller bubble)
+    grad_accum: int | None = None  # micro-batches per optimizer step = the pipeline's micro-batches m (1F1B needs m >= ranks per pipeline; larger m, smaller bubble); default: one per stage
     steps: int = 300  # optimizer steps (0 = only evaluate / export); 300 is sized for a CPU run of qwen3-tiny (a minute or two on 2 cores)
     epochs: float | None = None  # instead of --steps: passes over the training rows (e.g. 2, 0.5); the steps are rounded up
     lr: float | None = None  # peak learning rate; default 1e-3 for presets (random init), 2e-5 for pretrained models (1e-4 with LoRA)
@@ -568,6 +568,8 @@ def main(argv: list[str] | None = None) -> dict:
                          f"--nproc_per_node=<a multiple of {max(1, config.stages // v)}>")
     pp_size = config.stages // v
     replicas = world_size // pp_size
+    if config.grad_accum is None:  # the fewest micro-batches every schedule runs: one per stage
+        config.grad_accum = config.stages
     mesh = init_device_mesh(device.type, (replicas, pp_size), mesh_dim_names=("dp", "pp"))
     pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
     # `rank` is this rank's place in its pipeline (what stage_rank below refers to); `replica` which rows it reads.

@@ -324,18 +324,21 @@ class SavedActivations:
 
     def __init__(self, model: torch.nn.Module):
         self.parameters = {storage.data_ptr() for p in model.parameters() for storage in storages(p)}
-        self.sizes: dict[int, int] = {}
+        # Keyed by address, each storage held until the forward ends: a tensor freed mid-forward would otherwise
+        # hand its address to a later one, and the two would count once.
+        self.kept: dict[int, torch.UntypedStorage] = {}
+        self.nbytes: int | None = None  # set when the measured forward ends
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         for storage in storages(tensor):
             if storage.data_ptr() not in self.parameters:
-                self.sizes[storage.data_ptr()] = storage.nbytes()
+                self.kept[storage.data_ptr()] = storage
         return tensor
 
     @property
     def mib(self) -> float:
-        return sum(self.sizes.values()) / 2**20
+        return self.nbytes / 2**20
 
     def __enter__(self):
         self.hooks.__enter__()
@@ -343,6 +346,8 @@ class SavedActivations:
 
     def __exit__(self, *exc):
         self.hooks.__exit__(*exc)
+        self.nbytes = sum(storage.nbytes() for storage in self.kept.values())
+        self.kept.clear()
 
 
 def storages(tensor: torch.Tensor):
@@ -622,7 +627,7 @@ def main(argv: list[str] | None = None) -> dict:
         collective_bytes_formula=formula,
         packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
         n_truncated=data.stats["n_truncated"], data=data.stats, tensor_parallel=tp,
-        activation_mib=activations.mib if activations.sizes else None, replica_drift=drift)
+        activation_mib=activations.mib if activations.nbytes else None, replica_drift=drift)
     print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
            f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
 
