@@ -1038,6 +1038,7 @@ def test_the_ladders_first_fit_is_the_recommendation_for_any_memory(argv, capsys
         assert first["peak_gib"] == pytest.approx(advice.choice.total_gib), gpu_mem_gb
 
 
+@pytest.mark.slow
 def test_the_recommended_command_runs_what_was_priced(small_data, tmp_path):
     """The command the CLI prints, run as printed (one step, on the small data): its summary's prediction, which the
     experiment computes from its own flags, is the peak the CLI printed."""

@@ -74,6 +74,7 @@ def built():
 # The build
 
 
+@pytest.mark.slow  # the site built once (~15 s) or a browser
 def test_the_build_stages_every_post_with_its_figures_and_links(built):
     docs = built / "docs"
     assert sorted(path.stem for path in docs.glob("*.md")) == sorted(site_pages())
@@ -138,6 +139,7 @@ def first_fit(ladder: dict, usable: float):
     return next((rung for rung in ladder["rungs"] if rung[4] <= usable), None)
 
 
+@pytest.mark.slow  # the site built once (~15 s) or a browser
 def test_the_exported_ladders_answer_as_recommend_does(built):
     """Sampled questions and memories (random ones, and each just at and just below a rung's peak): the rung the page
     takes from the JSON is recommend()'s answer, command and peak."""
@@ -175,6 +177,7 @@ def test_the_exported_ladders_answer_as_recommend_does(built):
     assert compared >= 50
 
 
+@pytest.mark.slow  # the site built once (~15 s) or a browser
 def test_check_finds_a_stale_ladder(built, tmp_path):
     """--check compares the build with what the checkout writes now: a ladder that differs is named."""
     import make_site
@@ -335,6 +338,7 @@ def broken_links(server: Server, hrefs: list[str]) -> list[str]:
     return problems
 
 
+@pytest.mark.slow  # the site built once (~15 s) or a browser
 @pytest.mark.parametrize("page_name", site_pages())
 def test_every_page_renders_offline_at_desktop_and_phone_width_in_light_and_dark(browser, served, page_name):
     problems = []
@@ -358,6 +362,7 @@ def broken_copy(built, tmp_path):
     server.close()
 
 
+@pytest.mark.slow  # the site built once (~15 s) or a browser
 def test_the_browser_check_fails_on_a_removed_figure_a_broken_link_an_external_request_and_a_stray_value(
         browser, broken_copy):
     copy, server = broken_copy
@@ -411,6 +416,7 @@ def ask_page(page, model: str, gpus: str, memory: str | None, seq_len: str, trai
     page.check(f"input[name=training][value={training}]")
 
 
+@pytest.mark.slow  # the site built once (~15 s) or a browser
 def test_the_calculator_reached_by_a_click_answers_as_the_cli(browser, served):
     from common.memory import GPU_MEMORY_GB
 
