@@ -356,6 +356,15 @@ _VARLEN_FUNCTIONS = {"torch": _torch_varlen, "flash_attn": _flash_attn_varlen, "
                      "reference": _reference_varlen}
 
 
+def refuse_unpacked(kind: str, attention_mask, dropout: float, sliding_window) -> None:
+    """varlen and flex attend within the documents of packed rows: a padding mask, dropout or a sliding window is a
+    call they do not serve."""
+    if attention_mask is not None:
+        raise ValueError(f"--attn {kind} takes packed rows with restarted position_ids and no padding mask")
+    if dropout or sliding_window:
+        raise ValueError(f"--attn {kind} supports neither attention dropout nor a sliding window")
+
+
 def varlen_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -381,10 +390,7 @@ def varlen_attention_forward(
     `max_length_q` is taken too); without them, from the `position_ids` every Qwen3 decoder layer passes on (a host
     sync per layer on a GPU, so the training loops pass the kwargs).
     """
-    if attention_mask is not None:
-        raise ValueError("--attn varlen takes packed rows with restarted position_ids and no padding mask")
-    if dropout or sliding_window:
-        raise ValueError("--attn varlen supports neither attention dropout nor a sliding window")
+    refuse_unpacked("varlen", attention_mask, dropout, sliding_window)
     batch, heads, seq, head_dim = query.shape
     if key.shape[2] != seq:
         # Decoding with a KV cache (queries shorter than keys): not a packed row; transformers' SDPA handles it.
@@ -494,10 +500,7 @@ def flex_attention_forward(
     """
     from torch.nn.attention.flex_attention import flex_attention
 
-    if attention_mask is not None:
-        raise ValueError("--attn flex takes packed rows with restarted position_ids and no padding mask")
-    if dropout or sliding_window:
-        raise ValueError("--attn flex supports neither attention dropout nor a sliding window")
+    refuse_unpacked("flex", attention_mask, dropout, sliding_window)
     batch, heads, seq, head_dim = query.shape
     if key.shape[2] != seq:
         # Decoding with a KV cache (queries shorter than keys): not a packed row; transformers' SDPA handles it.
