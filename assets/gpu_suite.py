@@ -728,7 +728,7 @@ def parity(run_dir: Path, reference_dir: Path) -> float | None:
 # peak_mem beside predicted_now: common.memory's peak for each run's settings (tests/test_memory.py holds every
 # committed GPU run to it)
 TARGET_COLUMNS = ("run,seq,micro,ga,lora,t_eff,step_ms,step_ms_median,step_ms_max,tok_s,tok_s_median,mfu,peak_mem,"
-                  "predicted_now,field:gc_ms_max:.1f,field:recompiles:d,field:warmup_steps_observed:d")
+                  "predicted_now,predicted_peak,field:gc_ms_max:.1f,field:recompiles:d,field:warmup_steps_observed:d")
 LADDER_COLUMNS = ("run,seq,micro,lora,t_eff,step_ms,step_ms_median,step_ms_max,tok_s,tok_s_median,mfu,peak_mem,"
                   "predicted_now")
 HANDWRITTEN = "## What it says"

@@ -1338,3 +1338,16 @@ if __name__ == "__main__" and sys.argv[1:2] == ["census"]:
     print(json.dumps(_census([tuple(run) for run in json.loads(sys.argv[2])])))
 if __name__ == "__main__" and sys.argv[1:2] == ["ep"]:
     print(json.dumps(_ep_block(sys.argv[2])))
+
+
+def test_attention_kind_of_each_backend():
+    """How k and v reach the kernel decides the attention term: FlexAttention takes grouped heads and keeps a block
+    mask of a few kilobytes (priced as a flash kernel: the H100 flex rung, 2026-11-27, held 1.8 GiB less than the
+    varlen rung whose kernel took K/V repeated to every head), SDPA over packed rows a dense mask per layer."""
+    from common.memory.activations import attention_kind
+
+    assert attention_kind({"impl": "flex"}, packing=True) == "flash"
+    assert attention_kind({"impl": "varlen", "expands_kv": True}, packing=True) == "flash-expanded-kv"
+    assert attention_kind({"impl": "varlen", "expands_kv": False}, packing=True) == "flash"
+    assert attention_kind({"impl": "sdpa"}, packing=True) == "sdpa-packed"
+    assert attention_kind({"impl": "sdpa"}, packing=False) == "sdpa"

@@ -83,7 +83,7 @@ def attention_kind(attention, packing: bool) -> str:
         if expanded is None:  # a summary written before the field existed: its reason says so
             expanded = "expanded to all query heads" in fields.get("reason", "")
         return "flash-expanded-kv" if expanded else "flash"
-    if impl.startswith("flash"):
+    if impl.startswith("flash") or impl == "flex":  # flex: grouped heads, a block mask of a few KB, log-sum-exp
         return "flash"
     return "sdpa-packed" if packing else "sdpa"
 
