@@ -2,42 +2,40 @@
 
     python3 assets/gpu_suite.py              # on a GPU machine, from the repository root; no uv or network needed
     python3 assets/gpu_suite.py --list       # the plan in run order: each run's command and its prediction
-    python3 assets/gpu_suite.py --wheels     # which wheels the loss libraries and the TRL comparison need offline
+    python3 assets/gpu_suite.py --wheels     # which wheels the loss libraries, QLoRA and TRL need offline
     python3 assets/gpu_suite.py --dry-run    # the same stages on the CPU, tiny preset (what the tests run); it
                                              # writes into a fresh temporary folder unless --root names one
 
 The targets (full SFT of Qwen3-0.6B at sequence 1024, and LoRA r16 at sequence 2048, each >= 100,000 tokens/s on
 one H100, with per-step losses equal to the reference path within the bf16 tolerance at the same global batch)
 decide the order: what decides them and loses the least when the machine is cut off runs first.
-1. Probe (half a minute): the versions; every attention kernel against SDPA with the block-diagonal mask (torch's
-   varlen_attn, flash-attn, FlexAttention over flattened tokens and over rows with the document block mask, the
-   per-document reference), forward and gradients, on packed random q/k/v of Qwen3-0.6B's head geometry; and the
-   LM-head losses on the real shapes (a step's loss tokens x 1,024 x 151,936): the plain loss, common/loss.py's
-   chunked reference and fused loss at several chunk sizes, cut-cross-entropy and Liger-Kernel's fused linear
-   cross-entropy where installed (`--wheels`), each timed forward + backward and held to the fp32 loss and
-   gradients (probe.json).
-2. Full SFT at sequence 1024 with every fast flag (varlen attention, the fused loss, compile; fused AdamW with the
+1. Full SFT at sequence 1024 with every fast flag (varlen attention, the fused loss, compile; fused AdamW with the
    clipping folded in, pinned batches, the garbage-collection schedule and one host read per step are always on in
-   single-ft) at micro-batch 8 (x 2 accumulated) and 16, the same 16 rows per optimizer step, 30 steps each: mean,
-   median and slowest step, gc_ms, recompiles, the steps until the time settled; then the same-global-batch eager
-   reference (SDPA with the packed rows' mask, the plain loss, no compile), whose per-step losses the fast rungs
-   must equal within BF16_TOLERANCE over the first FIRST_STEPS steps.
-3. The same for LoRA r16 at sequence 2048, micro-batch 4 (x 2) and 8.
-4. torch.profiler over the fastest full-SFT rung: device time by kernel and category, and the idle share against
-   the unprofiled run's median step (profile.json).
-5. FlexAttention (--attn flex) in place of varlen on the fastest shape; the host syncs of a fast step counted by
-   torch.cuda.set_sync_debug_mode (host-syncs.json).
-6. What is left of the earlier ladder (eager micro-batch-1 rungs adding one feature at a time, larger micro-batches,
-   sequence 4096, LoRA at 1024), fsdp-ft on one rank, and TRL's SFTTrainer beside single-ft (assets/peer_baseline.py,
-   with its wheels): behind the targets, reached by a longer budget or `--only`.
+   single-ft) at micro-batch 16, 30 steps: mean, median and slowest step, gc_ms, recompiles, the steps until the
+   time settled. Inside its timing warm-up, which the averages leave out, the same process profiles three steps
+   (torch.profiler: device time by kernel and category, the idle share against the run's median step) and counts
+   the host syncs of three more (torch.cuda.set_sync_debug_mode): no second start-up. Then the same-global-batch
+   eager reference (8 x 2: SDPA with the packed rows' mask, the plain loss, no compile), whose per-step losses the
+   fast rungs must equal within BF16_TOLERANCE over the first FIRST_STEPS steps.
+2. The same for LoRA r16 at sequence 2048, micro-batch 8, and its reference at 4 x 2.
+3. FlexAttention (--attn flex) in place of varlen at both targets.
+4. The probe, a process of its own (assets/gpu_probe.py: versions, every attention kernel against masked SDPA,
+   the LM-head losses on the real shapes, the loss libraries where installed), after the targets: nothing it does
+   can end the call before them.
+5. Beyond the targets: QLoRA on Qwen3-4B as `python -m common.memory` recommends it for one 24 GB card (its peak
+   against the prediction; bitsandbytes from `--wheels`), the mixture-of-experts preset on one GPU, what is left of
+   the earlier ladder (eager micro-batch-1 rungs adding one feature at a time, sequence 4096, LoRA at 1024),
+   fsdp-ft on one rank, and TRL's SFTTrainer beside single-ft (assets/peer_baseline.py, with its wheels): reached by
+   a longer budget or `--only`.
 
 Each run is the experiment's own command line (`python3 experiments/<x>/train.py ...`), launched as a user would,
 with the repository on PYTHONPATH so that it needs nothing but torch, transformers and peft. Every run that
 finishes is kept at once: its summary.json and metrics.jsonl go to devlog/data/<date>-gpu-suite-<device>/<run>/,
 devlog/<date>-gpu-suite-<device>.md is (re)written with generated regions (assets/make_posts.py) over what is kept so
 far, and one archive, <out>/<date>-gpu-suite-<device>.tar.gz, is rewritten with all of it (and each run's log): a
-suite cut off by its time budget (--budget-min, default 9) or by the machine going away leaves one usable file. Runs
-the budget would overrun are skipped with a note; `python3 assets/gpu_suite.py --date <the entry's date> --only
+suite cut off by its time budget (--budget-min, default 9) or by the machine going away leaves one usable file. Each
+run's time is guessed from the start-up, compilation and time per token of the runs before it, and runs the budget
+would overrun are skipped with a note; `python3 assets/gpu_suite.py --date <the entry's date> --only
 '<names or patterns>'` on a later machine of the same kind adds them to the same entry (run it in a checkout that
 holds the entry's devlog/data/ folder, or with --root where the earlier archive was unpacked); a hand-written
 "## What it says" section of the entry is kept. Each rung carries its prediction, written before any GPU run: the
@@ -73,39 +71,46 @@ from datetime import date
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-for folder in (REPO_ROOT / "assets", REPO_ROOT):  # make_plots and run_series; common (no install on a lent machine)
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
+if str(REPO_ROOT) not in sys.path:  # common, on a lent machine where nothing is installed
+    sys.path.insert(0, str(REPO_ROOT))
 
-from make_plots import load_run  # noqa: E402  (after the path set-up above)
+from gpu_probe import BENCH_REPEATS, LOSS_WHEELS  # noqa: E402  (after the path set-up above)
+from make_plots import load_run  # noqa: E402
 from run_series import keep  # noqa: E402
 
 BF16_TOLERANCE = 2e-2  # largest relative per-step loss difference from the reference rung, first 5 steps, bf16
 FIRST_STEPS = 5
 PEER_WHEELS = ("trl", "datasets", "dill", "multiprocess")  # what the peer baseline needs beyond the lent machine's
-# The loss libraries the probe compares with common/loss.py (pure-Python wheels; Triton comes with torch there).
-LOSS_WHEELS = {"cut-cross-entropy": "25.1.1", "liger-kernel": "0.8.5"}
+QLORA_WHEELS = ("bitsandbytes",)  # the QLoRA rung's (about 43 MB)
+PROFILE_STEPS = 3  # profiled optimizer steps of an instrumented rung, right after its first (compilation)
+SYNC_STEPS = 3  # then the steps whose host syncs are counted; both inside the rung's timing warm-up
 
 
 @dataclass(frozen=True)
 class Rung:
     name: str  # run folder name; single-ft runs start with "single-ft" so the posts' GPU slots find them
-    experiment: str
+    experiment: str  # an experiment's folder name, "probe" (assets/gpu_probe.py) or "peer" (assets/peer_baseline.py)
     args: tuple[str, ...]
     prediction: str  # written before any GPU run
     ladder: str  # the entry's section
-    # Wall time guessed before any run, the budget's first guess (then the longest run of its kind so far): ~20 s to
-    # import and build the model, ~40 s to compile the decoder layer and the loss's kernel (less when the inductor
-    # cache has the same shapes: the profile), then the steps.
+    # Wall time guessed before any run, the budget's first guess (then Budget.guess from the runs before it): ~20 s to
+    # import and build the model, ~40 s to compile the decoder layer and the loss's kernel, then the steps.
     estimate_s: int
     reference: str | None = None  # the run whose per-step losses this one must equal (same optimizer steps)
     nproc: int = 1
-    syncs: bool = False  # run under torch.cuda.set_sync_debug_mode to count host syncs (not timed, not kept)
-    profile: bool = False  # profile the fastest rung of its ladder (its args are chosen when it runs)
+    instrument: bool = False  # profile, then count host syncs, inside its timing warm-up (instrument_child)
 
     @property
     def compiled(self) -> bool:
-        return "--compile" in self.args or self.profile
+        return "--compile" in self.args
+
+    def option(self, flag: str, default: str | None = None) -> str | None:
+        return self.args[self.args.index(flag) + 1] if flag in self.args else default
+
+    @property
+    def tokens_per_step(self) -> int:
+        return int(self.option("--seq-len", "1024")) * int(self.option("--micro-batch-size", "1")) * int(
+            self.option("--grad-accum", "1"))
 
 
 @dataclass
@@ -113,9 +118,11 @@ class Target:
     label: str  # e.g. s1024-full
     seq: int
     lora: int
-    splits: tuple[tuple[int, int], ...]  # (micro-batch, grad-accum) of the fast rungs: the same rows per step
-    predictions: tuple[str, ...]  # one per split
+    micro: int  # rows per forward of the fast rungs (one forward per step: the most tokens per kernel launch)
+    prediction: str
+    reference_split: tuple[int, int]  # (micro-batch, grad-accum) of the eager reference: the same rows per step
     reference_prediction: str
+    flex_prediction: str
 
 
 @dataclass
@@ -123,7 +130,7 @@ class Plan:
     model: str
     dtype: str
     steps: int  # of the target rungs and their references (the same --steps: the same LR schedule)
-    warmup: int  # --timing-warmup-steps of the target rungs (compilation and allocator growth stay out of averages)
+    warmup: int  # --timing-warmup-steps of the target rungs (compilation, the profile, the sync count stay out)
     chunk: int  # --loss-chunk-tokens of the target rungs
     targets: list[Target]
     bench_tokens: int  # the probe's loss benchmark: loss tokens x hidden size x vocabulary
@@ -131,8 +138,8 @@ class Plan:
     bench_vocab: int
     bench_chunks: tuple[int, ...]
     compile: bool = True  # the dry run leaves torch.compile out (tests/test_loss.py checks it; on CPU it only costs)
-    flex: bool = True  # the --attn flex rung (the dry run leaves it out: FlexAttention has no CPU backward)
-    syncs: bool = True  # the host-sync count (no CUDA in a dry run, no sync to count)
+    flex: bool = True  # the --attn flex rungs (the dry run leaves them out: FlexAttention has no CPU backward)
+    extras: bool = True  # QLoRA on Qwen3-4B as common.memory recommends it for a 24 GB card, and a mixture of experts
     ladder_steps: int = 20  # the earlier ladder's runs
     ladder_warmup: int = 5
     ladders: list[tuple[str, int, int, tuple[int, ...]]] = field(default_factory=list)  # (label, seq, lora, micros)
@@ -141,66 +148,70 @@ class Plan:
     peer_micro: int = 4
 
 
-# Predictions for the targets, before any run on them. What they start from (devlog/2026-11-26-gpu-suite-nvidia-h200):
-# on an H200, compiled, varlen, chunked loss, micro-batch 8: 59,147 tok/s by the mean, ~79,700 by the median step; the
-# profiled step (8,192 tokens, 144 ms wall) was matrix products 33.7 ms, attention 13.3 ms, optimizer 6.8 ms, "other"
-# 29.4 ms (of which ~11 ms the loss's fp32 log-softmax and its casts), the device idle 39% of the wall time. An H100
-# has the same bf16 peak and ~1.4x less memory bandwidth: the matrix products keep their time, the element-wise and
-# memory-bound rest (~half of the busy time) takes ~1.4x longer. What changed since: the fused loss (no fp32 softmax
-# kept, no recompute: ~11 ms -> ~5 ms per 8k tokens), no straggler steps (the garbage-collection schedule), one pass
-# fewer over the gradients (clipping folded into fused AdamW), no device read per forward (varlen registers no mask
-# function), one compiled graph whatever the document count.
-FULL_PREDICTIONS = (
-    "75,000-95,000 tok/s by the median step on an H100 (the H200's ~80k at 8k tokens per forward, +10-20% from the "
-    "fused loss, no per-forward device read and the folded clipping, -10-15% for the H100's slower memory); the mean "
-    "within 5% of the median (no straggler step: gc_ms near 0 in every step); 0 recompiles after step 1; losses "
-    "equal to the reference's within the bf16 tolerance: short of 100,000",
-    "80,000-100,000 tok/s by the median step on an H100, 5-10% above micro-batch 8 x 2 (the same rows per step in "
-    "one forward: half the kernel launches per token, larger matrix products); peak memory ~1.6x micro-batch 8's "
-    "(activations double, weights, gradients and AdamW state do not); the mean within 5% of the median; 0 "
-    "recompiles; the same losses: likely still short of 100,000",
-)
+# Predictions for the targets, before any run of this plan. What they start from (devlog/2026-11-27-gpu-suite-nvidia-
+# h100-80gb-hbm3.md, one H100): full SFT at 16 rows of 1,024, varlen, fused loss, compiled: 103,333 tok/s by the median
+# step, 99,707 by the mean; the same with --attn flex 106,765 / 105,139; LoRA r16 at 8 rows of 2,048: 96,239 / 93,951;
+# the device idle 3% of the full-SFT median step (device-bound: matrix products 67 ms, element-wise 42, attention 32,
+# optimizer 8, loss 5 of 153 ms busy). On an H200 (1.4x the memory bandwidth, the same bf16 peak) the memory-bound
+# half of the step runs ~1.3x faster: +10-20% tokens/s.
+FULL_PREDICTION = (
+    "95,000-110,000 tok/s by the median step on an H100 (103,333 measured on 2026-11-27 with this code), "
+    "110,000-125,000 on an H200; the mean within 5% of the median; 0 recompiles after step 1; its profile (steps "
+    "2-4): matrix products under half of the busy time, the device idle under 5% of the median step; one host "
+    "sync per step; losses equal to the reference's within the bf16 tolerance")
 FULL_REFERENCE = (
-    "the eager reference at the same 16 rows per step (SDPA with the packed rows' [seq x seq] mask, the plain fp32 "
-    "loss, no compile): 20,000-35,000 tok/s on an H100; its per-step losses are the ones the fast rungs must match")
-LORA_PREDICTIONS = (
-    "90,000-115,000 tok/s by the median step on an H100: a frozen base has no weight-gradient products (4N instead of "
-    "6N FLOPs per token) and AdamW updates only the adapters, while documents of ~60 tokens keep attention's share "
-    "small at sequence 2048; the same losses as its reference; 0 recompiles",
-    "100,000-125,000 tok/s by the median step on an H100, 5-10% above micro-batch 4 x 2 (one forward per step): the "
-    "LoRA target reached here if anywhere; peak memory below the full-SFT rungs' (no fp32 gradients or AdamW state "
-    "for the base)",
-)
+    "the eager reference at the same 16 rows per step (8 x 2: SDPA with the packed rows' [seq x seq] mask, the plain "
+    "fp32 loss, no compile): 30,000-36,000 tok/s on an H100 (33,223 measured); its per-step losses are the ones the "
+    "fast rungs must match")
+FULL_FLEX = (
+    "FlexAttention with the document block mask in place of varlen at the same shape: 2-6% faster by median (grouped "
+    "K/V heads, which this torch's varlen_attn expands to all 16 query heads) and ~1.8 GiB less memory, as measured "
+    "on the H100; the same losses; 0 recompiles")
+LORA_PREDICTION = (
+    "92,000-100,000 tok/s by the median step on an H100 (96,239 measured): short of 100,000, its step longer than full "
+    "SFT's for the same tokens; its profile (steps 2-4) says where: peft's adapters run unfused (per projection a "
+    "dropout, two thin products, a scale and an add, and their backward), expected as element-wise and small-GEMM "
+    "time above 15% of the busy time; one host sync per step; the same losses as its reference")
 LORA_REFERENCE = (
-    "the eager LoRA reference at the same 8 rows of 2,048 per step: 20,000-35,000 tok/s on an H100 (the [2048 x "
-    "2048] mask per layer and the plain loss's fp32 logits over 16k positions dominate what LoRA saves)")
+    "the eager LoRA reference at the same 8 rows of 2,048 per step (4 x 2): 27,000-32,000 tok/s on an H100 (29,319 "
+    "measured)")
+LORA_FLEX = (
+    "FlexAttention at LoRA's shape: 2-6% above the varlen rung by median, as for full SFT (the same attention per "
+    "document); with it, LoRA reaches 98,000-102,000 by median, at the target's edge")
+QLORA_PREDICTION = (
+    "the command common.memory recommends for Qwen3-4B with QLoRA on one 24 GB card (random init): peak within 15% of "
+    "its 11.25 GiB (max_memory_reserved); bitsandbytes' 4-bit matrix products under compile and activation "
+    "checkpointing at 8 rows of 1,024: 8,000-16,000 tok/s on an H100")
+MOE_PREDICTION = (
+    "the mixture-of-experts preset trains on one GPU (transformers' per-expert loop under autocast, fp32 master "
+    "weights): a few thousand tok/s, host-bound at this size; aux_loss and the per-expert token counts logged")
 
-PROBE_ESTIMATE_S = 45  # versions, the kernel check, each loss timed (Triton and torch.compile compile first)
+PROBE_ESTIMATE_S = 60  # a process of its own: imports, the kernel check, each loss timed (Triton and compile first)
 PROBE_PREDICTION = (
     "every kernel within 3x masked SDPA's own bf16 rounding, FlexAttention over rows included (forward and "
-    "backward); on 8,192 loss tokens x 1,024 x 151,936 (three GEMMs of 2.5 TFLOP each, ~12 ms at ~650 TFLOP/s, plus "
-    "passes over 1.2G logits): the plain loss 20-30 ms and ~12 GiB at its peak (bf16 logits, their fp32 copy, the "
-    "fp32 log-softmax and gradients), common/loss.py's fused loss 14-20 ms with 2-3 GiB at chunk 4096 (one fp32 pass "
-    "per chunk, compiled), its chunked reference ~1.3x the fused one (a fourth GEMM), Liger within 20% of ours, "
-    "cut-cross-entropy the fastest and smallest (it never writes the logits); all within the tolerance")
+    "backward); on 8,192 loss tokens x 1,024 x 151,936: common/loss.py's fused loss 14-20 ms with 2-6 GiB at chunk "
+    "1,024-8,192, about half the plain loss's time; its chunked reference ~3x the fused loss (measured 2.9x on the "
+    "H100: a fourth GEMM and an fp32 pass); Liger-Kernel's fused linear cross-entropy 3-6x ours (chunks of ~64 tokens "
+    "at this vocabulary, the weight read per chunk); cut-cross-entropy as fast and the smallest, but outside the "
+    "tolerance on this random-init benchmark: its gradient filter skips softmax entries below bf16's resolution, "
+    "almost all of a near-uniform softmax over 151,936 classes (a library's row, not the suite's failure)")
 
 GPU_PLAN = Plan(
     model="qwen3-0.6b", dtype="bf16", steps=30, warmup=8, chunk=4096,
-    targets=[Target("s1024-full", 1024, 0, ((8, 2), (16, 1)), FULL_PREDICTIONS, FULL_REFERENCE),
-             Target("s2048-lora16", 2048, 16, ((4, 2), (8, 1)), LORA_PREDICTIONS, LORA_REFERENCE)],
+    targets=[Target("s1024-full", 1024, 0, 16, FULL_PREDICTION, (8, 2), FULL_REFERENCE, FULL_FLEX),
+             Target("s2048-lora16", 2048, 16, 8, LORA_PREDICTION, (4, 2), LORA_REFERENCE, LORA_FLEX)],
     bench_tokens=8192, bench_hidden=1024, bench_vocab=151_936, bench_chunks=(1024, 4096, 8192),
     ladders=[("s1024-full", 1024, 0, (4, 8)), ("s4096-full", 4096, 0, (2,)), ("s4096-lora16", 4096, 16, (2,)),
              ("s1024-lora16", 1024, 16, (4, 8))])
-# The dry run: one target with one fast split and its reference, the profile, TRL (skipped without its wheels). Each
-# rung is a process that spends most of its time importing; compile, flex, the host syncs, fsdp-ft and the earlier
-# ladder are left to the tests that cover them (tests/test_loss.py, test_attention.py, test_gpu_suite.py's
-# count_syncs, test_ddp_fsdp.py).
+# The dry run: one target with its instrumented fast rung and its reference, the probe, TRL (skipped without its
+# wheels). Each rung is a process that spends most of its time importing; compile, flex, the extras and the earlier
+# ladder are left to the tests that cover them (tests/test_loss.py, test_attention.py, test_ddp_fsdp.py).
 DRY_PLAN = Plan(
-    model="qwen3-tiny", dtype="fp32", steps=4, warmup=1, chunk=32,
-    targets=[Target("s64-full", 64, 0, ((2, 1),), ("fp32 on a CPU: the same losses as the reference",),
-                    "the reference path on a CPU")],
+    model="qwen3-tiny", dtype="fp32", steps=6, warmup=1 + PROFILE_STEPS, chunk=32,
+    targets=[Target("s64-full", 64, 0, 2, "fp32 on a CPU: the same losses as the reference", (1, 2),
+                    "the reference path on a CPU", "")],
     bench_tokens=256, bench_hidden=64, bench_vocab=512, bench_chunks=(64, 256),
-    compile=False, flex=False, syncs=False, fsdp_seq=None, peer_seq=64, peer_micro=2)
+    compile=False, flex=False, extras=False, fsdp_seq=None, peer_seq=64, peer_micro=2)
 
 
 def run_args(plan: Plan, steps: int, warmup: int) -> tuple[str, ...]:
@@ -209,7 +220,8 @@ def run_args(plan: Plan, steps: int, warmup: int) -> tuple[str, ...]:
 
 
 def rungs(plan: Plan) -> list[Rung]:
-    """The plan in run order."""
+    """The plan in run order: each target's instrumented fast rung and its reference, FlexAttention at each target,
+    the probe, then what is behind the targets."""
     out = []
     compile_flag = ("--compile",) if plan.compile else ()
     fast_of = {}
@@ -217,36 +229,36 @@ def rungs(plan: Plan) -> list[Rung]:
         base = (*run_args(plan, plan.steps, plan.warmup), "--seq-len", str(target.seq),
                 *(("--lora-rank", str(target.lora)) if target.lora else ()))
         reference = f"single-ft-{target.label}-reference"
-        for (micro, accum), prediction in zip(target.splits, target.predictions):
-            split = ("--micro-batch-size", str(micro), "--grad-accum", str(accum))
-            fast = (*base, "--attn", "varlen", "--loss-chunk-tokens", str(plan.chunk), *compile_flag, *split)
-            name = f"single-ft-{target.label}-fast-m{micro}" + (f"x{accum}" if accum > 1 else "")
-            out.append(Rung(name, "single-ft", fast, prediction, ladder=f"targets {target.label}",
-                            estimate_s=75 if plan.compile else 30, reference=reference))
-            fast_of[target.label] = fast
-        micro, accum = target.splits[0]
+        fast_of[target.label] = (*base, "--attn", "varlen", "--loss-chunk-tokens", str(plan.chunk), *compile_flag,
+                                 "--micro-batch-size", str(target.micro), "--grad-accum", "1")
+        out.append(Rung(f"single-ft-{target.label}-fast-m{target.micro}", "single-ft", fast_of[target.label],
+                        target.prediction, ladder=f"targets {target.label}",
+                        estimate_s=(55 if target.seq <= 1024 else 75) if plan.compile else 30, reference=reference,
+                        instrument=True))
+        micro, accum = target.reference_split
         out.append(Rung(reference, "single-ft", (*base, "--attn", "sdpa", "--micro-batch-size", str(micro),
                                                  "--grad-accum", str(accum)),
-                        target.reference_prediction, ladder=f"targets {target.label}", estimate_s=40))
-    first = plan.targets[0].label
-    out.append(Rung(f"profile-{first}", "single-ft", (), (
-        "the fastest full-SFT rung's step by kernel: matrix products ~half of the device's busy time, attention "
-        "~15-20%, the fused loss below 5% (the old loss was ~8%), the optimizer ~5%; the device idle under 10% of the "
-        "unprofiled median step (no per-forward read, compiled layers, one read per step)"),
-        ladder=f"targets {first}", estimate_s=45, profile=True))
+                        target.reference_prediction, ladder=f"targets {target.label}",
+                        estimate_s=45 if target.seq <= 1024 else 65))
     if plan.flex:
-        micro, accum = plan.targets[0].splits[-1]
-        flex = tuple("flex" if arg == "varlen" else arg for arg in fast_of[first])
-        out.append(Rung(f"single-ft-{first}-flex-m{micro}" + (f"x{accum}" if accum > 1 else ""), "single-ft", flex, (
-            "within 15% of the varlen rung's tok/s at the same shape: FlexAttention skips the empty 128 x 128 blocks "
-            "of the document mask but computes the partly filled ones whole (documents of ~60 tokens fill few), "
-            "where the varlen kernel launches mostly empty thread blocks; the same losses; 0 recompiles (static "
-            "shapes)"), ladder=f"targets {first}", estimate_s=90, reference=f"single-ft-{first}-reference"))
-    if plan.syncs:
-        out.append(Rung(f"syncs-{first}", "single-ft", (*fast_of[first][:], "--steps", str(plan.warmup + 3)), (
-            "one synchronisation per optimizer step, train.py's (the step line's loss and gradient norm read "
-            "together); none from transformers' packed-row check (varlen registers no mask function) nor from the "
-            "loss"), ladder="syncs", estimate_s=75, syncs=True))
+        for target in plan.targets:
+            flex = tuple("flex" if arg == "varlen" else arg for arg in fast_of[target.label])
+            out.append(Rung(f"single-ft-{target.label}-flex-m{target.micro}", "single-ft", flex, target.flex_prediction,
+                            ladder=f"targets {target.label}", estimate_s=55 if target.seq <= 1024 else 75,
+                            reference=f"single-ft-{target.label}-reference"))
+    out.append(Rung("probe", "probe", (
+        "--tokens", str(plan.bench_tokens), "--hidden", str(plan.bench_hidden), "--vocab", str(plan.bench_vocab),
+        "--chunk", str(plan.chunk), "--chunks", ",".join(map(str, plan.bench_chunks))), PROBE_PREDICTION,
+        ladder="probe", estimate_s=PROBE_ESTIMATE_S))
+    if plan.extras:
+        out.append(Rung("single-ft-s1024-qlora16-4b", "single-ft", (
+            *run_args(plan, 12, 4)[:1], "qwen3-4b", *run_args(plan, 12, 4)[2:], "--seq-len", "1024",
+            "--micro-batch-size", "8", "--grad-accum", "1", "--attn", "varlen", "--loss-chunk-tokens", "1024",
+            *compile_flag, "--activation-checkpointing", "--qlora", "--lora-rank", "16"), QLORA_PREDICTION,
+            ladder="beyond the targets", estimate_s=150))
+        out.append(Rung("single-ft-moe-tiny", "single-ft", (
+            *run_args(plan, 20, 5)[:1], "qwen3-moe-tiny", *run_args(plan, 20, 5)[2:]), MOE_PREDICTION,
+            ladder="beyond the targets", estimate_s=45))
     out += ladder_rungs(plan)
     if plan.fsdp_seq:
         out.append(Rung(f"fsdp-ft-s{plan.fsdp_seq}-full-1rank", "fsdp-ft", (
@@ -300,333 +312,126 @@ def ladder_rungs(plan: Plan) -> list[Rung]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Stage 1, the probe: versions, attention kernels, LM-head losses on the real shapes
+# Where a fast rung's step time goes, and its host syncs: measured inside its own timing warm-up
 
-KERNEL_SHAPE = dict(heads=16, kv_heads=8, head_dim=128)  # Qwen3-0.6B's attention geometry
-KERNEL_DOCUMENTS = (700, 300, 24, 1000, 24)  # two rows of 1,024 slots, packed as a real row is (pads included)
-KERNEL_ROWS = 2
-
-
-def versions() -> dict:
-    import platform
-    from importlib.metadata import PackageNotFoundError, version
-
-    import torch
-
-    found = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
-    for package in ("transformers", "peft", "triton", "flash-attn", *LOSS_WHEELS, "trl"):
-        try:
-            found[package] = version(package)
-        except PackageNotFoundError:
-            found[package] = None
-    return found
-
-
-def kernel_check(device_name: str) -> list[dict]:
-    """Every installed varlen kernel (common/attention.py) on packed random q/k/v, and FlexAttention over the same
-    tokens laid out as rows with the document block mask (--attn flex), forward and backward, against SDPA with the
-    block-diagonal mask in fp32. The same masked SDPA in the working dtype (bf16 on a GPU) sets the scale of a normal
-    rounding error: a kernel passes within 3x that (1e-5 in fp32). FlexAttention has no CPU backward."""
-    import torch
-
-    from common import attention
-
-    device = torch.device(device_name)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    generator = torch.Generator().manual_seed(0)
-    tokens = sum(KERNEL_DOCUMENTS)
-    shapes = {"q": (tokens, KERNEL_SHAPE["heads"]), "k": (tokens, KERNEL_SHAPE["kv_heads"]),
-              "v": (tokens, KERNEL_SHAPE["kv_heads"])}
-    base = {name: torch.randn(*shape, KERNEL_SHAPE["head_dim"], generator=generator) for name, shape in shapes.items()}
-    grad_out = torch.randn(tokens, KERNEL_SHAPE["heads"], KERNEL_SHAPE["head_dim"], generator=generator)
-    bounds = torch.tensor([0, *torch.tensor(KERNEL_DOCUMENTS).cumsum(0).tolist()], dtype=torch.int32)
-    longest, scale = max(KERNEL_DOCUMENTS), KERNEL_SHAPE["head_dim"] ** -0.5
-    document = torch.searchsorted(bounds[1:].long(), torch.arange(tokens), right=True).to(device)
-    mask = (document[:, None] == document[None, :]).tril()
-    # The rows' position ids: restarting at each document, as packing lays them out.
-    position_ids = torch.cat([torch.arange(n) for n in KERNEL_DOCUMENTS]).view(KERNEL_ROWS, -1)
-
-    def masked_sdpa(q, k, v, cu_seq_lens, max_length, scale):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True)
-        return out.transpose(0, 1)
-
-    def flex_rows(q, k, v, cu_seq_lens, max_length, scale):
-        # [tokens, heads, d] -> [rows, heads, seq, d], what a decoder layer hands the attention function
-        rows = [t.view(KERNEL_ROWS, -1, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)]
-        block_mask = attention.flex_kwargs(position_ids, device)["document_block_mask"]
-        out, _ = attention.flex_attention_forward(None, *rows, None, scaling=scale, document_block_mask=block_mask)
-        return out.reshape(tokens, *out.shape[2:])
-
-    def run(function, run_dtype, backward=True):
-        inputs = {name: t.to(device, run_dtype).requires_grad_(backward) for name, t in base.items()}
-        out = function(inputs["q"], inputs["k"], inputs["v"], bounds.to(device), longest, scale)
-        results = {"out": out.detach().float()}
-        if backward:
-            out.backward(grad_out.to(device, run_dtype))
-            results.update({f"d{name}": t.grad.float() for name, t in inputs.items()})
-        return results
-
-    def error(result, reference):
-        return max(float((result[key] - reference[key]).abs().max() / reference[key].abs().max())
-                   for key in result)
-
-    reference = run(masked_sdpa, torch.float32)
-    rounding = error(run(masked_sdpa, dtype), reference)
-    tolerance = max(3 * rounding, 1e-5)
-    rows = [{"kernel": "masked SDPA", "dtype": str(dtype).removeprefix("torch."), "backward": True,
-             "max_rel_error": rounding, "tolerance": None, "ok": True}]
-    kernels = {k: attention._VARLEN_FUNCTIONS[k] for k in attention.available_varlen_kernels()
-               if device.type == "cuda" or k in ("flex", "reference")}
-    kernels["flex rows (--attn flex)"] = flex_rows
-    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")  # CPU: no compile
-    for name, function in kernels.items():
-        backward = device.type == "cuda" or not name.startswith("flex")  # FlexAttention has no CPU backward
-        row = {"kernel": name, "dtype": str(dtype).removeprefix("torch."), "backward": backward,
-               "tolerance": tolerance}
-        try:
-            row["max_rel_error"] = error(run(function, dtype, backward), reference)
-            row["ok"] = row["max_rel_error"] <= tolerance
-        except Exception as exc:  # a kernel that cannot run here is a result, not a crash of the suite
-            row.update(max_rel_error=None, ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
-        rows.append(row)
-    return rows
-
-
-BENCH_REPEATS = 3  # timed forward + backward passes per loss implementation, after one untimed (compilation)
-
-
-def loss_implementations(plan: Plan, cuda: bool) -> dict:
-    """name -> f(hidden [n, d] leaf, weight [V, d] leaf, labels [n] on the host) -> the loss's sum over the n tokens.
-    What the experiments run (common/loss.py) under autocast, as in training; the libraries on their own terms (bf16
-    leaves, the weight cast once, as a bf16 model would hold it)."""
-    import importlib.util
-
-    import torch
-    import torch.nn.functional as F
-
-    from common.data import token_loss_sum
-    from common.loss import chunked_token_loss_sum, fused_linear_cross_entropy
-
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else \
-        (lambda: torch.autocast("cpu", enabled=False))
-    one = torch.ones((), device="cuda" if cuda else "cpu")
-
-    def plain(hidden, weight, labels):
-        with autocast():
-            return token_loss_sum(F.linear(hidden, weight).unsqueeze(0), labels.to(hidden.device).unsqueeze(0))
-
-    def chunked(hidden, weight, labels):
-        with autocast():
-            return chunked_token_loss_sum(hidden.unsqueeze(0), weight, labels.unsqueeze(0), plan.chunk)
-
-    def fused(chunk):
-        def loss(hidden, weight, labels):
-            with autocast():
-                return fused_linear_cross_entropy(hidden.unsqueeze(0), weight, labels.unsqueeze(0), chunk, one)
-        return loss
-
-    implementations = {"plain (logits, fp32 cross-entropy)": plain,
-                       f"common/loss.py chunked reference, chunk {plan.chunk}": chunked,
-                       **{f"common/loss.py fused, chunk {chunk}": fused(chunk) for chunk in plan.bench_chunks}}
-    if cuda and importlib.util.find_spec("cut_cross_entropy") is not None:
-        from cut_cross_entropy import linear_cross_entropy
-
-        implementations["cut-cross-entropy"] = lambda hidden, weight, labels: linear_cross_entropy(
-            hidden.bfloat16(), weight.bfloat16(), labels.to(hidden.device), reduction="sum")
-    if cuda and importlib.util.find_spec("liger_kernel") is not None:
-        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
-
-        liger = LigerFusedLinearCrossEntropyLoss(reduction="sum")
-
-        def liger_loss(hidden, weight, labels):
-            out = liger(weight.bfloat16(), hidden.bfloat16(), labels.to(hidden.device))
-            return out[0] if isinstance(out, tuple) else getattr(out, "loss", out)
-        implementations["liger-kernel fused linear cross-entropy"] = liger_loss
-    return implementations
-
-
-def loss_bench(plan: Plan, device_name: str) -> list[dict]:
-    """Each LM-head loss on `bench_tokens` loss tokens of hidden size `bench_hidden` over `bench_vocab` classes:
-    forward + backward time (median of BENCH_REPEATS), the memory it adds at its peak, and its errors against the
-    loss and gradients computed in fp32 (relative to the largest value). A loss passes within 3x the plain bf16
-    loss's own error (1e-5 in fp32): the rule of the kernel check."""
-    import torch
-
-    device = torch.device(device_name)
-    cuda = device.type == "cuda"
-    generator = torch.Generator().manual_seed(0)
-    hidden = torch.randn(plan.bench_tokens, plan.bench_hidden, generator=generator).to(device)
-    weight = (torch.randn(plan.bench_vocab, plan.bench_hidden, generator=generator) * 0.02).to(device)
-    labels = torch.randint(0, plan.bench_vocab, (plan.bench_tokens,), generator=generator)  # on the host
-
-    def run(loss_fn):
-        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        loss = loss_fn(h, w, labels)
-        loss.float().backward()
-        return {"loss": loss.detach().float().reshape(1), "dhidden": h.grad.float(), "dweight": w.grad.float()}
-
-    def error(result, reference):
-        return max(float((result[key] - reference[key]).abs().max() / reference[key].abs().max())
-                   for key in reference)
-
-    with torch.autocast(device.type, enabled=False):
-        def fp32(h, w, lab):
-            return torch.nn.functional.cross_entropy(h @ w.t(), lab.to(h.device), reduction="sum")
-        reference = run(fp32)
-    rows, tolerance = [], None
-    for name, loss_fn in loss_implementations(plan, cuda).items():
-        row = {"loss": name}
-        try:
-            result = run(loss_fn)  # compiles what compiles
-            row["max_rel_error"] = error(result, reference)
-            if tolerance is None:  # the plain loss comes first: its error in the working dtype sets the scale
-                tolerance = max(3 * row["max_rel_error"], 1e-5)
-            del result
-            times = []
-            for _ in range(BENCH_REPEATS):
-                if cuda:
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                start_bytes = torch.cuda.memory_allocated() if cuda else 0
-                start = time.perf_counter()
-                run(loss_fn)
-                if cuda:
-                    torch.cuda.synchronize()
-                times.append((time.perf_counter() - start) * 1000)
-            row["ms"] = statistics.median(times)
-            row["peak_added_gib"] = (torch.cuda.max_memory_allocated() - start_bytes) / 2**30 if cuda else None
-            row["tolerance"], row["ok"] = tolerance, row["max_rel_error"] <= tolerance
-        except Exception as exc:  # an implementation that cannot run here is a result, not a crash of the suite
-            row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
-        rows.append(row)
-    if cuda:
-        import importlib.util
-
-        rows += [{"loss": package, "ok": None, "error": "not installed (python3 assets/gpu_suite.py --wheels)"}
-                 for package in LOSS_WHEELS if importlib.util.find_spec(package.replace("-", "_")) is None]
-    return rows
-
-
-def probe(plan: Plan, device_name: str) -> dict:
-    import torch
-
-    from common import loss
-
-    started = time.perf_counter()
-    result = {"versions": versions(), "kernels": kernel_check(device_name), "losses": loss_bench(plan, device_name),
-              "shape": {"loss_tokens": plan.bench_tokens, "hidden": plan.bench_hidden, "vocab": plan.bench_vocab},
-              # whether the fused loss adds each chunk's bf16 weight-gradient product into fp32 inside the GEMM
-              "fused_loss_fp32_gemm_accumulation": loss._addmm_accumulates_in_fp32(torch.device(device_name))}
-    result["seconds"] = time.perf_counter() - started
-    return result
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The host syncs of a step, counted by torch.cuda.set_sync_debug_mode
-
-# Runs an experiment as `python3 train.py ...` would, with every synchronizing CUDA call warned (each occurrence,
-# with the Python line that made it).
-SYNC_CHILD = ("import runpy, sys, warnings, torch; warnings.simplefilter('always'); "
-              "torch.cuda.is_available() and torch.cuda.set_sync_debug_mode('warn'); "
-              "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
-SYNC_WARNING = re.compile(r"^(.+?):(\d+): UserWarning: called a synchronizing CUDA operation")
-STEP_LINE = re.compile(r"^step (\d+)/(\d+) \|")
-
-
-def count_syncs(log: str, skip_steps: int) -> dict:
-    """Synchronising calls per optimizer step, by source line, from a SYNC_CHILD log (stdout and stderr in order).
-    A step's warnings come before its step line; the first `skip_steps` steps (compilation) are not counted."""
-    counted, pending, per_line = 0, [], {}
-    for line in log.splitlines():
-        if match := SYNC_WARNING.match(line):
-            pending.append(f"{Path(match.group(1)).name}:{match.group(2)}")
-        elif match := STEP_LINE.match(line):
-            if int(match.group(1)) > skip_steps:
-                counted += 1
-                for where in pending:
-                    per_line[where] = per_line.get(where, 0) + 1
-            pending = []
-    # What is pending after the last step line belongs to the evaluation and the summary, not to a step.
-    return {"steps_counted": counted, "per_step": {where: n / max(counted, 1) for where, n in per_line.items()},
-            "total_per_step": sum(per_line.values()) / max(counted, 1)}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Where the fastest configuration's step time goes
-
-PROFILE_STEPS = 3
 KERNEL_CATEGORIES = (  # first match wins; names of CUDA kernels (or CPU ops in a dry run), lower case
     ("attention", ("flash", "fmha", "attention", "attn", "sdpa", "varlen", "softmax_warp")),
     ("loss", ("cross_entropy", "softmax", "nll_loss", "logsumexp")),  # cunn_SoftMax*: the loss's log-softmax
     ("optimizer", ("adam", "multi_tensor", "foreach", "fused_adam")),
     ("matmul", ("gemm", "matmul", "cutlass", "xmma", "cublas", "nvjet", "linear", "addmm", "mm")),
 )
+SYNC_MESSAGE = "called a synchronizing CUDA operation"  # torch.cuda.set_sync_debug_mode's warning
 
 
-def profile_child(argv: list[str]) -> None:
-    """`gpu_suite.py --profile-child OUT.json train.py ARGS...`: run the experiment as `python3 train.py ARGS` would,
-    with torch.profiler over PROFILE_STEPS optimizer steps after its timing warm-up, and write a summary: kernels by
-    device time per step, their categories, and the share of the step the device sat idle."""
+def profile_summary(prof, cuda: bool, step_ms: float | None) -> dict:
+    """Kernels by device time per step, their categories, and the share of the step the device sat idle."""
+    # Kernels only: a record_function span (ProfilerStep, Optimizer.step#AdamW.step) also gets device time, that of
+    # the kernels inside it, which would count them twice.
+    events = [e for e in prof.key_averages() if (e.device_type.name == "CUDA") == cuda
+              and not e.key.startswith("ProfilerStep") and not getattr(e, "is_user_annotation", False)]
+    time_of = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    busy = sum(time_of(e) for e in events) / 1e3 / PROFILE_STEPS  # ms per step
+    shares: dict[str, float] = {}
+    for event in events:
+        name = event.key.lower()
+        category = next((c for c, words in KERNEL_CATEGORIES if any(w in name for w in words)), "other")
+        shares[category] = shares.get(category, 0.0) + time_of(event) / 1e3 / PROFILE_STEPS
+    top = sorted(events, key=time_of, reverse=True)[:25]
+    return {"steps": PROFILE_STEPS, "device": "cuda" if cuda else "cpu", "step_ms": step_ms, "busy_ms": busy,
+            "idle_share": None if not step_ms or not cuda else max(0.0, 1 - busy / step_ms),
+            "categories_ms": dict(sorted(shares.items(), key=lambda kv: -kv[1])),
+            "top": [{"name": e.key[:120], "ms_per_step": time_of(e) / 1e3 / PROFILE_STEPS, "calls": e.count}
+                    for e in top]}
+
+
+class SyncCounter:
+    """Counts torch.cuda.set_sync_debug_mode's warnings by the Python line that made them, between start() and
+    stop(); every other warning is shown as usual."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.counting = False
+        self.show = warnings.showwarning
+
+    def _count(self, message, category, filename, lineno, file=None, line=None):
+        if self.counting and SYNC_MESSAGE in str(message):
+            where = f"{Path(filename).name}:{lineno}"
+            self.counts[where] = self.counts.get(where, 0) + 1
+            return
+        self.show(message, category, filename, lineno, file, line)
+
+    def start(self) -> None:
+        warnings.filterwarnings("always", message=f".*{SYNC_MESSAGE}")  # each occurrence, not once per line
+        warnings.showwarning = self._count
+        self.counting = True
+
+    def stop(self, steps: int) -> dict:
+        self.counting = False
+        warnings.showwarning = self.show
+        return {"steps_counted": steps, "per_step": {where: n / steps for where, n in sorted(self.counts.items())},
+                "total_per_step": sum(self.counts.values()) / steps}
+
+
+def instrument_child(argv: list[str]) -> None:
+    """`gpu_suite.py --instrument-child RUN_DIR train.py ARGS...`: run the experiment as `python3 train.py ARGS` would.
+    After its first optimizer step (compilation), torch.profiler over the next PROFILE_STEPS steps (RUN_DIR/
+    profile.json), then the host syncs of the SYNC_STEPS after them, each synchronising CUDA call warned by
+    torch.cuda.set_sync_debug_mode and counted by its Python line (RUN_DIR/host-syncs.json). Both windows lie inside
+    the run's --timing-warmup-steps, which its averages leave out: one process measures all three, no second
+    start-up."""
     import runpy
 
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
-    from torch.profiler import ProfilerActivity, profile, schedule
+    from torch.profiler import ProfilerActivity, profile
 
-    out_json, script, *args = argv
+    run_dir, script, *args = argv
+    run_dir = Path(run_dir)
     warmup = int(args[args.index("--timing-warmup-steps") + 1]) if "--timing-warmup-steps" in args else 2
     cuda = torch.cuda.is_available()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    spans = []
-
-    def summarize(prof) -> None:
-        # Kernels only: a record_function span (ProfilerStep, Optimizer.step#AdamW.step) also gets device time, that
-        # of the kernels inside it, which would count them twice.
-        events = [e for e in prof.key_averages()
-                  if (e.device_type.name == "CUDA") == cuda and not e.key.startswith("ProfilerStep")
-                  and not getattr(e, "is_user_annotation", False)]
-        time_of = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
-        busy = sum(time_of(e) for e in events) / 1e3 / PROFILE_STEPS  # ms per step
-        step_ms = (spans[-1] - spans[0]) / PROFILE_STEPS * 1e3 if len(spans) > 1 else None
-        shares: dict[str, float] = {}
-        for event in events:
-            name = event.key.lower()
-            category = next((c for c, words in KERNEL_CATEGORIES if any(w in name for w in words)), "other")
-            shares[category] = shares.get(category, 0.0) + time_of(event) / 1e3 / PROFILE_STEPS
-        top = sorted(events, key=time_of, reverse=True)[:15]
-        Path(out_json).write_text(json.dumps({
-            "steps": PROFILE_STEPS, "device": "cuda" if cuda else "cpu", "step_ms": step_ms, "busy_ms": busy,
-            "idle_share": None if not step_ms or not cuda else max(0.0, 1 - busy / step_ms),
-            "categories_ms": dict(sorted(shares.items(), key=lambda kv: -kv[1])),
-            "top": [{"name": e.key[:120], "ms_per_step": time_of(e) / 1e3 / PROFILE_STEPS, "calls": e.count}
-                    for e in top]}, indent=1) + "\n")
-
-    prof = profile(activities=activities, schedule=schedule(wait=warmup - 1, warmup=1, active=PROFILE_STEPS, repeat=1),
-                   on_trace_ready=summarize)
+    sync_steps = SYNC_STEPS if cuda else 0  # no CUDA, no sync to count
+    if warmup < 1 + PROFILE_STEPS + sync_steps:
+        raise SystemExit(f"--instrument-child: --timing-warmup-steps {warmup} leaves no room for step 1, "
+                         f"{PROFILE_STEPS} profiled and {sync_steps} sync-counted steps")
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    state = {"step": 0, "start": 0.0}
+    syncs = SyncCounter()
 
     def after_optimizer_step(*_):
-        if cuda:
-            torch.cuda.synchronize()
-        if prof.step_num >= warmup - 1 and len(spans) <= PROFILE_STEPS:  # the window's edges, steps synchronised
-            spans.append(time.perf_counter())
-        prof.step()
+        state["step"] += 1
+        step = state["step"]
+        if step == 1:  # after compilation: the profiled window starts, its edges synchronised
+            if cuda:
+                torch.cuda.synchronize()
+            state["start"] = time.perf_counter()
+            prof.start()
+        elif step == 1 + PROFILE_STEPS:
+            if cuda:
+                torch.cuda.synchronize()
+            step_ms = (time.perf_counter() - state["start"]) / PROFILE_STEPS * 1e3
+            prof.stop()
+            (run_dir / "profile.json").write_text(json.dumps(profile_summary(prof, cuda, step_ms), indent=1) + "\n")
+            if sync_steps:
+                syncs.start()
+                torch.cuda.set_sync_debug_mode("warn")
+        elif sync_steps and step == 1 + PROFILE_STEPS + sync_steps:
+            torch.cuda.set_sync_debug_mode(0)
+            # Each step's one read comes after its optimizer step: the window holds SYNC_STEPS of them.
+            counts = syncs.stop(sync_steps) | {"first_step": 2 + PROFILE_STEPS}
+            (run_dir / "host-syncs.json").write_text(json.dumps(counts, indent=1) + "\n")
 
     register_optimizer_step_post_hook(after_optimizer_step)
     sys.argv = [script, *args]
-    prof.start()
     runpy.run_path(script, run_name="__main__")
-    prof.stop()
 
 
-def command(rung: Rung, out_dir: Path, launcher: list[str]) -> list[str]:
+def command(rung: Rung, out_dir: Path, launcher: list[str], device: str = "cuda") -> list[str]:
     script = f"experiments/{rung.experiment}/train.py"
-    if rung.syncs:
-        return [*launcher, "-c", SYNC_CHILD, script, *rung.args, "--out-dir", str(out_dir)]
-    if rung.profile:
-        return [*launcher, "assets/gpu_suite.py", "--profile-child", str(out_dir / "profile.json"), script,
-                *rung.args, "--out-dir", str(out_dir)]
+    if rung.experiment == "probe":
+        return [*launcher, "assets/gpu_probe.py", str(out_dir / "probe.json"), "--device", device, *rung.args]
+    if rung.instrument:
+        return [*launcher, "assets/gpu_suite.py", "--instrument-child", str(out_dir), script, *rung.args,
+                "--out-dir", str(out_dir)]
     if rung.experiment == "peer":
         return [*launcher, "assets/peer_baseline.py", *rung.args, "--out-dir", str(out_dir)]
     if rung.nproc > 1 or rung.experiment != "single-ft":
@@ -635,25 +440,34 @@ def command(rung: Rung, out_dir: Path, launcher: list[str]) -> list[str]:
     return [*launcher, script, *rung.args, "--out-dir", str(out_dir)]
 
 
-def fastest(rung: Rung, all_rungs: list[Rung], kept: Path) -> tuple[Rung, Rung | None]:
-    """The profile rung with the arguments of the fastest kept run of its ladder, references left out (cut to the
-    steps the profile needs), and that run; (rung, None) when none of its ladder is kept yet."""
-    best, best_rate = None, 0.0
-    references = {other.reference for other in all_rungs}
-    for candidate in all_rungs:
-        summary_file = kept / candidate.name / "summary.json"
-        if candidate.ladder == rung.ladder and not candidate.profile and candidate.name not in references \
-                and summary_file.exists():
-            rate = json.loads(summary_file.read_text())["tokens_per_s"] or 0.0
-            if rate > best_rate:
-                best, best_rate = candidate, rate
-    if best is None:
-        return rung, None
-    args = list(best.args)
-    warmup = int(args[args.index("--timing-warmup-steps") + 1])
-    args[args.index("--steps") + 1] = str(warmup + PROFILE_STEPS + 1)
-    return Rung(rung.name, rung.experiment, tuple(args), rung.prediction + f" (profiled: {best.name})", rung.ladder,
-                rung.estimate_s, profile=True), best
+class Budget:
+    """Each run's wall time guessed from the runs before it: their start-up and compilation (wall time less the
+    steps after the first) by kind (compiled or eager, the probe), plus this run's steps at the slowest time per
+    token measured so far; before any run of its kind, the rung's own estimate."""
+
+    def __init__(self) -> None:
+        self.overhead_s: dict[str, float] = {}
+        self.seconds_per_token: dict[str, float] = {}
+
+    @staticmethod
+    def kind(rung: Rung) -> str:
+        return "probe" if rung.experiment == "probe" else "compiled" if rung.compiled else "eager"
+
+    def guess(self, rung: Rung) -> float:
+        kind = self.kind(rung)
+        if kind not in self.overhead_s:
+            return rung.estimate_s
+        steps = int(rung.option("--steps", "0"))
+        return self.overhead_s[kind] + steps * rung.tokens_per_step * self.seconds_per_token.get(kind, 0.0)
+
+    def measured(self, rung: Rung, wall_s: float, kept_run: Path | None) -> None:
+        kind = self.kind(rung)
+        steps = load_run(kept_run).steps if kept_run and (kept_run / "metrics.jsonl").exists() else []
+        stepping_s = sum(step["step_ms"] for step in steps[1:]) / 1e3
+        self.overhead_s[kind] = max(self.overhead_s.get(kind, 0.0), wall_s - stepping_s)
+        if len(steps) > 1:
+            per_token = stepping_s / (len(steps) - 1) / rung.tokens_per_step
+            self.seconds_per_token[kind] = max(self.seconds_per_token.get(kind, 0.0), per_token)
 
 
 def median_step_ms(run_dir: Path) -> float | None:
@@ -664,10 +478,10 @@ def median_step_ms(run_dir: Path) -> float | None:
     return statistics.median(times) if times else None
 
 
-def peer_installed() -> bool:
+def installed(*packages: str) -> bool:
     import importlib.util
 
-    return all(importlib.util.find_spec(name) is not None for name in ("trl", "datasets"))
+    return all(importlib.util.find_spec(name) is not None for name in packages)
 
 
 def wheels_instructions() -> str:
@@ -676,19 +490,19 @@ def wheels_instructions() -> str:
     torch on the machine)."""
     lock = (REPO_ROOT / "uv.lock").read_text()
     pins = []
-    for name in PEER_WHEELS:
+    for name in (*PEER_WHEELS, *QLORA_WHEELS):
         match = re.search(rf'^name = "{name}"\nversion = "([^"]+)"', lock, re.MULTILINE)
         pins.append(f"{name}=={match.group(1)}" if match else name)
     pins += [f"{name}=={version}" for name, version in LOSS_WHEELS.items()]
     return "\n".join([
         "The suite needs torch, transformers and peft only. The probe also times cut-cross-entropy and Liger-Kernel's",
-        "fused linear cross-entropy, and the TRL comparison needs trl and datasets: bring these wheels (torch,",
-        "triton, transformers, accelerate, pyarrow and the rest are on the lent machine). On a machine with the package",
-        "index, in the repository root:",
+        "fused linear cross-entropy, the QLoRA rung needs bitsandbytes (about 43 MB) and the TRL comparison trl and",
+        "datasets: bring these wheels (torch, triton, transformers, accelerate, pyarrow and the rest are on the lent",
+        "machine). On a machine with the package index, in the repository root:",
         "",
         "    echo /.whl/ >> .git/info/exclude",
         "    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\",
-        "        --platform manylinux2014_x86_64 -d .whl " + " ".join(pins),
+        "        --platform manylinux2014_x86_64 --platform manylinux_2_24_x86_64 -d .whl " + " ".join(pins),
         "",
         "Carry .whl/ to the GPU machine with the checkout, and there, before the suite:",
         "",
@@ -763,7 +577,6 @@ def write_entry(root: Path, entry: Path, series: str, plan: Plan, done: dict[str
     probe_file = root / data / "probe.json"
     if probe_file.exists():
         lines += probe_lines(json.loads(probe_file.read_text()), data)
-    profile_file = root / data / "profile.json"
     for ladder in dict.fromkeys(rung.ladder for rung in all_rungs):
         members = [rung for rung in all_rungs if rung.ladder == ladder]
         lines += [f"## {ladder}", ""]
@@ -778,14 +591,10 @@ def write_entry(root: Path, entry: Path, series: str, plan: Plan, done: dict[str
                       f"{rung.prediction}." for rung in members]
             lines.append("")
             continue
-        if ladder == "syncs":
-            syncs_file = root / data / "host-syncs.json"
-            if syncs_file.exists():
-                counts = json.loads(syncs_file.read_text())
-                lines += [f"Host syncs per optimizer step over {counts['steps_counted']} steps after the warm-up "
-                          f"({data}/host-syncs.json): {counts['total_per_step']:g} in all", ""]
-                lines += [f"- `{where}`: {n:g}" for where, n in sorted(counts["per_step"].items())] + [""]
-            lines += [f"Predicted before the runs: {members[0].prediction}.", ""]
+        if ladder == "probe":
+            status = done.get("probe", "measured" if probe_file.exists() else "not run")
+            lines += [f"Predicted before the run ({status}; its results are the Probe section above): "
+                      f"{members[0].prediction}.", ""]
             continue
         measured = [rung for rung in members if rung.name in kept]
         references = [rung for rung in measured if any(other.reference == rung.name for other in members)]
@@ -803,12 +612,13 @@ def write_entry(root: Path, entry: Path, series: str, plan: Plan, done: dict[str
                           f"The suite's own check (bf16): each of these within {BF16_TOLERANCE:g} of the reference's "
                           f"loss, relatively, over the first {FIRST_STEPS} steps; the table's 1e-5 column is the "
                           "fp32 tests' criterion." if plan.dtype == "bf16" else "", ""]
-        if profile_file.exists() and any(rung.profile for rung in members):
-            lines += profile_lines(json.loads(profile_file.read_text()), data)
+        label = ladder.removeprefix("targets ")
+        for name, writer in ((f"profile-{label}.json", profile_lines), (f"host-syncs-{label}.json", syncs_lines)):
+            if ladder.startswith("targets") and (root / data / name).exists():
+                lines += writer(json.loads((root / data / name).read_text()), f"{data}/{name}")
         lines += ["Predicted before the runs:", ""]
         for rung in members:
-            earlier = rung.name in kept or (rung.profile and profile_file.exists())  # by an earlier call (--only)
-            status = done.get(rung.name, "measured" if earlier else "not run")
+            status = done.get(rung.name, "measured" if rung.name in kept else "not run")  # kept by an earlier call
             lines.append(f"- `{rung.name}` ({status}): {rung.prediction}.")
         lines.append("")
     if kept:
@@ -824,7 +634,7 @@ def write_entry(root: Path, entry: Path, series: str, plan: Plan, done: dict[str
 
 def probe_lines(probed: dict, data: str) -> list[str]:
     found = probed["versions"]
-    lines = ["## Probe", "", f"{data}/probe.json, written by the suite's first stage in {probed['seconds']:.0f} s: "
+    lines = ["## Probe", "", f"{data}/probe.json, written by assets/gpu_probe.py in {probed['seconds']:.0f} s: "
              + ", ".join(f"{name} {value}" for name, value in found.items() if value) + ".", "",
              "Attention kernels against SDPA with the block-diagonal mask in fp32 (forward and gradients, largest "
              "error relative to the largest value):", ""]
@@ -852,18 +662,26 @@ def probe_lines(probed: dict, data: str) -> list[str]:
     return lines + [""]
 
 
-def profile_lines(profiled: dict, data: str) -> list[str]:
+def profile_lines(profiled: dict, source: str) -> list[str]:
     idle = profiled.get("idle_share_vs_median")
-    lines = [f"Where the fastest rung's step goes ({data}/profile.json, torch.profiler over {profiled['steps']} "
-             f"steps; {profiled['device']} time per step {profiled['busy_ms']:.1f} ms"
-             + (f", the unprofiled run's median step {profiled['unprofiled_median_step_ms']:.1f} ms"
+    lines = [f"Where the step of `{profiled.get('profiled_run', 'the fastest rung')}` goes ({source}, torch.profiler "
+             f"over {profiled['steps']} steps; {profiled['device']} time per step {profiled['busy_ms']:.1f} ms"
+             + (f", the run's median step {profiled['unprofiled_median_step_ms']:.1f} ms"
                 if profiled.get("unprofiled_median_step_ms") else "")
              + (f": the device idle {idle:.0%} of it" if idle is not None else "") + "):", ""]
     lines += [f"- {name}: {ms:.2f} ms" for name, ms in profiled["categories_ms"].items()]
     lines += ["", "Top kernels:", ""]
     lines += [f"- {row['ms_per_step']:.2f} ms, {row['calls']} calls: `{row['name']}`"
-              for row in profiled["top"][:10]] + [""]
+              for row in profiled["top"][:16]] + [""]
     return lines
+
+
+def syncs_lines(counts: dict, source: str) -> list[str]:
+    first = counts.get("first_step")
+    window = f"steps {first}-{first + counts['steps_counted'] - 1}" if first else \
+        f"{counts['steps_counted']} steps after the warm-up"
+    lines = [f"Host syncs per optimizer step over {window} ({source}): {counts['total_per_step']:g} in all", ""]
+    return lines + [f"- `{where}`: {n:g}" for where, n in sorted(counts["per_step"].items())] + [""]
 
 
 ARCHIVE_LOG_BYTES = 200_000  # the end of each run's log goes into the archive, for what went wrong
@@ -896,16 +714,16 @@ def write_archive(root: Path, out: Path, series: str, scratch: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--profile-child"]:
-        profile_child(argv[1:])
+    if argv[:1] == ["--instrument-child"]:
+        instrument_child(argv[1:])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="run the stages on the CPU (tiny preset, DRY_PLAN)")
     parser.add_argument("--list", action="store_true", help="print the plan in run order with each prediction")
     parser.add_argument("--wheels", action="store_true",
-                        help="print which wheels the loss libraries and TRL need on an offline machine, and how")
+                        help="print which wheels the loss libraries, QLoRA and TRL need on an offline machine, and how")
     parser.add_argument("--budget-min", type=float, default=9.0, help="start no run that would end after this many "
-                        "minutes (each run's time guessed from the longest of its kind so far)")
+                        "minutes (each run's time guessed from the runs before it)")
     parser.add_argument("--root", type=Path, default=None,
                         help="where devlog/ and runs/ are written: the repository by default, a fresh temporary "
                              "folder for --dry-run")
@@ -921,9 +739,7 @@ def main(argv: list[str] | None = None) -> int:
         print(wheels_instructions())
         return 0
     if args.list:
-        elapsed = PROBE_ESTIMATE_S
-        print(f"[{elapsed / 60:4.1f} min] probe (in this process): versions, attention kernels, LM-head losses")
-        print(f"    predicted: {PROBE_PREDICTION}")
+        elapsed = 0
         for rung in all_rungs:
             elapsed += rung.estimate_s
             print(f"[{elapsed / 60:4.1f} min] " + shlex.join(command(rung, Path("runs/gpu-suite") / rung.name,
@@ -939,10 +755,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_suite: {series}: runs in {scratch}, kept in {kept}, archive in {out}", flush=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    invocation = "python3 assets/gpu_suite.py" + (" --dry-run" if args.dry_run else "")
+    invocation = "python3 assets/gpu_suite.py" + (" --dry-run" if args.dry_run else "") + \
+        (f" --only {shlex.quote(args.only)}" if args.only else "")
     started, clock = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), time.perf_counter()
     done: dict[str, str] = {}
     failures = []
+    budget = Budget()
 
     def selected(name: str) -> bool:
         return not args.only or any(fnmatch.fnmatch(name, pattern) for pattern in args.only.split(","))
@@ -953,67 +771,46 @@ def main(argv: list[str] | None = None) -> int:
 
     kept.mkdir(parents=True, exist_ok=True)
     scratch.mkdir(parents=True, exist_ok=True)
-    if selected("probe"):
-        print("[probe] versions, attention kernels against masked SDPA, LM-head losses on the real shapes",
-              flush=True)
-        probed = probe(plan, "cpu" if args.dry_run else "cuda")
-        (kept / "probe.json").write_text(json.dumps(probed, indent=1) + "\n")
-        for row in probed["kernels"] + probed["losses"]:
-            name = row.get("kernel") or row.get("loss")
-            print(f"    {name}: " + (f"{row['max_rel_error']:.1e}" if row.get("max_rel_error") is not None else "-")
-                  + (f", {row['ms']:.1f} ms" if row.get("ms") is not None else "")
-                  + f" ({'ok' if row['ok'] else row.get('error', 'FAILED')})", flush=True)
-            if row["ok"] is False:
-                failures.append(name)
-        save()
-    taken: dict[bool, float] = {}  # the longest run so far, without / with --compile
+    save()  # an entry and an archive from the start: a call cut off in its first run still leaves both
     for index, rung in enumerate(all_rungs, start=1):
         if not selected(rung.name):
             continue
         elapsed = time.perf_counter() - clock
-        guess = taken.get(rung.compiled, rung.estimate_s)
+        guess = budget.guess(rung)
         if elapsed + guess > args.budget_min * 60 and not args.dry_run:
             done[rung.name] = "skipped: time budget"
             print(f"[{index}/{len(all_rungs)}] {rung.name}: skipped, {elapsed / 60:.1f} of {args.budget_min} min used "
                   f"and ~{guess:.0f} s to go", flush=True)
             continue
-        if rung.experiment == "peer" and not peer_installed():
-            done[rung.name] = "skipped: trl or datasets not installed (python3 assets/gpu_suite.py --wheels)"
-            print(f"[{index}/{len(all_rungs)}] {rung.name}: skipped, trl or datasets not installed", flush=True)
+        missing = ("trl or datasets", ("trl", "datasets")) if rung.experiment == "peer" else \
+            ("bitsandbytes", QLORA_WHEELS) if "--qlora" in rung.args else None
+        if missing and not installed(*missing[1]):
+            done[rung.name] = f"skipped: {missing[0]} not installed (python3 assets/gpu_suite.py --wheels)"
+            print(f"[{index}/{len(all_rungs)}] {rung.name}: skipped, {missing[0]} not installed", flush=True)
             save()
             continue
-        profiled = None
-        if rung.profile:
-            rung, profiled = fastest(rung, all_rungs, kept)
-            if profiled is None:
-                done[rung.name] = "skipped: no rung of its ladder measured"
-                continue
         run_dir = scratch / rung.name
         if run_dir.exists():
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True)
-        cmd = command(rung, run_dir, [sys.executable])
+        cmd = command(rung, run_dir, [sys.executable], "cpu" if args.dry_run else "cuda")
         print(f"[{index}/{len(all_rungs)}] {shlex.join(cmd)}", flush=True)
         run_start = time.perf_counter()
         with open(run_dir / "train.log", "w") as log:
             code = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
         seconds = time.perf_counter() - run_start
-        if rung.experiment != "peer":  # two trainings in one: not what the next run will take
-            taken[rung.compiled] = max(taken.get(rung.compiled, 0.0), seconds)
-        if rung.syncs and code == 0:
-            counts = count_syncs((run_dir / "train.log").read_text(), skip_steps=plan.warmup)
-            (kept / "host-syncs.json").write_text(json.dumps(counts, indent=1) + "\n")
+        if rung.experiment == "probe" and code == 0 and (run_dir / "probe.json").exists():
+            probed = json.loads((run_dir / "probe.json").read_text())
+            shutil.copy(run_dir / "probe.json", kept / "probe.json")
+            budget.measured(rung, seconds, None)
             done[rung.name] = "measured"
-            print(f"    {seconds:.0f} s: {counts['total_per_step']:g} host syncs per step", flush=True)
-        elif rung.profile and code == 0 and (run_dir / "profile.json").exists():
-            summary = json.loads((run_dir / "profile.json").read_text())
-            median = median_step_ms(kept / profiled.name)
-            summary["profiled_run"], summary["unprofiled_median_step_ms"] = profiled.name, median
-            summary["idle_share_vs_median"] = None if not median or summary["device"] != "cuda" else \
-                max(0.0, 1 - summary["busy_ms"] / median)
-            (kept / "profile.json").write_text(json.dumps(summary, indent=1) + "\n")
-            done[rung.name] = "measured"
-            print(f"    {seconds:.0f} s: {json.dumps(summary['categories_ms'])[:300]}", flush=True)
+            for row in probed["kernels"] + probed["losses"]:
+                name = row.get("kernel") or row.get("loss")
+                print(f"    {name}: " + (f"{row['max_rel_error']:.1e}" if row.get("max_rel_error") is not None
+                                       else "-") + (f", {row['ms']:.1f} ms" if row.get("ms") is not None else "")
+                      + f" ({'ok' if row['ok'] else row.get('error', 'FAILED')})", flush=True)
+                if row["ok"] is False and not row.get("library"):  # a library outside its tolerance is its row
+                    failures.append(name)
         elif rung.experiment == "peer" and code == 0:
             for side in ("single-ft", "trl-sft"):
                 keep(run_dir / side, kept / f"{rung.name}-{side}")
@@ -1028,18 +825,40 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    FAILED ({code}) in {seconds:.0f} s: {tail[0][:200]}", flush=True)
         else:
             keep(run_dir, kept / rung.name)  # summary.json and metrics.jsonl, as run_series keeps every series
+            budget.measured(rung, seconds, kept / rung.name)
             summary = json.loads((run_dir / "summary.json").read_text())
             done[rung.name] = "measured"
             print(f"    {seconds:.0f} s: {summary['tokens_per_s']:,.0f} tok/s, median step "
-                  f"{median_step_ms(kept / rung.name) or 0:.0f} ms, slowest {summary['step_ms'] and max(r['step_ms'] for r in load_run(kept / rung.name).steps):.0f} ms, "
+                  f"{median_step_ms(kept / rung.name) or 0:.0f} ms, slowest "
+                  f"{max(r['step_ms'] for r in load_run(kept / rung.name).steps):.0f} ms, "
                   f"peak {summary['peak_mem_gib']:.2f} GiB, recompiles {summary.get('recompiles')}, "
                   f"settled after {summary.get('warmup_steps_observed')} steps", flush=True)
+            if rung.instrument:
+                keep_instruments(rung, run_dir, kept)
             failures += check_parity(rung, all_rungs, kept)
         save()
     print(f"gpu_suite: {sum(v == 'measured' for v in done.values())} of {len(all_rungs)} runs kept in {kept}; "
           f"entry {entry}; archive {out / (series + '.tar.gz')}"
           + (f"; problems: {', '.join(failures)}" if failures else ""), flush=True)
     return 1 if failures else 0
+
+
+def keep_instruments(rung: Rung, run_dir: Path, kept: Path) -> None:
+    """An instrumented rung's profile and sync count, kept beside its run as profile-<target>.json and
+    host-syncs-<target>.json; the profile with the run's own median step (the unprofiled steps after the warm-up)."""
+    label = rung.ladder.removeprefix("targets ")
+    profile_file, syncs_file = run_dir / "profile.json", run_dir / "host-syncs.json"
+    if profile_file.exists():
+        summary = json.loads(profile_file.read_text())
+        median = median_step_ms(kept / rung.name)
+        summary["profiled_run"], summary["unprofiled_median_step_ms"] = rung.name, median
+        summary["idle_share_vs_median"] = None if not median or summary["device"] != "cuda" else \
+            max(0.0, 1 - summary["busy_ms"] / median)
+        (kept / f"profile-{label}.json").write_text(json.dumps(summary, indent=1) + "\n")
+        print(f"    profile: {json.dumps(summary['categories_ms'])[:300]}", flush=True)
+    if syncs_file.exists():
+        shutil.copy(syncs_file, kept / f"host-syncs-{label}.json")
+        print(f"    {json.loads(syncs_file.read_text())['total_per_step']:g} host syncs per step", flush=True)
 
 
 def check_parity(rung: Rung, all_rungs: list[Rung], kept: Path) -> list[str]:

@@ -7,6 +7,7 @@ import json
 import shutil
 import sys
 import tarfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -26,18 +27,21 @@ def test_the_targets_run_first_and_every_rung_is_a_command_line_of_its_experimen
     names = [rung.name for rung in plan]
     assert len(set(names)) == len(names)
     for rung in plan:
-        if rung.experiment != "peer" and not rung.profile:  # the profile rung takes its args when it runs
+        if rung.experiment not in ("peer", "probe"):
             parse_experiment(rung.experiment, [*rung.args, "--out-dir", "runs/x"])
-        if rung.ladder not in ("syncs", "peer") and not rung.profile:
             assert rung.name.startswith(rung.experiment)  # the posts' GPU slots glob on it
-    # The order the targets ask for: full SFT fast at micro-batch 8 (x 2) and 16, its eager reference, LoRA r16 at
-    # 2048 the same way, the profile of the fastest, then flex and the host syncs; the earlier ladder behind them.
-    assert names[:8] == ["single-ft-s1024-full-fast-m8x2", "single-ft-s1024-full-fast-m16",
-                         "single-ft-s1024-full-reference", "single-ft-s2048-lora16-fast-m4x2",
-                         "single-ft-s2048-lora16-fast-m8", "single-ft-s2048-lora16-reference", "profile-s1024-full",
-                         "single-ft-s1024-full-flex-m16"]
-    assert names[8] == "syncs-s1024-full" and names.index("single-ft-s1024-full-1-baseline") > 8
+    # The order the targets ask for: each target's fast rung (profiled and sync-counted in its own warm-up) and its
+    # eager reference, FlexAttention at both, the probe in a process of its own; the rest behind them.
+    assert names[:7] == ["single-ft-s1024-full-fast-m16", "single-ft-s1024-full-reference",
+                         "single-ft-s2048-lora16-fast-m8", "single-ft-s2048-lora16-reference",
+                         "single-ft-s1024-full-flex-m16", "single-ft-s2048-lora16-flex-m8", "probe"]
+    assert names.index("single-ft-s1024-qlora16-4b") > 6 and names.index("single-ft-s1024-full-1-baseline") > 6
     assert names[-2:] == ["fsdp-ft-s1024-full-1rank", "peer-s1024-full"]
+    instrumented = [rung for rung in plan if rung.instrument]
+    assert [rung.name for rung in instrumented] == names[0:3:2]
+    for rung in instrumented:  # step 1 (compilation), the profiled and the sync-counted steps: all in the warm-up
+        assert int(rung.option("--timing-warmup-steps")) >= 1 + gpu_suite.PROFILE_STEPS + gpu_suite.SYNC_STEPS
+        assert int(rung.option("--steps")) - int(rung.option("--timing-warmup-steps")) >= 20  # measured steps
     by_name = {rung.name: rung for rung in plan}
     for rung in plan:
         if rung.reference is None:
@@ -45,24 +49,58 @@ def test_the_targets_run_first_and_every_rung_is_a_command_line_of_its_experimen
         reference = by_name[rung.reference]
         # The same optimizer steps (make_plots.Run.step_key: rows per step, steps, LR, seed, LoRA, ...), other paths.
         for flag in ("--steps", "--seq-len", "--lora-rank", "--dtype", "--model"):
-            assert option(rung, flag) == option(reference, flag), (rung.name, flag)
-        rows = int(option(rung, "--micro-batch-size") or 1) * int(option(rung, "--grad-accum") or 1)
-        assert rows == int(option(reference, "--micro-batch-size") or 1) * int(option(reference, "--grad-accum") or 1)
+            assert rung.option(flag) == reference.option(flag), (rung.name, flag)
+        assert rung.tokens_per_step == reference.tokens_per_step
         if rung.ladder.startswith("targets"):
-            assert option(reference, "--attn") == "sdpa" and "--compile" not in reference.args
-            assert option(reference, "--loss-chunk-tokens") is None
-            assert option(rung, "--attn") in ("varlen", "flex") and "--compile" in rung.args
-            assert option(rung, "--loss-chunk-tokens") == str(gpu_suite.GPU_PLAN.chunk)
-            assert 30 <= int(option(rung, "--steps")) <= 40
+            assert reference.option("--attn") == "sdpa" and "--compile" not in reference.args
+            assert reference.option("--loss-chunk-tokens") is None
+            assert rung.option("--attn") in ("varlen", "flex") and "--compile" in rung.args
+            assert rung.option("--loss-chunk-tokens") == str(gpu_suite.GPU_PLAN.chunk)
+            assert 30 <= int(rung.option("--steps")) <= 40
     assert all(rung.prediction for rung in plan)
 
 
-def test_the_targets_fit_in_nine_minutes():
-    """The probe, the four target rungs, their references and the profile, by the estimates written before any run
+def test_the_targets_and_the_probe_fit_in_nine_minutes_with_the_start_up():
+    """The target rungs, flex and the probe, by the estimates written before any run, after a minute of start-up
     (the budget skips what would overrun, so a slower machine loses the rungs behind them)."""
     plan = gpu_suite.rungs(gpu_suite.GPU_PLAN)
-    targets = plan[:[rung.name for rung in plan].index("profile-s1024-full") + 1]
-    assert gpu_suite.PROBE_ESTIMATE_S + sum(rung.estimate_s for rung in targets) <= 9 * 60
+    targets = plan[:[rung.name for rung in plan].index("probe") + 1]
+    assert 60 + sum(rung.estimate_s for rung in targets) <= 9 * 60
+
+
+def test_the_budget_guesses_from_the_runs_before(tmp_path):
+    plan = {rung.name: rung for rung in gpu_suite.rungs(gpu_suite.GPU_PLAN)}
+    budget = gpu_suite.Budget()
+    fast, lora, reference = (plan["single-ft-s1024-full-fast-m16"], plan["single-ft-s2048-lora16-flex-m8"],
+                             plan["single-ft-s1024-full-reference"])
+    assert budget.guess(fast) == fast.estimate_s  # nothing measured yet
+    run = tmp_path / "run"
+    run.mkdir()
+    # 30 steps: the first 10 s (compilation), then 0.2 s each for 16,384 tokens; 40 s of wall time in all
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": i, "step_ms": 10_000 if i == 1 else 200}) + "\n" for i in range(1, 31)))
+    (run / "summary.json").write_text("{}")
+    budget.measured(fast, 40.0, run)
+    overhead = 40.0 - 29 * 0.2
+    assert budget.guess(lora) == pytest.approx(overhead + 30 * 0.2)  # the same tokens per step, the same kind
+    assert budget.guess(reference) == reference.estimate_s  # eager: another kind, not measured yet
+
+
+def test_host_syncs_are_counted_by_line_between_start_and_stop():
+    counter = gpu_suite.SyncCounter()
+    with pytest.warns(UserWarning, match="synchronizing"):  # before start(): shown, not counted
+        warnings.warn("called a synchronizing CUDA operation")
+    counter.start()
+    try:
+        for _ in range(2):
+            warnings.warn("called a synchronizing CUDA operation")
+        with pytest.warns(UserWarning, match="something else"):  # other warnings pass through
+            warnings.warn("something else")
+    finally:
+        counts = counter.stop(steps=2)
+    assert counts["steps_counted"] == 2 and counts["total_per_step"] == 1.0
+    [(where, per_step)] = counts["per_step"].items()
+    assert where.startswith("test_gpu_suite.py:") and per_step == 1.0
 
 
 def test_list_prints_the_plan_in_order_with_a_prediction_per_rung(capsys, tmp_path):
@@ -70,10 +108,11 @@ def test_list_prints_the_plan_in_order_with_a_prediction_per_rung(capsys, tmp_pa
     out = capsys.readouterr().out.splitlines()
     commands, predictions = out[0::2], out[1::2]
     plan = gpu_suite.rungs(gpu_suite.GPU_PLAN)
-    assert len(commands) == len(predictions) == len(plan) + 1  # the probe first
-    assert "probe" in commands[0] and "cut-cross-entropy" in predictions[0]
-    assert "python3 experiments/single-ft/train.py --model qwen3-0.6b" in commands[1]
-    assert commands[1].endswith("runs/gpu-suite/single-ft-s1024-full-fast-m8x2")
+    assert len(commands) == len(predictions) == len(plan)
+    assert "--instrument-child runs/gpu-suite/single-ft-s1024-full-fast-m16 experiments/single-ft/train.py" \
+        in commands[0] and commands[0].endswith("--out-dir runs/gpu-suite/single-ft-s1024-full-fast-m16")
+    assert "assets/gpu_probe.py runs/gpu-suite/probe/probe.json --device cuda" in commands[6]
+    assert "cut-cross-entropy" in predictions[6]
     assert all(line.startswith("    predicted: ") and len(line) > 40 for line in predictions)
     assert not (tmp_path / "devlog").exists() and not (tmp_path / "runs").exists()
 
@@ -81,15 +120,15 @@ def test_list_prints_the_plan_in_order_with_a_prediction_per_rung(capsys, tmp_pa
 @pytest.mark.slow
 def test_dry_run_keeps_each_run_in_the_entry_and_one_archive_and_only_merges(tmp_path, capsys, monkeypatch):
     # CI's environment has no trl (the "peer" dependency group): the TRL comparison is skipped, and says how to fix it.
-    monkeypatch.setattr(gpu_suite, "peer_installed", lambda: False)
+    monkeypatch.setattr(gpu_suite, "installed", lambda *packages: False)
     assert gpu_suite.main(["--dry-run", "--root", str(tmp_path), "--date", "2026-01-01"]) == 0
     out = capsys.readouterr().out
     series = "2026-01-01-gpu-suite-cpu-dry-run"
     data = tmp_path / "devlog" / "data" / series
     runs = ["single-ft-s64-full-fast-m2", "single-ft-s64-full-reference"]
-    assert sorted(path.name for path in data.iterdir()) == sorted([*runs, "probe.json", "profile.json"])
+    assert sorted(path.name for path in data.iterdir()) == sorted([*runs, "probe.json", "profile-s64-full.json"])
     for name in runs:
-        assert json.loads((data / name / "summary.json").read_text())["config"]["steps"] == 4
+        assert json.loads((data / name / "summary.json").read_text())["config"]["steps"] == 6
     # The fast rung does its reference's steps: compared, and equal in fp32.
     assert "single-ft-s64-full-fast-m2: losses vs single-ft-s64-full-reference" in out and "MISMATCH" not in out
     probed = json.loads((data / "probe.json").read_text())
@@ -100,14 +139,14 @@ def test_dry_run_keeps_each_run_in_the_entry_and_one_archive_and_only_merges(tmp
     losses = {row["loss"]: row for row in probed["losses"]}
     assert all(row["ok"] and row["ms"] > 0 for row in losses.values())  # fp32: all within 1e-5 of the fp32 loss
     assert {"common/loss.py fused, chunk 64", "common/loss.py fused, chunk 256"} <= set(losses)
-    profile = json.loads((data / "profile.json").read_text())
+    profile = json.loads((data / "profile-s64-full.json").read_text())
     assert profile["steps"] == 3 and profile["categories_ms"]["matmul"] > 0
     assert profile["profiled_run"] == "single-ft-s64-full-fast-m2" and profile["unprofiled_median_step_ms"] > 0
     entry_file = tmp_path / "devlog" / f"{series}.md"
     entry = entry_file.read_text()
     assert entry.startswith("# 2026-01-01 the GPU suite on cpu-dry-run")
     assert "| single-ft-s64-full-fast-m2 | 64 | 2 | 1 |" in entry  # the table region was filled
-    assert "| single-ft-s64-full-fast-m2 | 4 |" in entry  # and the parity region
+    assert "| single-ft-s64-full-fast-m2 | 6 |" in entry  # and the parity region
     assert "`peer-s64-full` (skipped: trl or datasets not installed (python3 assets/gpu_suite.py --wheels))" in entry
     assert "- reference, float32, with backward:" in entry and "Top kernels:" in entry
     assert "- common/loss.py fused, chunk 64:" in entry
@@ -129,9 +168,6 @@ def test_dry_run_keeps_each_run_in_the_entry_and_one_archive_and_only_merges(tmp
 
 def test_a_dry_run_writes_nowhere_in_the_repository_unless_asked(monkeypatch, capsys):
     before = set((REPO_ROOT / "devlog").rglob("*"))
-    monkeypatch.setattr(gpu_suite, "probe", lambda plan, device: {
-        "versions": {}, "kernels": [], "losses": [], "shape": {"loss_tokens": 1, "hidden": 1, "vocab": 1},
-        "seconds": 0.0})
     monkeypatch.setattr(gpu_suite, "rungs", lambda plan: [])
     assert gpu_suite.main(["--dry-run", "--date", "2026-01-02"]) == 0
     out = capsys.readouterr().out
@@ -143,29 +179,11 @@ def test_a_dry_run_writes_nowhere_in_the_repository_unless_asked(monkeypatch, ca
     shutil.rmtree(scratch_root)
 
 
-def test_syncs_are_counted_per_step_after_the_warm_up():
-    log = "\n".join([
-        "common/attention.py:10: UserWarning: called a synchronizing CUDA operation",  # set-up: before step 1
-        "step 1/3 | loss 1.0",
-        "/x/train.py:200: UserWarning: called a synchronizing CUDA operation (warm-up step 2)",
-        "step 2/3 | loss 1.0",
-        "/x/train.py:200: UserWarning: called a synchronizing CUDA operation",
-        "/y/masking_utils.py:772: UserWarning: called a synchronizing CUDA operation",
-        "/y/masking_utils.py:772: UserWarning: called a synchronizing CUDA operation",
-        "step 3/3 | loss 1.0",
-        "/x/train.py:260: UserWarning: called a synchronizing CUDA operation",  # evaluation, after the last step
-    ])
-    counts = gpu_suite.count_syncs(log, skip_steps=2)
-    assert counts == {"steps_counted": 1, "per_step": {"train.py:200": 1.0, "masking_utils.py:772": 2.0},
-                      "total_per_step": 3.0}
-    assert gpu_suite.count_syncs(log, skip_steps=1)["per_step"] == {"train.py:200": 1.0, "masking_utils.py:772": 1.0}
-
-
 def test_wheels_are_the_pinned_versions_of_what_the_machine_lacks(capsys):
     assert gpu_suite.main(["--wheels"]) == 0
     out = capsys.readouterr().out
     lock = (REPO_ROOT / "uv.lock").read_text()
-    for name in gpu_suite.PEER_WHEELS:
+    for name in (*gpu_suite.PEER_WHEELS, *gpu_suite.QLORA_WHEELS):
         version = lock.split(f'name = "{name}"\nversion = "', 1)[1].split('"', 1)[0]
         assert f"{name}=={version}" in out
     assert "cut-cross-entropy==" in out and "liger-kernel==" in out
