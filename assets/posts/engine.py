@@ -244,7 +244,7 @@ def is_prose(line: str) -> bool:
 def values_outside_paragraphs(text: str, regions: list[Region], required: bool = True) -> list[tuple[int, str]]:
     """(line, message) for every inline region that a CommonMark parser (markdown-it-py) puts in an HTML block or
     a code block instead of the paragraph, heading or table cell around it. Without markdown-it-py: an error if
-    `required` (the check), else nothing (writing a page on a machine without it, such as the GPU suite's)."""
+    `required` (the check), else nothing (writing a page on a machine without it)."""
     inline = [region for region in regions if region.inline]
     if not inline:
         return []
@@ -259,6 +259,5 @@ def values_outside_paragraphs(text: str, regions: list[Region], required: bool =
             outside.update(dict.fromkeys(range(*token.map), token.type.replace("_", " ")))
     return [(region.line, f"{region.describe()}: CommonMark renders this value as an {outside[region.line - 1]}, "
                           f"outside its sentence, because its line starts with '<!--' (which ends a paragraph): put "
-                          f"a word before it on that line (assets/make_posts.py joins such a line to the one before "
-                          f"when it writes)")
+                          f"a word before it on that line (writing the page joins such a line to the one before)")
             for region in inline if region.line - 1 in outside]
