@@ -44,7 +44,6 @@ if str(REPO_ROOT) not in sys.path:
 
 from posts.markup import FENCE, LINK, fence_toggle, heading_anchors, masked_code_spans  # noqa: E402
 
-BUILD_DIR = REPO_ROOT / "build"
 SITE_SOURCES = Path("assets/site")  # the calculator page, its script and the site's stylesheet
 FIGURE_DIRS = ("assets/plots", "assets/diagrams")  # copied into the site when a page links them
 FIGURE_SUFFIXES = (".png", ".svg", ".csv")
