@@ -9,7 +9,8 @@ Each figure is two functions: a data function (plotting/data.py: runs -> rows, p
 draw function (plotting/draw.py: rows -> PNG). The rows are written as `<name>.csv` beside `<name>.png`, so every
 plotted value can be read back, and `assets/make_posts.py --check` recomputes the CSVs without matplotlib. FIGURES,
 at the end of this file, says which committed runs (globs under devlog/data) each figure of the series is made from;
-`assets/make_posts.py` draws them all. A figure whose runs are missing, or whose runs hold none of its fields, is skipped with a note.
+`assets/make_posts.py` draws them all. A figure whose runs are missing, or whose runs hold none of its fields, is
+skipped with a note.
 
 The figures:
 - loss_curves: the reference's loss per step, and each run's relative difference from single-ft doing the same steps,
