@@ -39,13 +39,11 @@ import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-for _path in (str(REPO_ROOT), str(REPO_ROOT / "assets")):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(1, str(REPO_ROOT))  # `common`, also for `python3 assets/make_site.py` without an install
 
-from make_posts import FENCE, LINK, fence_toggle, heading_anchors, masked_code_spans  # noqa: E402
+from posts.markup import FENCE, LINK, fence_toggle, heading_anchors, masked_code_spans  # noqa: E402
 
-BUILD_DIR = REPO_ROOT / "build"
 SITE_SOURCES = Path("assets/site")  # the calculator page, its script and the site's stylesheet
 FIGURE_DIRS = ("assets/plots", "assets/diagrams")  # copied into the site when a page links them
 FIGURE_SUFFIXES = (".png", ".svg", ".csv")

@@ -18,7 +18,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import PreTrainedTokenizerFast
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:
+    sys.path.insert(1, str(ROOT))  # `common`, also for `python3 assets/make_tokenizer.py` without an install
 from common.data import CHATML_TEMPLATE  # noqa: E402  (the one ChatML template of the project)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

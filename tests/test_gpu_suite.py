@@ -47,7 +47,7 @@ def test_the_targets_run_first_and_every_rung_is_a_command_line_of_its_experimen
         if rung.reference is None:
             continue
         reference = by_name[rung.reference]
-        # The same optimizer steps (make_plots.Run.step_key: rows per step, steps, LR, seed, LoRA, ...), other paths.
+        # The same optimizer steps (run_files.Run.step_key: rows per step, steps, LR, seed, LoRA, ...), other paths.
         for flag in ("--steps", "--seq-len", "--lora-rank", "--dtype", "--model"):
             assert rung.option(flag) == reference.option(flag), (rung.name, flag)
         assert rung.tokens_per_step == reference.tokens_per_step

@@ -24,6 +24,11 @@ from conftest import REPO_ROOT
 sys.path.insert(0, str(REPO_ROOT / "assets"))
 import make_plots  # noqa: E402
 import make_posts  # noqa: E402
+from plotting.data import imbalance_floor  # noqa: E402
+from posts.engine import GENERATORS, RegionError, find_regions, values_outside_paragraphs  # noqa: E402
+from posts.generators.tables import COLUMNS  # noqa: E402
+from posts.generators.value import evaluate_runs  # noqa: E402
+from posts.pages import pages  # noqa: E402
 
 SERIES = "devlog/data/2026-01-01-test"
 SINGLE, DDP, PP = f"{SERIES}/single-ft", f"{SERIES}/ddp-ft", f"{SERIES}/pp-ft"
@@ -143,13 +148,13 @@ def generated(root: Path, kind_and_args: str, page: str = "blogs/01-first.md") -
         problems, lines = build(root, check=False, only=page)
     assert problems == 0, lines
     text = (root / page).read_text()
-    first = make_posts.find_regions(text)[0][0]
+    first = find_regions(text)[0][0]
     return text[first.start:first.end].strip("\n")
 
 
 def provenance_of(root: Path, page: str = "blogs/01-first.md") -> str:
     text = (root / page).read_text()
-    found = [r for r in make_posts.find_regions(text)[0] if r.kind == "provenance"]
+    found = [r for r in find_regions(text)[0] if r.kind == "provenance"]
     return text[found[0].start:found[0].end]
 
 
@@ -159,6 +164,7 @@ def provenance_of(root: Path, page: str = "blogs/01-first.md") -> str:
 
 def test_the_repository_passes_the_check_without_matplotlib():
     script = ("import runpy, sys\nsys.argv = ['assets/make_posts.py', '--check']\ncode = 0\n"
+              "sys.path.insert(0, 'assets')\n"  # as `python assets/make_posts.py` has it (run_path does not)
               "try:\n    runpy.run_path('assets/make_posts.py', run_name='__main__')\n"
               "except SystemExit as stop:\n    code = stop.code\n"
               "print('matplotlib imported:', 'matplotlib' in sys.modules)\nsys.exit(code)\n")
@@ -182,10 +188,10 @@ def test_every_page_renders_each_generated_value_inside_its_sentence():
 
     renderer = MarkdownIt("commonmark").enable("table")
     inline_values = 0
-    for name in make_posts.pages(REPO_ROOT):
+    for name in pages(REPO_ROOT):
         text = (REPO_ROOT / name).read_text()
-        regions = make_posts.find_regions(text)[0]
-        assert make_posts.values_outside_paragraphs(text, regions) == [], name
+        regions = find_regions(text)[0]
+        assert values_outside_paragraphs(text, regions) == [], name
         html = renderer.render(text)
         for found in (r for r in regions if r.inline):
             inline_values += 1
@@ -238,7 +244,7 @@ def test_commands_are_written_relative_to_the_repository_root():
     """No page, and no command recorded in a committed run, names a folder of the machine it was written on."""
     assert absolute_paths("uv run python /work/x/train.py --out-dir=/tmp/runs/a (see https://host/a/b)") == [
         "/work/x/train.py", "/tmp/runs/a"]
-    for name in make_posts.pages(REPO_ROOT):
+    for name in pages(REPO_ROOT):
         assert absolute_paths((REPO_ROOT / name).read_text()) == [], name
     commands = 0
     for path in sorted((REPO_ROOT / "devlog" / "data").rglob("summary.json")):
@@ -479,8 +485,8 @@ def test_value_field_and_expression(site):
 ])
 def test_the_expression_evaluator_refuses_anything_else(site, expression, message):
     run = make_plots.load_run(site / SINGLE)
-    with pytest.raises(make_posts.RegionError, match=message):
-        make_posts.evaluate(expression, {"a": run})
+    with pytest.raises(RegionError, match=message):
+        evaluate_runs(expression, {"a": run})
 
 
 def test_parity(site):
@@ -738,8 +744,8 @@ def test_figure_data_functions_read_the_summaries(site):
                             busy_ms_per_rank="100.0;190.0")]
     # The less busy stage's floor: its first micro-batch, then m of the slow stage's (post 7).
     r = 100 / 190
-    assert make_plots.imbalance_floor(4, r) == pytest.approx(1 - 4 * 100 / (100 + 4 * 190))
-    assert make_plots.imbalance_floor(1e9, r) == pytest.approx(1 - r)
+    assert imbalance_floor(4, r) == pytest.approx(1 - 4 * 100 / (100 + 4 * 190))
+    assert imbalance_floor(1e9, r) == pytest.approx(1 - r)
 
 
 def test_an_opening_comment_may_go_on_over_several_lines(site):
@@ -757,7 +763,7 @@ def test_an_opening_comment_may_go_on_over_several_lines(site):
 
 
 def test_the_manual_names_every_generator_and_column():
-    """The module docstring is the writers' manual: it must not fall behind the code."""
-    manual = make_posts.__doc__
-    for name in list(make_posts.GENERATORS) + list(make_posts.COLUMNS):
+    """assets/posts/README.md is the writers' manual: it must not fall behind the code."""
+    manual = (REPO_ROOT / "assets" / "posts" / "README.md").read_text()
+    for name in list(GENERATORS) + list(COLUMNS):
         assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", manual), f"the manual does not mention {name}"

@@ -1,0 +1,191 @@
+"""common.memory's answers, regenerated from the code so they never drift: `memory-cli` (what the command prints),
+`memory-table` (several settings in one table) and `answer-table` (the decision guide's commands and tokens/s)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import re
+import shlex
+
+from ..engine import RegionError, generator
+from ..markup import fence, markdown_table
+from ..site import Context
+from .runs import median_of
+
+
+@generator("memory-cli", ("args",))
+def gen_memory_cli(ctx: Context, args: dict) -> str:
+    from common import memory  # imports torch and transformers: only when a page shows a prediction
+
+    argv = shlex.split(args["args"])
+    printed, errors = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+        try:
+            memory.main(argv)
+        except SystemExit as stop:
+            if stop.code not in (0, 1, None):  # 1: the CLI answered that nothing fits
+                message = errors.getvalue().strip().splitlines() or [str(stop.code)]
+                raise RegionError(f"python -m common.memory {args['args']}: {message[-1]}") from None
+    return fence(f"$ uv run python -m common.memory {shlex.join(argv)}\n{printed.getvalue().rstrip()}", "text")
+
+
+def memory_case(text: str):
+    """One case of a memory-table or answer-table: the flags of `python -m common.memory`, parsed and answered as the
+    command line answers them (common.memory.ask)."""
+    from common import memory  # imports torch and transformers: only when a page shows a prediction
+
+    parser = memory.build_parser()
+    parser.exit_on_error = False
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            return memory.ask(shlex.split(text), parser)
+    except (argparse.ArgumentError, memory.AnswerError, ValueError) as error:
+        raise RegionError(f"case '{text.strip()}': {error}") from None
+    except SystemExit:
+        message = errors.getvalue().strip().splitlines() or ["bad flags"]
+        raise RegionError(f"case '{text.strip()}': {message[-1]}") from None
+
+
+def model_label(shape) -> str:
+    """qwen3-4b -> Qwen3-4B, as the posts write the published sizes."""
+    name = shape.name.replace("qwen3", "Qwen3").replace("-0.6b", "-0.6B").replace("-1.7b", "-1.7B")
+    return re.sub(r"-(\d+)b\b", lambda m: f"-{m.group(1)}B", name).replace("-a3b", "-A3B")
+
+
+@generator("memory-table", ("cases",), ("strategies",))
+def gen_memory_table(ctx: Context, args: dict) -> str:
+    """common.memory's prediction for several settings in one table: GiB per GPU of every strategy, each at the
+    largest micro-batch that fits (or the micro-batch a case fixes), and the rung recommend() picks (a prediction,
+    regenerated from the code)."""
+    from common import memory  # imports torch and transformers: only when a page shows a prediction
+
+    cases = [memory_case(text) for text in args["cases"].split(";") if text.strip()]
+    if not cases:
+        raise RegionError("memory-table needs cases=\"--model ... --gpus ...; --model ...\"")
+    strategies = [name for name in memory.STRATEGIES if any(e.strategy == name for c in cases
+                                                            for e in c.advice.estimates)]
+    if "strategies" in args:
+        wanted = [name.strip() for name in args["strategies"].split(",") if name.strip()]
+        unknown = [name for name in wanted if name not in memory.STRATEGIES]
+        if unknown:
+            raise RegionError(f"memory-table: unknown strategies {', '.join(unknown)}; common.memory has "
+                              f"{', '.join(memory.STRATEGIES)}")
+        strategies = [name for name in wanted if name in strategies]
+
+    def label(estimate) -> str:
+        return (estimate.strategy + (" + checkpointing" if estimate.activation_checkpointing else "")
+                + (f" + QLoRA r{estimate.lora_rank}" if estimate.qlora else
+                   f" + LoRA r{estimate.lora_rank}" if estimate.lora_rank else "")
+                + (f", micro-batch {estimate.micro_batch_size}" if estimate.micro_batch_size > 1 else ""))
+
+    rows = []
+    for case in cases:
+        flags = case.args
+        details = [f"{flags.gpus} x {case.gpu_mem_gb:g} GB"]
+        details += [f"seq {flags.seq_len:,}"] * (flags.seq_len != 1024)
+        details += [f"micro-batch {flags.micro_batch_size}"] * bool(flags.micro_batch_size)
+        details += [f"LoRA r{flags.lora_rank}"] * bool(flags.lora_rank) + ["QLoRA"] * flags.qlora
+        details += ["checkpointing"] * flags.activation_checkpointing + ["no speed flags"] * (not flags.fast)
+        details += [flags.interconnect.replace("nvlink", "NVLink").replace("pcie", "PCIe")] * (flags.gpus > 1)
+        cells = []
+        chosen = case.advice.choice
+        for strategy in strategies:
+            found = next((e for e in case.advice.estimates if e.strategy == strategy), None)
+            if found is None:
+                cells.append("-")
+                continue
+            text = f"{found.total_gib:.1f}" + ("" if found.fits(case.gpu_mem_gb) else " ✗")
+            if chosen is not None and label(chosen) == label(found):
+                text = f"**{text}**"
+            cells.append(text)
+        verdict = "none fits" if chosen is None else f"{label(chosen)} ({chosen.total_gib:.1f} GiB)"
+        rows.append([f"{model_label(case.shape)}, {', '.join(details)}"] + cells + [verdict])
+    table = markdown_table(["setting"] + strategies + ["first rung that fits"], rows,
+                           [False] + [True] * len(strategies) + [False])
+    return (f"{table}\n\nGiB per GPU predicted by common.memory (`--dtype bf16`, each strategy as its experiment "
+            f"keeps it, with the speed flags it takes unless the row says otherwise, at the largest micro-batch of 8 "
+            f"rows per step that fits); usable: {memory.USABLE_FRACTION:.0%} of the card; ✗: over it; bold: the rung "
+            f"`recommend()` picks when it needs no more than the setting gives (else its own total, last column).")
+
+
+@generator("answer-table", ("cases", "reference"), ("measured",))
+def gen_answer_table(ctx: Context, args: dict) -> str:
+    """The answer of the decision guide: per setting (GPUs x model x full / LoRA / QLoRA), the command recommend()
+    gives, what it is predicted to hold per GPU, and its tokens/s: measured where one of the `measured` runs ran that
+    command on that GPU, otherwise scaled from the `reference` run (a measured GPU run) by the card's peak FLOP/s and
+    the model's FLOPs per token, which assumes the reference's MFU (median step) and counts no communication."""
+    from common import memory  # imports torch and transformers: only when a page shows a prediction
+    from common.metrics import peak_flops_per_device
+    from common.models import model_config, training_flops
+
+    cases = [memory_case(text) for text in args["cases"].split(";") if text.strip()]
+    if not cases:
+        raise RegionError("answer-table needs cases=\"--model ... --gpus ... --gpu ...; ...\"")
+    reference = ctx.site.run(args["reference"])
+    reference_device = reference.summary["hardware"]["device_name"]
+    reference_peak = peak_flops_per_device(reference_device)
+    if reference_peak is None:
+        raise RegionError(f"answer-table: the reference ran on {reference_device}, whose peak is not in the table")
+    reference_tokens_s = median_of("tokens_per_s")(reference)
+
+    def flops_per_token(model: str, lora_rank: int, seq_len: int) -> float:
+        return training_flops(model_config(model), lora_rank).dense_per_token(seq_len)
+
+    reference_flops = flops_per_token(reference.config["model"], reference.config["lora_rank"],
+                                      reference.config["seq_len"])
+    measured = ctx.site.runs(args.get("measured", args["reference"]), allow_missing=True)
+
+    def ran(run, case) -> bool:
+        """`run` is the rung's command on this case's kind of GPU."""
+        rung, config = case.advice.rung, run.config
+        same_card = peak_flops_per_device(run.summary["hardware"]["device_name"]) == \
+            peak_flops_per_device(case.args.gpu.replace("-", " "))
+        return (run.summary["experiment"] == memory.RUN_WITH[rung.strategy].split("/")[1] and same_card
+                and run.summary["model"]["parameters"] == case.shape.total_parameters
+                and (config["seq_len"], config["micro_batch_size"], config["grad_accum"], config["lora_rank"],
+                     config["activation_checkpointing"]) == (case.args.seq_len, rung.micro_batch_size, rung.grad_accum,
+                                                             rung.lora_rank, rung.activation_checkpointing)
+                and ((config["attn"] == "varlen", bool(config.get("loss_chunk_tokens")), bool(config.get("compile")))
+                     == rung.fast))
+
+    rows = []
+    for case in cases:
+        flags, advice = case.args, case.advice
+        if not flags.gpu:
+            raise RegionError(f"answer-table: case '{flags.model}' names no --gpu (its peak sets the tokens/s)")
+        gpus, model = f"{flags.gpus} x {flags.gpu.replace('-', ' ')}", model_label(case.shape)
+        if advice.rung is None:
+            rows.append([gpus, model, "-", "nothing fits", "-", "-", "-"])
+            continue
+        rung = advice.rung
+        training = f"QLoRA r{rung.lora_rank}" if rung.qlora else f"LoRA r{rung.lora_rank}" if rung.lora_rank else "full"
+        command = re.sub(r"^uv run (python|torchrun --nproc_per_node=\d+) experiments/([\w-]+)/train\.py", r"\2",
+                         advice.command()).replace(f" --model {advice.model}", "")
+        peak = peak_flops_per_device(flags.gpu.replace("-", " "))
+        run = next((run for run in measured if ran(run, case)), None)
+        if run is not None:
+            tokens, source = f"{median_of('tokens_per_s')(run):,.0f}", f"measured ({run.name.rsplit('/', 1)[-1]})"
+        elif rung.strategy in memory.OFFLOAD_LADDER:
+            tokens, source = "-", "not predicted: AdamW runs on the CPU"
+        elif peak is None:
+            tokens, source = "-", f"not predicted: no peak FLOP/s for {flags.gpu} in common/metrics.py"
+        else:
+            replicas = 1 if rung.strategy == "single" else flags.gpus
+            scaled = (reference_tokens_s * peak / reference_peak * reference_flops
+                      / flops_per_token(flags.model, rung.lora_rank, flags.seq_len) * replicas)
+            tokens, source = f"~{scaled:,.0f}", "predicted"
+        rows.append([gpus, model, training, f"`{command}`",
+                     f"{advice.choice.total_gib:.1f} of {case.gpu_mem_gb * memory.USABLE_FRACTION:.1f}", tokens,
+                     source])
+    table = markdown_table(["GPUs", "model", "training", "experiment and flags (add `--model`)", "GiB per GPU",
+                            "tokens/s", "tokens/s is"], rows, [False, False, False, False, True, True, False])
+    return (f"{table}\n\nEach row is what `uv run python -m common.memory --model ... --gpus N --gpu NAME` answers "
+            f"(`--lora-rank 16`, `--qlora` where the row trains adapters): the experiment and flags of its `run:` "
+            f"line, "
+            f"and its predicted peak per GPU of what is usable (90% of the card). Predicted tokens/s scale the median "
+            f"step of {reference.name.rsplit('/', 1)[-1]} ({reference_tokens_s:,.0f} tokens/s on one "
+            f"{reference_device}) by the card's dense bf16 peak and the model's FLOPs per token, times the GPUs: the "
+            f"same MFU, no communication and no host time counted, so read them as upper bounds.")
