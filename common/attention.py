@@ -279,19 +279,28 @@ def document_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict:
     return dict(cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, longest_document=longest_document)
 
 
-@functools.cache
+_PARAMETERS: dict = {}  # function -> the names of its parameters
+
+
+def _parameters(function) -> frozenset[str]:
+    """The names of `function`'s parameters, read by inspect.signature once, not in every layer's call."""
+    if function not in _PARAMETERS:
+        _PARAMETERS[function] = frozenset(inspect.signature(function).parameters)
+    return _PARAMETERS[function]
+
+
 def torch_varlen_takes_gqa() -> bool:
     """torch's varlen_attn changed its signature between releases: 2.10 has `is_causal`; later releases express
     causality as `window_size=(-1, 0)` and, later still, take grouped K/V heads with `enable_gqa`."""
     from torch.nn.attention.varlen import varlen_attn
 
-    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+    return "enable_gqa" in _parameters(varlen_attn)
 
 
 def _torch_varlen(q, k, v, cu_seq_lens, max_length, scale):
     from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters
+    params = _parameters(varlen_attn)
     kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     if "scale" in params:
         kwargs["scale"] = scale

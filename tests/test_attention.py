@@ -446,7 +446,6 @@ def test_torch_varlen_adapter_follows_each_signature(monkeypatch, version):
 
     calls = []
     monkeypatch.setattr(varlen_module, "varlen_attn", fake_varlen_attn(calls)[version])
-    attention.torch_varlen_takes_gqa.cache_clear()
     q, k, v, cu_seq_lens, longest = qkv_of_packed_rows()
     scale = 16 ** -0.5 if version == "2.10" else 0.3  # 2.10 takes no scale: only the default one is accepted
     torch.testing.assert_close(attention._torch_varlen(q, k, v, cu_seq_lens, longest, scale),
@@ -460,7 +459,23 @@ def test_torch_varlen_adapter_follows_each_signature(monkeypatch, version):
     if version == "2.10":
         with pytest.raises(ValueError, match="takes no scale"):
             attention._torch_varlen(q, k, v, cu_seq_lens, longest, 0.3)
-    attention.torch_varlen_takes_gqa.cache_clear()
+
+
+def test_torch_varlen_reads_its_signature_once(monkeypatch):
+    """The adapter inspects varlen_attn's signature on its first call, not in every layer's call."""
+    import inspect
+
+    import torch.nn.attention.varlen as varlen_module
+
+    monkeypatch.setattr(varlen_module, "varlen_attn", fake_varlen_attn([])["later"])
+    reads = []
+    signature = inspect.signature
+    monkeypatch.setattr(inspect, "signature", lambda function: reads.append(function) or signature(function))
+    q, k, v, cu_seq_lens, longest = qkv_of_packed_rows()
+    for _ in range(3):
+        attention._torch_varlen(q, k, v, cu_seq_lens, longest, 0.3)
+    assert attention.torch_varlen_takes_gqa()
+    assert reads == [varlen_module.varlen_attn]
 
 
 @pytest.mark.usefixtures("restore_sdp_switches")
