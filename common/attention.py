@@ -244,18 +244,24 @@ def _choose_varlen(info: DeviceInfo, requested: str, kernels: tuple[str, ...]) -
 # Variable-length attention over packed documents
 
 
-def document_boundaries(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Cumulative document lengths over the flattened [batch x seq] tokens, and the longest document.
+def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] bool, True where a document starts: at every row start and wherever a position does not follow its
+    predecessor by one (packed conversations restart at 0; so do the pad slots at the end of a row, which then form
+    their own document). No host read."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return starts
 
-    A document starts at every row start and wherever a position does not follow its predecessor by one (packed
-    conversations restart at 0; so do the pad slots at the end of a row, which then form their own document).
+
+def document_boundaries(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Cumulative document lengths over the flattened [batch x seq] tokens, and the longest document (documents as
+    `document_starts` finds them).
+
     Returns (cu_seq_lens int32 [n_documents + 1] on position_ids' device, max length). On a CUDA tensor this
     synchronises (the number of documents sets the output's size): pass the host copy where you can.
     """
     rows, seq = position_ids.shape
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    first = starts.flatten().nonzero().squeeze(1)
+    first = document_starts(position_ids).flatten().nonzero().squeeze(1)
     cu_seq_lens = torch.cat([first, first.new_tensor([rows * seq])]).to(torch.int32)
     return cu_seq_lens, int((cu_seq_lens[1:] - cu_seq_lens[:-1]).max())
 
@@ -456,11 +462,9 @@ def flex_trains_on_cpu() -> bool:
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """[batch, seq] index of each slot's document within its row, by the rule of `document_boundaries`: a document
-    starts at the row's start and wherever a position does not follow its predecessor by one. No host read."""
-    starts = torch.ones_like(position_ids, dtype=torch.int32)
-    starts[:, 1:] = (position_ids[:, 1:] != position_ids[:, :-1] + 1).to(torch.int32)
-    return starts.cumsum(1, dtype=torch.int32) - 1
+    """[batch, seq] index of each slot's document within its row (documents as `document_starts` finds them). No host
+    read."""
+    return document_starts(position_ids).cumsum(1, dtype=torch.int32) - 1
 
 
 def block_mask_of_documents(documents: torch.Tensor):
