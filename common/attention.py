@@ -371,45 +371,49 @@ _VARLEN_FUNCTIONS = {"torch": _torch_varlen, "flash_attn": _flash_attn_varlen, "
                      "reference": _reference_varlen}
 
 
-def refuse_unpacked(kind: str, attention_mask, dropout: float, sliding_window) -> None:
-    """varlen and flex attend within the documents of packed rows: a padding mask, dropout or a sliding window is a
-    call they do not serve."""
-    if attention_mask is not None:
-        raise ValueError(f"--attn {kind} takes packed rows with restarted position_ids and no padding mask")
-    if dropout or sliding_window:
-        raise ValueError(f"--attn {kind} supports neither attention dropout nor a sliding window")
-
-
-def varlen_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    cu_seq_lens_q: torch.Tensor | None = None,
-    max_length_q: int | None = None,
-    longest_document: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    *,
-    kernel: str,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """An attention function for transformers' AttentionInterface: packed documents through a varlen kernel.
+def packed_documents_attention(kind: str):
+    """Make `attend(query, key, value, scaling, **kwargs)`, attention within the documents of whole packed rows that
+    returns (batch, seq, heads, head_dim), an attention function for transformers' AttentionInterface.
 
     Same contract as transformers' sdpa_attention_forward: query (batch, heads, seq, head_dim), key and value
-    (batch, kv_heads, seq, head_dim); returns ((batch, seq, heads, head_dim), None). The documents come from
-    `cu_seq_lens_q` and `longest_document` (the model call's kwargs, see `document_kwargs`; transformers' own
-    `max_length_q` is taken too); without them, from the `position_ids` every Qwen3 decoder layer passes on (a host
-    sync per layer on a GPU, so the training loops pass the kwargs).
+    (batch, kv_heads, seq, head_dim); returns ((batch, seq, heads, head_dim), None). What varlen and flex share
+    happens here: a padding mask, dropout or a sliding window is refused (a call they do not serve); decoding with a
+    KV cache goes to transformers' SDPA; under autocast, q, k and v get the autocast dtype.
     """
-    refuse_unpacked("varlen", attention_mask, dropout, sliding_window)
+
+    def decorate(attend):
+        @functools.wraps(attend)
+        def attention_function(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                               sliding_window=None, **kwargs):
+            if attention_mask is not None:
+                raise ValueError(f"--attn {kind} takes packed rows with restarted position_ids and no padding mask")
+            if dropout or sliding_window:
+                raise ValueError(f"--attn {kind} supports neither attention dropout nor a sliding window")
+            if key.shape[2] != query.shape[2]:
+                # Decoding with a KV cache (queries shorter than keys): not a packed row; transformers' SDPA handles it.
+                return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, **kwargs)
+            if torch.is_autocast_enabled(query.device.type):
+                # Autocast casts SDPA's inputs, not a custom kernel's: Qwen3's q/k norms return fp32 beside bf16 values.
+                dtype = torch.get_autocast_dtype(query.device.type)
+                query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+            return attend(query, key, value, scaling, **kwargs), None
+
+        return attention_function
+
+    return decorate
+
+
+@packed_documents_attention("varlen")
+def varlen_attention_forward(query, key, value, scaling=None, cu_seq_lens_q=None, max_length_q=None,
+                             longest_document=None, position_ids=None, *, kernel: str, **kwargs) -> torch.Tensor:
+    """An attention function for transformers' AttentionInterface: packed documents through a varlen kernel, called
+    as transformers' sdpa_attention_forward is (see `packed_documents_attention`).
+
+    The documents come from `cu_seq_lens_q` and `longest_document` (the model call's kwargs, see `document_kwargs`;
+    transformers' own `max_length_q` is taken too); without them, from the `position_ids` every Qwen3 decoder layer
+    passes on (a host sync per layer on a GPU, so the training loops pass the kwargs).
+    """
     batch, heads, seq, head_dim = query.shape
-    if key.shape[2] != seq:
-        # Decoding with a KV cache (queries shorter than keys): not a packed row; transformers' SDPA handles it.
-        return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, **kwargs)
     if cu_seq_lens_q is None:
         if position_ids is None:
             raise ValueError("--attn varlen needs cu_seq_lens_q (document_kwargs) or position_ids in the call")
@@ -421,16 +425,11 @@ def varlen_attention_forward(
     if int(cu_seq_lens_q.shape[0]) < 2:
         raise ValueError("cu_seq_lens_q must hold at least one document")
     scale = scaling if scaling is not None else head_dim ** -0.5
-    if torch.is_autocast_enabled(query.device.type):
-        # Autocast casts SDPA's inputs, but not those of a custom kernel, and Qwen3's q_norm/k_norm (fp32 weights)
-        # return fp32 queries and keys next to bf16 values. The fused kernels take one 16-bit dtype: the autocast one.
-        dtype = torch.get_autocast_dtype(query.device.type)
-        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     # [batch, heads, seq, d] -> [tokens, heads, d]. The projections laid q, k, v out as [batch, seq, heads, d] and
     # transformers transposed them, so transposing back is free and the flattening is a view.
     q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], head_dim) for t in (query, key, value))
     out = _VARLEN_FUNCTIONS[kernel](q, k, v, cu_seq_lens_q, max_length_q, scale)
-    return out.view(batch, seq, heads, head_dim), None
+    return out.view(batch, seq, heads, head_dim)
 
 
 def register_varlen_attention(kernel: str) -> None:
@@ -492,48 +491,29 @@ def flex_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict:
 _compiled_flex: dict = {}
 
 
-def flex_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    document_block_mask=None,
-    position_ids: torch.Tensor | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """An attention function for transformers' AttentionInterface: FlexAttention over packed rows.
+@packed_documents_attention("flex")
+def flex_attention_forward(query, key, value, scaling=None, document_block_mask=None, position_ids=None, **kwargs):
+    """An attention function for transformers' AttentionInterface: FlexAttention over packed rows, called as
+    transformers' sdpa_attention_forward is (see `packed_documents_attention`).
 
-    Same contract as transformers' sdpa_attention_forward. The block mask comes from `document_block_mask` (the
-    model call's kwarg, see `flex_kwargs`); without it, it is built in every layer from the `position_ids` the
-    layers pass on (evaluation and generation, where speed matters less).
+    The block mask comes from `document_block_mask` (the model call's kwarg, see `flex_kwargs`); without it, it is
+    built in every layer from the `position_ids` the layers pass on (evaluation and generation, where speed matters
+    less).
     """
     from torch.nn.attention.flex_attention import flex_attention
 
-    refuse_unpacked("flex", attention_mask, dropout, sliding_window)
-    batch, heads, seq, head_dim = query.shape
-    if key.shape[2] != seq:
-        # Decoding with a KV cache (queries shorter than keys): not a packed row; transformers' SDPA handles it.
-        return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, **kwargs)
     if document_block_mask is None:
         if position_ids is None:
             raise ValueError("--attn flex needs document_block_mask (flex_kwargs) or position_ids in the call")
+        batch, _, seq, _ = query.shape
         document_block_mask = block_mask_of_documents(document_ids(position_ids.expand(batch, seq)))
-    if torch.is_autocast_enabled(query.device.type):
-        # As for varlen: Qwen3's normed queries and keys are fp32 under autocast, its values bf16; the kernel takes
-        # one dtype, the autocast one.
-        dtype = torch.get_autocast_dtype(query.device.type)
-        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     if query.is_cuda and "cuda" not in _compiled_flex:
         # Uncompiled, FlexAttention materialises the scores; compiled, it is one fused kernel (inside a compiled
         # decoder layer it is compiled with the layer either way).
         _compiled_flex["cuda"] = torch.compile(flex_attention)
     kernel = _compiled_flex["cuda"] if query.is_cuda else flex_attention
     out = kernel(query, key, value, block_mask=document_block_mask, scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous()
 
 
 def register_flex_attention() -> None:

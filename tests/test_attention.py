@@ -386,6 +386,27 @@ def test_varlen_and_flex_register_no_mask_function(packed_rows):
             function(None, q, q, q, torch.ones(1, 1, 24, 24, dtype=torch.bool))
 
 
+@pytest.mark.usefixtures("restore_sdp_switches")
+def test_varlen_and_flex_hand_decoding_with_a_kv_cache_to_sdpa():
+    """A query shorter than the keys (decoding with a KV cache) is not a packed row: both attention functions return
+    what transformers' SDPA returns for it, whatever document kwargs the model call carried."""
+    apply_attention_choice(choose_attention(CPU, "varlen"))
+    generator = torch.Generator().manual_seed(4)
+    query = torch.randn(1, 4, 1, 16, generator=generator)
+    key, value = (torch.randn(1, 2, 9, 16, generator=generator) for _ in range(2))
+    module = SimpleNamespace(num_key_value_groups=2, is_causal=True)
+    expected, _ = transformers.integrations.sdpa_attention.sdpa_attention_forward(module, query, key, value, None,
+                                                                                 scaling=0.3)
+    document_kwargs = dict(cu_seq_lens_q=torch.tensor([0, 1], dtype=torch.int32), position_ids=torch.tensor([[8]]))
+    for function in (attention.flex_attention_forward,
+                     transformers.AttentionInterface._global_mapping[attention.VARLEN]):
+        out, weights = function(module, query, key, value, None, scaling=0.3, **document_kwargs)
+        assert weights is None
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    # The check has teeth: the query taken as a one-token document would read only the newest key's value.
+    assert (expected - value[:, :, -1:].repeat_interleave(2, dim=1).transpose(1, 2)).abs().max() > 1e-3
+
+
 def qkv_of_packed_rows(heads=4, kv_heads=2, head_dim=16):
     """[tokens, heads, d] queries and [tokens, kv_heads, d] keys/values of two rows of three documents."""
     generator = torch.Generator().manual_seed(3)
