@@ -29,7 +29,8 @@ position_ids, see `document_kwargs`) and runs a variable-length kernel over the 
 [seq x seq] mask to build, keep for backward or read in every layer, no K/V repeated for GQA where the kernel
 takes grouped heads, and no FLOP spent on the masked-out blocks between documents. The kernel, chosen once:
 - NVIDIA: PyTorch's own `torch.nn.attention.varlen.varlen_attn` (torch 2.10+), else flash-attn's
-  `flash_attn_varlen_func` when that package is installed, else FlexAttention with a document mask (compiled).
+  `flash_attn_varlen_func` when that package is installed, else FlexAttention with a document mask (compiled;
+  the code of "flex" below, the flattened tokens taken as one row).
   "auto" picks varlen on NVIDIA when one of the first two exists (the FlexAttention fallback is only as fast as
   its compilation, so it is never picked silently).
 - CPU, and ROCm archs without a fused kernel (gfx906/gfx908): a reference that runs SDPA once per document with
@@ -241,7 +242,7 @@ def _choose_varlen(info: DeviceInfo, requested: str, kernels: tuple[str, ...]) -
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Variable-length attention over packed documents
+# Packed documents: where they start, and what the varlen and flex attention functions share
 
 
 def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
@@ -251,6 +252,128 @@ def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
     return starts
+
+
+def packed_documents_attention(kind: str):
+    """Make `attend(query, key, value, scaling, **kwargs)`, attention within the documents of whole packed rows that
+    returns (batch, seq, heads, head_dim), an attention function for transformers' AttentionInterface.
+
+    Same contract as transformers' sdpa_attention_forward: query (batch, heads, seq, head_dim), key and value
+    (batch, kv_heads, seq, head_dim); returns ((batch, seq, heads, head_dim), None). What varlen and flex share
+    happens here: a padding mask, dropout or a sliding window is refused (a call they do not serve); decoding with a
+    KV cache goes to transformers' SDPA; under autocast, q, k and v get the autocast dtype.
+    """
+
+    def decorate(attend):
+        @functools.wraps(attend)
+        def attention_function(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                               sliding_window=None, **kwargs):
+            if attention_mask is not None:
+                raise ValueError(f"--attn {kind} takes packed rows with restarted position_ids and no padding mask")
+            if dropout or sliding_window:
+                raise ValueError(f"--attn {kind} supports neither attention dropout nor a sliding window")
+            if key.shape[2] != query.shape[2]:
+                # Decoding with a KV cache (queries shorter than keys): not a packed row; transformers' SDPA handles it.
+                return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, **kwargs)
+            if torch.is_autocast_enabled(query.device.type):
+                # Autocast casts SDPA's inputs, not a custom kernel's: Qwen3's q/k norms return fp32 beside bf16 values.
+                dtype = torch.get_autocast_dtype(query.device.type)
+                query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+            return attend(query, key, value, scaling, **kwargs), None
+
+        return attention_function
+
+    return decorate
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FlexAttention with a document block mask: --attn flex over rows, and the varlen "flex" kernel through the same code
+
+
+@functools.cache
+def flex_trains_on_cpu() -> bool:
+    """Whether the installed torch's FlexAttention has a CPU backward (torch 2.15 has none: a forward-only op)."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q = torch.zeros(1, 1, 16, 8, requires_grad=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "flex_attention called without torch.compile"
+            flex_attention(q, q, q).sum().backward()
+    except NotImplementedError:
+        return False
+    return True
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] index of each slot's document within its row (documents as `document_starts` finds them). No host
+    read."""
+    return document_starts(position_ids).cumsum(1, dtype=torch.int32) - 1
+
+
+def block_mask_of_documents(documents: torch.Tensor):
+    """FlexAttention's block mask for rows of packed documents ([batch, seq] ids on the device): a query attends to
+    the keys of its own document at or before it. Built once per micro-batch and shared by every layer."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document_causal(batch, head, q_index, kv_index):
+        return (documents[batch, q_index] == documents[batch, kv_index]) & (q_index >= kv_index)
+
+    rows, seq = documents.shape
+    return create_block_mask(same_document_causal, rows, None, seq, seq, device=documents.device)
+
+
+def flex_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict:
+    """The model call's keyword argument that hands every flex attention call the micro-batch's block mask: the
+    document ids come from the host copy of position_ids and are copied from pinned memory, the mask is built on
+    the device. Its tensors' shapes depend on the row count and length only."""
+    documents = document_ids(position_ids.cpu())
+    if device.type == "cuda":
+        documents = documents.pin_memory().to(device, non_blocking=True)
+    return dict(document_block_mask=block_mask_of_documents(documents))
+
+
+_compiled_flex: dict = {}
+
+
+def _flex_rows(query, key, value, block_mask, scale):
+    """FlexAttention over [batch, heads, seq, d] with grouped K/V heads: [batch, heads, seq, d] out."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if query.is_cuda and "cuda" not in _compiled_flex:
+        # Uncompiled, FlexAttention materialises the scores; compiled, it is one fused kernel (inside a compiled
+        # decoder layer it is compiled with the layer either way).
+        _compiled_flex["cuda"] = torch.compile(flex_attention)
+    kernel = _compiled_flex["cuda"] if query.is_cuda else flex_attention
+    return kernel(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+
+@packed_documents_attention("flex")
+def flex_attention_forward(query, key, value, scaling=None, document_block_mask=None, position_ids=None, **kwargs):
+    """An attention function for transformers' AttentionInterface: FlexAttention over packed rows, called as
+    transformers' sdpa_attention_forward is (see `packed_documents_attention`).
+
+    The block mask comes from `document_block_mask` (the model call's kwarg, see `flex_kwargs`); without it, it is
+    built in every layer from the `position_ids` the layers pass on (evaluation and generation, where speed matters
+    less).
+    """
+    if document_block_mask is None:
+        if position_ids is None:
+            raise ValueError("--attn flex needs document_block_mask (flex_kwargs) or position_ids in the call")
+        batch, _, seq, _ = query.shape
+        document_block_mask = block_mask_of_documents(document_ids(position_ids.expand(batch, seq)))
+    return _flex_rows(query, key, value, document_block_mask, scaling).transpose(1, 2).contiguous()
+
+
+def register_flex_attention() -> None:
+    """Make FLEX a valid attn_implementation; like varlen, without a mask function (see the module's docstring)."""
+    AttentionInterface.register(FLEX, flex_attention_forward)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Variable-length attention over packed documents
 
 
 def document_boundaries(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -264,7 +387,6 @@ def document_boundaries(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     first = document_starts(position_ids).flatten().nonzero().squeeze(1)
     cu_seq_lens = torch.cat([first, first.new_tensor([rows * seq])]).to(torch.int32)
     return cu_seq_lens, int((cu_seq_lens[1:] - cu_seq_lens[:-1]).max())
-
 
 def document_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict:
     """The model call's keyword arguments that tell every varlen attention call where the documents are.
@@ -328,31 +450,19 @@ def _flash_attn_varlen(q, k, v, cu_seq_lens, max_length, scale):
                                   softmax_scale=scale, causal=True)
 
 
-_flex_cache: dict = {}
+_flex_varlen_mask: dict = {}  # the block mask of the last cu_seq_lens seen, with its key
 
 
-def _flex(q, k, v, cu_seq_lens, max_length, scale):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
+def _flex_varlen(q, k, v, cu_seq_lens, max_length, scale):
+    """The flattened tokens as one row of documents, through --attn flex's block mask and kernel."""
     tokens = q.shape[0]
     # One block mask per micro-batch: every layer receives the same cu_seq_lens tensor, so key on it.
-    key = (id(cu_seq_lens), cu_seq_lens.data_ptr(), tokens)
-    if _flex_cache.get("key") != key:
-        positions = torch.arange(tokens, device=q.device)
-        document = torch.searchsorted(cu_seq_lens[1:].long(), positions, right=True)
-
-        def same_document_causal(batch, head, q_index, kv_index):
-            return (document[q_index] == document[kv_index]) & (q_index >= kv_index)
-
-        _flex_cache.update(key=key, mask=create_block_mask(same_document_causal, None, None, tokens, tokens,
-                                                           device=q.device))
-        if "compiled" not in _flex_cache:
-            # Uncompiled, FlexAttention materialises the scores; compiled, it is a fused kernel.
-            _flex_cache["compiled"] = torch.compile(flex_attention) if q.is_cuda else flex_attention
-    out = _flex_cache["compiled"](q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                                  v.transpose(0, 1).unsqueeze(0), block_mask=_flex_cache["mask"], scale=scale,
-                                  enable_gqa=True)
-    return out.squeeze(0).transpose(0, 1)
+    cache_key = (id(cu_seq_lens), cu_seq_lens.data_ptr(), tokens)
+    if _flex_varlen_mask.get("key") != cache_key:
+        document = torch.searchsorted(cu_seq_lens[1:].long(), torch.arange(tokens, device=q.device), right=True)
+        _flex_varlen_mask.update(key=cache_key, mask=block_mask_of_documents(document.unsqueeze(0)))
+    row = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]  # [tokens, heads, d] -> [1, heads, tokens, d]
+    return _flex_rows(*row, _flex_varlen_mask["mask"], scale).squeeze(0).transpose(0, 1)
 
 
 @torch.compiler.disable  # a loop over the documents read from cu_seq_lens: it runs eagerly inside a compiled layer
@@ -367,40 +477,8 @@ def _reference_varlen(q, k, v, cu_seq_lens, max_length, scale):
     return torch.cat(outputs)
 
 
-_VARLEN_FUNCTIONS = {"torch": _torch_varlen, "flash_attn": _flash_attn_varlen, "flex": _flex,
+_VARLEN_FUNCTIONS = {"torch": _torch_varlen, "flash_attn": _flash_attn_varlen, "flex": _flex_varlen,
                      "reference": _reference_varlen}
-
-
-def packed_documents_attention(kind: str):
-    """Make `attend(query, key, value, scaling, **kwargs)`, attention within the documents of whole packed rows that
-    returns (batch, seq, heads, head_dim), an attention function for transformers' AttentionInterface.
-
-    Same contract as transformers' sdpa_attention_forward: query (batch, heads, seq, head_dim), key and value
-    (batch, kv_heads, seq, head_dim); returns ((batch, seq, heads, head_dim), None). What varlen and flex share
-    happens here: a padding mask, dropout or a sliding window is refused (a call they do not serve); decoding with a
-    KV cache goes to transformers' SDPA; under autocast, q, k and v get the autocast dtype.
-    """
-
-    def decorate(attend):
-        @functools.wraps(attend)
-        def attention_function(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                               sliding_window=None, **kwargs):
-            if attention_mask is not None:
-                raise ValueError(f"--attn {kind} takes packed rows with restarted position_ids and no padding mask")
-            if dropout or sliding_window:
-                raise ValueError(f"--attn {kind} supports neither attention dropout nor a sliding window")
-            if key.shape[2] != query.shape[2]:
-                # Decoding with a KV cache (queries shorter than keys): not a packed row; transformers' SDPA handles it.
-                return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, **kwargs)
-            if torch.is_autocast_enabled(query.device.type):
-                # Autocast casts SDPA's inputs, not a custom kernel's: Qwen3's q/k norms return fp32 beside bf16 values.
-                dtype = torch.get_autocast_dtype(query.device.type)
-                query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-            return attend(query, key, value, scaling, **kwargs), None
-
-        return attention_function
-
-    return decorate
 
 
 @packed_documents_attention("varlen")
@@ -437,88 +515,6 @@ def register_varlen_attention(kernel: str) -> None:
     builds no mask (the kernel needs none) and skips its packed-row check, which reads the device (see the module's
     docstring); a padding mask is refused by the attention function itself."""
     AttentionInterface.register(VARLEN, functools.partial(varlen_attention_forward, kernel=kernel))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# FlexAttention with a document block mask
-
-
-@functools.cache
-def flex_trains_on_cpu() -> bool:
-    """Whether the installed torch's FlexAttention has a CPU backward (torch 2.15 has none: a forward-only op)."""
-    import warnings
-
-    from torch.nn.attention.flex_attention import flex_attention
-
-    q = torch.zeros(1, 1, 16, 8, requires_grad=True)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "flex_attention called without torch.compile"
-            flex_attention(q, q, q).sum().backward()
-    except NotImplementedError:
-        return False
-    return True
-
-
-def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """[batch, seq] index of each slot's document within its row (documents as `document_starts` finds them). No host
-    read."""
-    return document_starts(position_ids).cumsum(1, dtype=torch.int32) - 1
-
-
-def block_mask_of_documents(documents: torch.Tensor):
-    """FlexAttention's block mask for rows of packed documents ([batch, seq] ids on the device): a query attends to
-    the keys of its own document at or before it. Built once per micro-batch and shared by every layer."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def same_document_causal(batch, head, q_index, kv_index):
-        return (documents[batch, q_index] == documents[batch, kv_index]) & (q_index >= kv_index)
-
-    rows, seq = documents.shape
-    return create_block_mask(same_document_causal, rows, None, seq, seq, device=documents.device)
-
-
-def flex_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict:
-    """The model call's keyword argument that hands every flex attention call the micro-batch's block mask: the
-    document ids come from the host copy of position_ids and are copied from pinned memory, the mask is built on
-    the device. Its tensors' shapes depend on the row count and length only."""
-    documents = document_ids(position_ids.cpu())
-    if device.type == "cuda":
-        documents = documents.pin_memory().to(device, non_blocking=True)
-    return dict(document_block_mask=block_mask_of_documents(documents))
-
-
-_compiled_flex: dict = {}
-
-
-@packed_documents_attention("flex")
-def flex_attention_forward(query, key, value, scaling=None, document_block_mask=None, position_ids=None, **kwargs):
-    """An attention function for transformers' AttentionInterface: FlexAttention over packed rows, called as
-    transformers' sdpa_attention_forward is (see `packed_documents_attention`).
-
-    The block mask comes from `document_block_mask` (the model call's kwarg, see `flex_kwargs`); without it, it is
-    built in every layer from the `position_ids` the layers pass on (evaluation and generation, where speed matters
-    less).
-    """
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if document_block_mask is None:
-        if position_ids is None:
-            raise ValueError("--attn flex needs document_block_mask (flex_kwargs) or position_ids in the call")
-        batch, _, seq, _ = query.shape
-        document_block_mask = block_mask_of_documents(document_ids(position_ids.expand(batch, seq)))
-    if query.is_cuda and "cuda" not in _compiled_flex:
-        # Uncompiled, FlexAttention materialises the scores; compiled, it is one fused kernel (inside a compiled
-        # decoder layer it is compiled with the layer either way).
-        _compiled_flex["cuda"] = torch.compile(flex_attention)
-    kernel = _compiled_flex["cuda"] if query.is_cuda else flex_attention
-    out = kernel(query, key, value, block_mask=document_block_mask, scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2).contiguous()
-
-
-def register_flex_attention() -> None:
-    """Make FLEX a valid attn_implementation; like varlen, without a mask function (see the module's docstring)."""
-    AttentionInterface.register(FLEX, flex_attention_forward)
 
 
 def sdpa_math_expanded_kv_forward(

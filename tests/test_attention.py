@@ -430,7 +430,8 @@ def test_flex_kernel_forward_equals_the_masked_reference():
     # FlexAttention has no CPU backward: its forward is checked here, its backward on a GPU by the GPU suite.
     q, k, v, cu_seq_lens, longest = qkv_of_packed_rows()
     expected = masked_reference(q, k, v, cu_seq_lens, 0.3)
-    torch.testing.assert_close(attention._flex(q, k, v, cu_seq_lens, longest, 0.3), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(attention._flex_varlen(q, k, v, cu_seq_lens, longest, 0.3), expected, rtol=1e-5,
+                               atol=1e-6)
     torch.testing.assert_close(attention._reference_varlen(q, k, v, cu_seq_lens, longest, 0.3), expected,
                                rtol=1e-5, atol=1e-6)
 
