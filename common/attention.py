@@ -29,7 +29,8 @@ position_ids, see `document_kwargs`) and runs a variable-length kernel over the 
 [seq x seq] mask to build, keep for backward or read in every layer, no K/V repeated for GQA where the kernel
 takes grouped heads, and no FLOP spent on the masked-out blocks between documents. The kernel, chosen once:
 - NVIDIA: PyTorch's own `torch.nn.attention.varlen.varlen_attn` (torch 2.10+), else flash-attn's
-  `flash_attn_varlen_func` when that package is installed, else FlexAttention with a document mask (compiled).
+  `flash_attn_varlen_func` when that package is installed, else FlexAttention with a document mask (compiled;
+  the code of "flex" below, the flattened tokens taken as one row).
   "auto" picks varlen on NVIDIA when one of the first two exists (the FlexAttention fallback is only as fast as
   its compilation, so it is never picked silently).
 - CPU, and ROCm archs without a fused kernel (gfx906/gfx908): a reference that runs SDPA once per document with
@@ -241,192 +242,52 @@ def _choose_varlen(info: DeviceInfo, requested: str, kernels: tuple[str, ...]) -
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Variable-length attention over packed documents
+# Packed documents: where they start, and what the varlen and flex attention functions share
 
 
-def document_boundaries(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Cumulative document lengths over the flattened [batch x seq] tokens, and the longest document.
-
-    A document starts at every row start and wherever a position does not follow its predecessor by one (packed
-    conversations restart at 0; so do the pad slots at the end of a row, which then form their own document).
-    Returns (cu_seq_lens int32 [n_documents + 1] on position_ids' device, max length). On a CUDA tensor this
-    synchronises (the number of documents sets the output's size): pass the host copy where you can.
-    """
-    rows, seq = position_ids.shape
+def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] bool, True where a document starts: at every row start and wherever a position does not follow its
+    predecessor by one (packed conversations restart at 0; so do the pad slots at the end of a row, which then form
+    their own document). No host read."""
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    first = starts.flatten().nonzero().squeeze(1)
-    cu_seq_lens = torch.cat([first, first.new_tensor([rows * seq])]).to(torch.int32)
-    return cu_seq_lens, int((cu_seq_lens[1:] - cu_seq_lens[:-1]).max())
+    return starts
 
 
-def document_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict:
-    """The model call's keyword arguments that tell every varlen attention call where the documents are.
-
-    transformers passes the model call's keyword arguments on to every attention function, so the boundaries are
-    computed once per micro-batch, not once per layer: `cu_seq_lens_q/k` (its flash-attention names) and
-    `longest_document`, an empty tensor whose length is the longest document's. Both change from one micro-batch to
-    the next, and under torch.compile (--compile compiles each decoder layer) a changed shape or int is a recompile:
-    so their lengths are marked dynamic from the first call (one graph for every document count), and the longest
-    length travels as a tensor's size, not as an int, which torch.compile would treat as a constant of the graph.
-    """
-    cu_seq_lens, max_length = document_boundaries(position_ids.cpu())
-    if device.type == "cuda":
-        cu_seq_lens = cu_seq_lens.pin_memory().to(device, non_blocking=True)  # pinned: the copy does not block
-    longest_document = torch.empty(max_length, 0, device=device)  # holds no data
-    torch._dynamo.mark_dynamic(cu_seq_lens, 0)
-    torch._dynamo.mark_dynamic(longest_document, 0)
-    return dict(cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, longest_document=longest_document)
-
-
-@functools.cache
-def torch_varlen_takes_gqa() -> bool:
-    """torch's varlen_attn changed its signature between releases: 2.10 has `is_causal`; later releases express
-    causality as `window_size=(-1, 0)` and, later still, take grouped K/V heads with `enable_gqa`."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    return "enable_gqa" in inspect.signature(varlen_attn).parameters
-
-
-def _torch_varlen(q, k, v, cu_seq_lens, max_length, scale):
-    from torch.nn.attention.varlen import varlen_attn
-
-    params = inspect.signature(varlen_attn).parameters
-    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    if "scale" in params:
-        kwargs["scale"] = scale
-    elif scale != q.shape[-1] ** -0.5:
-        raise ValueError(f"this torch's varlen_attn takes no scale, and {scale} is not 1/sqrt(head_dim)")
-    if "enable_gqa" in params:
-        kwargs["enable_gqa"] = True
-    else:
-        # Query head j reads K/V head j // group, the layout repeat_kv makes.
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    return varlen_attn(q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length, **kwargs)
-
-
-def _flash_attn_varlen(q, k, v, cu_seq_lens, max_length, scale):
-    from flash_attn import flash_attn_varlen_func
-
-    return flash_attn_varlen_func(q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length, dropout_p=0.0,
-                                  softmax_scale=scale, causal=True)
-
-
-_flex_cache: dict = {}
-
-
-def _flex(q, k, v, cu_seq_lens, max_length, scale):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    tokens = q.shape[0]
-    # One block mask per micro-batch: every layer receives the same cu_seq_lens tensor, so key on it.
-    key = (id(cu_seq_lens), cu_seq_lens.data_ptr(), tokens)
-    if _flex_cache.get("key") != key:
-        positions = torch.arange(tokens, device=q.device)
-        document = torch.searchsorted(cu_seq_lens[1:].long(), positions, right=True)
-
-        def same_document_causal(batch, head, q_index, kv_index):
-            return (document[q_index] == document[kv_index]) & (q_index >= kv_index)
-
-        _flex_cache.update(key=key, mask=create_block_mask(same_document_causal, None, None, tokens, tokens,
-                                                           device=q.device))
-        if "compiled" not in _flex_cache:
-            # Uncompiled, FlexAttention materialises the scores; compiled, it is a fused kernel.
-            _flex_cache["compiled"] = torch.compile(flex_attention) if q.is_cuda else flex_attention
-    out = _flex_cache["compiled"](q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                                  v.transpose(0, 1).unsqueeze(0), block_mask=_flex_cache["mask"], scale=scale,
-                                  enable_gqa=True)
-    return out.squeeze(0).transpose(0, 1)
-
-
-@torch.compiler.disable  # a loop over the documents read from cu_seq_lens: it runs eagerly inside a compiled layer
-def _reference_varlen(q, k, v, cu_seq_lens, max_length, scale):
-    """SDPA once per document with a plain causal mask: what the fused kernels compute, one document at a time."""
-    bounds = cu_seq_lens.tolist()  # a host sync on a GPU; free on CPU, where this path is meant to run
-    outputs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        q_doc, k_doc, v_doc = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, len, d]
-        out = F.scaled_dot_product_attention(q_doc, k_doc, v_doc, is_causal=True, scale=scale, enable_gqa=True)
-        outputs.append(out.squeeze(0).transpose(0, 1))
-    return torch.cat(outputs)
-
-
-_VARLEN_FUNCTIONS = {"torch": _torch_varlen, "flash_attn": _flash_attn_varlen, "flex": _flex,
-                     "reference": _reference_varlen}
-
-
-def refuse_unpacked(kind: str, attention_mask, dropout: float, sliding_window) -> None:
-    """varlen and flex attend within the documents of packed rows: a padding mask, dropout or a sliding window is a
-    call they do not serve."""
-    if attention_mask is not None:
-        raise ValueError(f"--attn {kind} takes packed rows with restarted position_ids and no padding mask")
-    if dropout or sliding_window:
-        raise ValueError(f"--attn {kind} supports neither attention dropout nor a sliding window")
-
-
-def varlen_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    cu_seq_lens_q: torch.Tensor | None = None,
-    max_length_q: int | None = None,
-    longest_document: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    *,
-    kernel: str,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """An attention function for transformers' AttentionInterface: packed documents through a varlen kernel.
+def packed_documents_attention(kind: str):
+    """Make `attend(query, key, value, scaling, **kwargs)`, attention within the documents of whole packed rows that
+    returns (batch, seq, heads, head_dim), an attention function for transformers' AttentionInterface.
 
     Same contract as transformers' sdpa_attention_forward: query (batch, heads, seq, head_dim), key and value
-    (batch, kv_heads, seq, head_dim); returns ((batch, seq, heads, head_dim), None). The documents come from
-    `cu_seq_lens_q` and `longest_document` (the model call's kwargs, see `document_kwargs`; transformers' own
-    `max_length_q` is taken too); without them, from the `position_ids` every Qwen3 decoder layer passes on (a host
-    sync per layer on a GPU, so the training loops pass the kwargs).
+    (batch, kv_heads, seq, head_dim); returns ((batch, seq, heads, head_dim), None). What varlen and flex share
+    happens here: a padding mask, dropout or a sliding window is refused (a call they do not serve); decoding with a
+    KV cache goes to transformers' SDPA; under autocast, q, k and v get the autocast dtype.
     """
-    refuse_unpacked("varlen", attention_mask, dropout, sliding_window)
-    batch, heads, seq, head_dim = query.shape
-    if key.shape[2] != seq:
-        # Decoding with a KV cache (queries shorter than keys): not a packed row; transformers' SDPA handles it.
-        return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, **kwargs)
-    if cu_seq_lens_q is None:
-        if position_ids is None:
-            raise ValueError("--attn varlen needs cu_seq_lens_q (document_kwargs) or position_ids in the call")
-        cu_seq_lens_q, max_length_q = document_boundaries(position_ids.expand(batch, seq))
-    elif longest_document is not None:
-        max_length_q = longest_document.shape[0]
-    elif max_length_q is None:
-        raise ValueError("--attn varlen needs the longest document's length with cu_seq_lens_q (document_kwargs)")
-    if int(cu_seq_lens_q.shape[0]) < 2:
-        raise ValueError("cu_seq_lens_q must hold at least one document")
-    scale = scaling if scaling is not None else head_dim ** -0.5
-    if torch.is_autocast_enabled(query.device.type):
-        # Autocast casts SDPA's inputs, but not those of a custom kernel, and Qwen3's q_norm/k_norm (fp32 weights)
-        # return fp32 queries and keys next to bf16 values. The fused kernels take one 16-bit dtype: the autocast one.
-        dtype = torch.get_autocast_dtype(query.device.type)
-        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    # [batch, heads, seq, d] -> [tokens, heads, d]. The projections laid q, k, v out as [batch, seq, heads, d] and
-    # transformers transposed them, so transposing back is free and the flattening is a view.
-    q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], head_dim) for t in (query, key, value))
-    out = _VARLEN_FUNCTIONS[kernel](q, k, v, cu_seq_lens_q, max_length_q, scale)
-    return out.view(batch, seq, heads, head_dim), None
 
+    def decorate(attend):
+        @functools.wraps(attend)
+        def attention_function(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                               sliding_window=None, **kwargs):
+            if attention_mask is not None:
+                raise ValueError(f"--attn {kind} takes packed rows with restarted position_ids and no padding mask")
+            if dropout or sliding_window:
+                raise ValueError(f"--attn {kind} supports neither attention dropout nor a sliding window")
+            if key.shape[2] != query.shape[2]:
+                # Decoding with a KV cache (queries shorter than keys): not a packed row; transformers' SDPA handles it.
+                return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, **kwargs)
+            if torch.is_autocast_enabled(query.device.type):
+                # Autocast casts SDPA's inputs, not a custom kernel's: Qwen3's q/k norms return fp32 beside bf16 values.
+                dtype = torch.get_autocast_dtype(query.device.type)
+                query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+            return attend(query, key, value, scaling, **kwargs), None
 
-def register_varlen_attention(kernel: str) -> None:
-    """Make VARLEN a valid attn_implementation running `kernel`. No mask function is registered: transformers then
-    builds no mask (the kernel needs none) and skips its packed-row check, which reads the device (see the module's
-    docstring); a padding mask is refused by the attention function itself."""
-    AttentionInterface.register(VARLEN, functools.partial(varlen_attention_forward, kernel=kernel))
+        return attention_function
+
+    return decorate
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# FlexAttention with a document block mask
+# FlexAttention with a document block mask: --attn flex over rows, and the varlen "flex" kernel through the same code
 
 
 @functools.cache
@@ -447,11 +308,9 @@ def flex_trains_on_cpu() -> bool:
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """[batch, seq] index of each slot's document within its row, by the rule of `document_boundaries`: a document
-    starts at the row's start and wherever a position does not follow its predecessor by one. No host read."""
-    starts = torch.ones_like(position_ids, dtype=torch.int32)
-    starts[:, 1:] = (position_ids[:, 1:] != position_ids[:, :-1] + 1).to(torch.int32)
-    return starts.cumsum(1, dtype=torch.int32) - 1
+    """[batch, seq] index of each slot's document within its row (documents as `document_starts` finds them). No host
+    read."""
+    return document_starts(position_ids).cumsum(1, dtype=torch.int32) - 1
 
 
 def block_mask_of_documents(documents: torch.Tensor):
@@ -479,53 +338,183 @@ def flex_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict:
 _compiled_flex: dict = {}
 
 
-def flex_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    document_block_mask=None,
-    position_ids: torch.Tensor | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """An attention function for transformers' AttentionInterface: FlexAttention over packed rows.
-
-    Same contract as transformers' sdpa_attention_forward. The block mask comes from `document_block_mask` (the
-    model call's kwarg, see `flex_kwargs`); without it, it is built in every layer from the `position_ids` the
-    layers pass on (evaluation and generation, where speed matters less).
-    """
+def _flex_rows(query, key, value, block_mask, scale):
+    """FlexAttention over [batch, heads, seq, d] with grouped K/V heads: [batch, heads, seq, d] out."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    refuse_unpacked("flex", attention_mask, dropout, sliding_window)
-    batch, heads, seq, head_dim = query.shape
-    if key.shape[2] != seq:
-        # Decoding with a KV cache (queries shorter than keys): not a packed row; transformers' SDPA handles it.
-        return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, **kwargs)
-    if document_block_mask is None:
-        if position_ids is None:
-            raise ValueError("--attn flex needs document_block_mask (flex_kwargs) or position_ids in the call")
-        document_block_mask = block_mask_of_documents(document_ids(position_ids.expand(batch, seq)))
-    if torch.is_autocast_enabled(query.device.type):
-        # As for varlen: Qwen3's normed queries and keys are fp32 under autocast, its values bf16; the kernel takes
-        # one dtype, the autocast one.
-        dtype = torch.get_autocast_dtype(query.device.type)
-        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     if query.is_cuda and "cuda" not in _compiled_flex:
         # Uncompiled, FlexAttention materialises the scores; compiled, it is one fused kernel (inside a compiled
         # decoder layer it is compiled with the layer either way).
         _compiled_flex["cuda"] = torch.compile(flex_attention)
     kernel = _compiled_flex["cuda"] if query.is_cuda else flex_attention
-    out = kernel(query, key, value, block_mask=document_block_mask, scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None
+    return kernel(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+
+@packed_documents_attention("flex")
+def flex_attention_forward(query, key, value, scaling=None, document_block_mask=None, position_ids=None, **kwargs):
+    """An attention function for transformers' AttentionInterface: FlexAttention over packed rows, called as
+    transformers' sdpa_attention_forward is (see `packed_documents_attention`).
+
+    The block mask comes from `document_block_mask` (the model call's kwarg, see `flex_kwargs`); without it, it is
+    built in every layer from the `position_ids` the layers pass on (evaluation and generation, where speed matters
+    less).
+    """
+    if document_block_mask is None:
+        if position_ids is None:
+            raise ValueError("--attn flex needs document_block_mask (flex_kwargs) or position_ids in the call")
+        batch, _, seq, _ = query.shape
+        document_block_mask = block_mask_of_documents(document_ids(position_ids.expand(batch, seq)))
+    return _flex_rows(query, key, value, document_block_mask, scaling).transpose(1, 2).contiguous()
 
 
 def register_flex_attention() -> None:
     """Make FLEX a valid attn_implementation; like varlen, without a mask function (see the module's docstring)."""
     AttentionInterface.register(FLEX, flex_attention_forward)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Variable-length attention over packed documents
+
+
+def document_boundaries(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Cumulative document lengths over the flattened [batch x seq] tokens, and the longest document (documents as
+    `document_starts` finds them).
+
+    Returns (cu_seq_lens int32 [n_documents + 1] on position_ids' device, max length). On a CUDA tensor this
+    synchronises (the number of documents sets the output's size): pass the host copy where you can.
+    """
+    rows, seq = position_ids.shape
+    first = document_starts(position_ids).flatten().nonzero().squeeze(1)
+    cu_seq_lens = torch.cat([first, first.new_tensor([rows * seq])]).to(torch.int32)
+    return cu_seq_lens, int((cu_seq_lens[1:] - cu_seq_lens[:-1]).max())
+
+def document_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict:
+    """The model call's keyword arguments that tell every varlen attention call where the documents are.
+
+    transformers passes the model call's keyword arguments on to every attention function, so the boundaries are
+    computed once per micro-batch, not once per layer: `cu_seq_lens_q/k` (its flash-attention names) and
+    `longest_document`, an empty tensor whose length is the longest document's. Both change from one micro-batch to
+    the next, and under torch.compile (--compile compiles each decoder layer) a changed shape or int is a recompile:
+    so their lengths are marked dynamic from the first call (one graph for every document count), and the longest
+    length travels as a tensor's size, not as an int, which torch.compile would treat as a constant of the graph.
+    """
+    cu_seq_lens, max_length = document_boundaries(position_ids.cpu())
+    if device.type == "cuda":
+        cu_seq_lens = cu_seq_lens.pin_memory().to(device, non_blocking=True)  # pinned: the copy does not block
+    longest_document = torch.empty(max_length, 0, device=device)  # holds no data
+    torch._dynamo.mark_dynamic(cu_seq_lens, 0)
+    torch._dynamo.mark_dynamic(longest_document, 0)
+    return dict(cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, longest_document=longest_document)
+
+
+_PARAMETERS: dict = {}  # function -> the names of its parameters
+
+
+def _parameters(function) -> frozenset[str]:
+    """The names of `function`'s parameters, read by inspect.signature once, not in every layer's call."""
+    if function not in _PARAMETERS:
+        _PARAMETERS[function] = frozenset(inspect.signature(function).parameters)
+    return _PARAMETERS[function]
+
+
+def torch_varlen_takes_gqa() -> bool:
+    """torch's varlen_attn changed its signature between releases: 2.10 has `is_causal`; later releases express
+    causality as `window_size=(-1, 0)` and, later still, take grouped K/V heads with `enable_gqa`."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in _parameters(varlen_attn)
+
+
+def _torch_varlen(q, k, v, cu_seq_lens, max_length, scale):
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = _parameters(varlen_attn)
+    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif scale != q.shape[-1] ** -0.5:
+        raise ValueError(f"this torch's varlen_attn takes no scale, and {scale} is not 1/sqrt(head_dim)")
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    else:
+        # Query head j reads K/V head j // group, the layout repeat_kv makes.
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    return varlen_attn(q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length, **kwargs)
+
+
+def _flash_attn_varlen(q, k, v, cu_seq_lens, max_length, scale):
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length, dropout_p=0.0,
+                                  softmax_scale=scale, causal=True)
+
+
+_flex_varlen_mask: dict = {}  # the block mask of the last cu_seq_lens seen, with its key
+
+
+def _flex_varlen(q, k, v, cu_seq_lens, max_length, scale):
+    """The flattened tokens as one row of documents, through --attn flex's block mask and kernel."""
+    tokens = q.shape[0]
+    # One block mask per micro-batch: every layer receives the same cu_seq_lens tensor, so key on it.
+    cache_key = (id(cu_seq_lens), cu_seq_lens.data_ptr(), tokens)
+    if _flex_varlen_mask.get("key") != cache_key:
+        document = torch.searchsorted(cu_seq_lens[1:].long(), torch.arange(tokens, device=q.device), right=True)
+        _flex_varlen_mask.update(key=cache_key, mask=block_mask_of_documents(document.unsqueeze(0)))
+    row = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]  # [tokens, heads, d] -> [1, heads, tokens, d]
+    return _flex_rows(*row, _flex_varlen_mask["mask"], scale).squeeze(0).transpose(0, 1)
+
+
+@torch.compiler.disable  # a loop over the documents read from cu_seq_lens: it runs eagerly inside a compiled layer
+def _reference_varlen(q, k, v, cu_seq_lens, max_length, scale):
+    """SDPA once per document with a plain causal mask: what the fused kernels compute, one document at a time."""
+    bounds = cu_seq_lens.tolist()  # a host sync on a GPU; free on CPU, where this path is meant to run
+    outputs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        q_doc, k_doc, v_doc = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, len, d]
+        out = F.scaled_dot_product_attention(q_doc, k_doc, v_doc, is_causal=True, scale=scale, enable_gqa=True)
+        outputs.append(out.squeeze(0).transpose(0, 1))
+    return torch.cat(outputs)
+
+
+_VARLEN_FUNCTIONS = {"torch": _torch_varlen, "flash_attn": _flash_attn_varlen, "flex": _flex_varlen,
+                     "reference": _reference_varlen}
+
+
+@packed_documents_attention("varlen")
+def varlen_attention_forward(query, key, value, scaling=None, cu_seq_lens_q=None, max_length_q=None,
+                             longest_document=None, position_ids=None, *, kernel: str, **kwargs) -> torch.Tensor:
+    """An attention function for transformers' AttentionInterface: packed documents through a varlen kernel, called
+    as transformers' sdpa_attention_forward is (see `packed_documents_attention`).
+
+    The documents come from `cu_seq_lens_q` and `longest_document` (the model call's kwargs, see `document_kwargs`;
+    transformers' own `max_length_q` is taken too); without them, from the `position_ids` every Qwen3 decoder layer
+    passes on (a host sync per layer on a GPU, so the training loops pass the kwargs).
+    """
+    batch, heads, seq, head_dim = query.shape
+    if cu_seq_lens_q is None:
+        if position_ids is None:
+            raise ValueError("--attn varlen needs cu_seq_lens_q (document_kwargs) or position_ids in the call")
+        cu_seq_lens_q, max_length_q = document_boundaries(position_ids.expand(batch, seq))
+    elif longest_document is not None:
+        max_length_q = longest_document.shape[0]
+    elif max_length_q is None:
+        raise ValueError("--attn varlen needs the longest document's length with cu_seq_lens_q (document_kwargs)")
+    if int(cu_seq_lens_q.shape[0]) < 2:
+        raise ValueError("cu_seq_lens_q must hold at least one document")
+    scale = scaling if scaling is not None else head_dim ** -0.5
+    # [batch, heads, seq, d] -> [tokens, heads, d]. The projections laid q, k, v out as [batch, seq, heads, d] and
+    # transformers transposed them, so transposing back is free and the flattening is a view.
+    q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], head_dim) for t in (query, key, value))
+    out = _VARLEN_FUNCTIONS[kernel](q, k, v, cu_seq_lens_q, max_length_q, scale)
+    return out.view(batch, seq, heads, head_dim)
+
+
+def register_varlen_attention(kernel: str) -> None:
+    """Make VARLEN a valid attn_implementation running `kernel`. No mask function is registered: transformers then
+    builds no mask (the kernel needs none) and skips its packed-row check, which reads the device (see the module's
+    docstring); a padding mask is refused by the attention function itself."""
+    AttentionInterface.register(VARLEN, functools.partial(varlen_attention_forward, kernel=kernel))
 
 
 def sdpa_math_expanded_kv_forward(

@@ -386,6 +386,27 @@ def test_varlen_and_flex_register_no_mask_function(packed_rows):
             function(None, q, q, q, torch.ones(1, 1, 24, 24, dtype=torch.bool))
 
 
+@pytest.mark.usefixtures("restore_sdp_switches")
+def test_varlen_and_flex_hand_decoding_with_a_kv_cache_to_sdpa():
+    """A query shorter than the keys (decoding with a KV cache) is not a packed row: both attention functions return
+    what transformers' SDPA returns for it, whatever document kwargs the model call carried."""
+    apply_attention_choice(choose_attention(CPU, "varlen"))
+    generator = torch.Generator().manual_seed(4)
+    query = torch.randn(1, 4, 1, 16, generator=generator)
+    key, value = (torch.randn(1, 2, 9, 16, generator=generator) for _ in range(2))
+    module = SimpleNamespace(num_key_value_groups=2, is_causal=True)
+    expected, _ = transformers.integrations.sdpa_attention.sdpa_attention_forward(module, query, key, value, None,
+                                                                                 scaling=0.3)
+    document_kwargs = dict(cu_seq_lens_q=torch.tensor([0, 1], dtype=torch.int32), position_ids=torch.tensor([[8]]))
+    for function in (attention.flex_attention_forward,
+                     transformers.AttentionInterface._global_mapping[attention.VARLEN]):
+        out, weights = function(module, query, key, value, None, scaling=0.3, **document_kwargs)
+        assert weights is None
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    # The check has teeth: the query taken as a one-token document would read only the newest key's value.
+    assert (expected - value[:, :, -1:].repeat_interleave(2, dim=1).transpose(1, 2)).abs().max() > 1e-3
+
+
 def qkv_of_packed_rows(heads=4, kv_heads=2, head_dim=16):
     """[tokens, heads, d] queries and [tokens, kv_heads, d] keys/values of two rows of three documents."""
     generator = torch.Generator().manual_seed(3)
@@ -409,7 +430,8 @@ def test_flex_kernel_forward_equals_the_masked_reference():
     # FlexAttention has no CPU backward: its forward is checked here, its backward on a GPU by the GPU suite.
     q, k, v, cu_seq_lens, longest = qkv_of_packed_rows()
     expected = masked_reference(q, k, v, cu_seq_lens, 0.3)
-    torch.testing.assert_close(attention._flex(q, k, v, cu_seq_lens, longest, 0.3), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(attention._flex_varlen(q, k, v, cu_seq_lens, longest, 0.3), expected, rtol=1e-5,
+                               atol=1e-6)
     torch.testing.assert_close(attention._reference_varlen(q, k, v, cu_seq_lens, longest, 0.3), expected,
                                rtol=1e-5, atol=1e-6)
 
@@ -446,7 +468,6 @@ def test_torch_varlen_adapter_follows_each_signature(monkeypatch, version):
 
     calls = []
     monkeypatch.setattr(varlen_module, "varlen_attn", fake_varlen_attn(calls)[version])
-    attention.torch_varlen_takes_gqa.cache_clear()
     q, k, v, cu_seq_lens, longest = qkv_of_packed_rows()
     scale = 16 ** -0.5 if version == "2.10" else 0.3  # 2.10 takes no scale: only the default one is accepted
     torch.testing.assert_close(attention._torch_varlen(q, k, v, cu_seq_lens, longest, scale),
@@ -460,7 +481,23 @@ def test_torch_varlen_adapter_follows_each_signature(monkeypatch, version):
     if version == "2.10":
         with pytest.raises(ValueError, match="takes no scale"):
             attention._torch_varlen(q, k, v, cu_seq_lens, longest, 0.3)
-    attention.torch_varlen_takes_gqa.cache_clear()
+
+
+def test_torch_varlen_reads_its_signature_once(monkeypatch):
+    """The adapter inspects varlen_attn's signature on its first call, not in every layer's call."""
+    import inspect
+
+    import torch.nn.attention.varlen as varlen_module
+
+    monkeypatch.setattr(varlen_module, "varlen_attn", fake_varlen_attn([])["later"])
+    reads = []
+    signature = inspect.signature
+    monkeypatch.setattr(inspect, "signature", lambda function: reads.append(function) or signature(function))
+    q, k, v, cu_seq_lens, longest = qkv_of_packed_rows()
+    for _ in range(3):
+        attention._torch_varlen(q, k, v, cu_seq_lens, longest, 0.3)
+    assert attention.torch_varlen_takes_gqa()
+    assert reads == [varlen_module.varlen_attn]
 
 
 @pytest.mark.usefixtures("restore_sdp_switches")
