@@ -689,7 +689,7 @@ def steps_until_settled(step_ms: list[float], factor: float = 1.5) -> int | None
 
 
 class Stopwatch:
-    """perf_counter with a device synchronisation before each reading, so GPU work is counted where it runs."""
+    """perf_counter with a device synchronisation before each reading (the scripts not yet on Recorder)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -702,6 +702,135 @@ class Stopwatch:
     def elapsed_ms(self) -> float:
         synchronize(self.device)
         return (time.perf_counter() - self.start) * 1000.0
+
+
+class StepClock:
+    """One optimizer step's time. On a GPU two CUDA events bracket the step on the device's queue, so reading the clock
+    costs no synchronisation of its own: `stop()` goes before the step's one host read, and once that read has
+    returned, the end event has completed too. On a CPU, perf_counter."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.begin = self.end = None
+        self.started = self.stopped = 0.0
+
+    def start(self) -> None:
+        if self.cuda:
+            self.begin = torch.cuda.Event(enable_timing=True)
+            self.begin.record()
+        else:
+            self.started = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.end = torch.cuda.Event(enable_timing=True)
+            self.end.record()
+        else:
+            self.stopped = time.perf_counter()
+
+    def elapsed_ms(self) -> float:
+        if self.cuda:
+            self.end.synchronize()  # done already when the step's host read came after stop(): no wait
+            return self.begin.elapsed_time(self.end)
+        return (self.stopped - self.started) * 1000.0
+
+
+class Recorder:
+    """A run's measurement behind one object, the same in every experiment:
+
+        rec = Recorder(EXPERIMENT, config, device, model.config, data, rows_per_step, world_size=..., rank=...)
+        for step in range(start_step, config.steps):
+            rec.start(step)                     # GC schedule, comm profiler window, the clock
+            ...forward, backward...
+            rec.state(step, model.parameters(), optimizer)   # model-state bytes, once, before the update
+            ...optimizer step...
+            rec.stop()                          # before the step's one host read
+            loss, grad_norm = torch.stack([...]).tolist()
+            rec.step(step, loss, lr, grad_norm)  # the step line, metrics.jsonl, TensorBoard
+        summary = rec.finish(eval_loss=..., attention=asdict(attention), **what_this_strategy_measured)
+
+    It owns the step clock (CUDA events), the collective timer (comm_ms from torch.profiler over a window of steps),
+    the garbage-collection schedule (common/step.py), the model-state bytes and summary.json's common fields.
+    `rows_per_step` is the whole step's packed rows, all ranks: tokens, loss tokens and the FLOPs' documents come
+    from `data`."""
+
+    def __init__(self, experiment: str, config, device: torch.device, model_config, data, rows_per_step: int, *,
+                 world_size: int = 1, rank: int = 0, steps_per_epoch: float | None = None, start_step: int = 0,
+                 script_dir: Path | None = None, n_parameters: int | None = None,
+                 n_trainable: int | None = None, flops_per_token: float | None = None):
+        from common.step import GarbageCollection
+
+        self.experiment, self.config, self.device, self.data = experiment, config, device, data
+        self.rows_per_step, self.world_size, self.script_dir = rows_per_step, world_size, script_dir
+        self.model = dict(name=config.model, parameters=n_parameters, trainable_parameters=n_trainable,
+                          flops_per_token=flops_per_token)
+        self.metrics = MetricsLogger(
+            out_dir=config.out_dir, total_steps=config.steps,
+            warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)), model_config=model_config,
+            lora_rank=config.lora_rank, device=device, world_size=world_size, is_main=rank == 0,
+            report_to=config.report_to, log_every=config.log_every, steps_per_epoch=steps_per_epoch)
+        self.comm = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
+        self.clock = StepClock(device)
+        # Model-state bytes are counted once, on the second step, after its backward and before its update: the
+        # gradients exist, and so does the optimizer state, created by the first update.
+        self.state_step = min(start_step + 1, config.steps - 1)
+        self.measured_state = None
+        # From here on Python's garbage collector runs on a schedule, between steps, never inside one.
+        self.collector = GarbageCollection()
+
+    @property
+    def records(self) -> list[dict]:
+        return self.metrics.records
+
+    def start(self, step: int) -> None:
+        self.collector.step(step)  # every few steps, a young-generation collection: before the clock starts
+        self.comm.start(step)
+        self.clock.start()
+
+    def state(self, step: int, parameters, optimizer=None, master=()) -> None:
+        """On the state step: the bytes of every weight, gradient and optimizer tensor this rank holds."""
+        if step == self.state_step:
+            self.measured_state = state_bytes(parameters, optimizer, master)
+
+    def stop(self) -> None:
+        self.clock.stop()
+
+    def step(self, step: int, loss: float, lr: float, grad_norm: float, extra: dict | None = None) -> dict:
+        """After the step's host read: the record of optimizer step `step` (0-based), its line printed on rank 0."""
+        step_ms = self.clock.elapsed_ms()
+        comm_ms = self.comm.stop(step)
+        rows = self.rows_per_step
+        return self.metrics.log_step(step + 1, loss, lr, grad_norm, self.data.step_real_tokens(step, rows),
+                                     self.data.step_loss_tokens(step, rows), step_ms, comm_ms, print_fn=print0,
+                                     extra=extra, documents=self.data.step_documents(step, rows))
+
+    def eval(self, step: int, loss: float | None) -> None:
+        self.metrics.log_eval(step, loss)
+
+    def finish(self, **fields) -> dict:
+        """summary.json: the run's identity (experiment, command, commit, config, hardware, model, data), the averages
+        over the measured steps, the state bytes of every rank, and `fields`, what this strategy measured. Every
+        rank calls it (the state bytes are gathered); rank 0 writes and prints."""
+        from dataclasses import asdict
+
+        from common.dist import all_ranks
+
+        self.collector.close()
+        stats = self.data.stats
+        measured = self.measured_state
+        gathered = all_ranks(measured)
+        summary = self.metrics.write_summary(
+            comm_timer=self.comm, experiment=self.experiment, command=launch_command(),
+            commit=git_commit(self.script_dir) if self.script_dir else None, config=asdict(self.config),
+            hardware=hardware_info(self.device, world_size=self.world_size), model=self.model,
+            t_eff=self.rows_per_step * self.config.seq_len,
+            state_bytes_per_rank=None if measured is None else gathered,
+            state_bytes_step=None if measured is None else self.state_step + 1,  # 1-based, as in metrics.jsonl
+            packing_efficiency=stats["packing_efficiency"], n_conversations=stats["n_conversations"],
+            n_truncated=stats["n_truncated"], data=stats, garbage_collection=self.collector.summary(), **fields)
+        print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
+               f"excluded; memory: {summary['memory_measure']}) -> {self.config.out_dir}\n{summary_table(summary)}")
+        return summary
 
 
 def runs_table(summaries: list[dict]) -> str:

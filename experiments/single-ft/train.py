@@ -31,16 +31,15 @@ import torch  # noqa: E402
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import DataError, build_data, describe, evaluate, sample_text, to_device, token_loss_sum
-from common.dist import all_ranks, init_distributed, print0, teardown
+from common.dist import init_distributed, print0, teardown
 from common.generate import generate, sample_prompt
 from common.loss import fused_linear_cross_entropy
 from common.memory import attention_kind, estimate
-from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
-    state_bytes, summary_table
+from common.metrics import MetricsLogger, Recorder
 from common.models import TINY_PRESETS, add_lora, count_parameters, flops_per_token, is_moe, is_preset, load_model, \
     load_model_4bit, load_tokenizer, qlora_unavailable, record_adapter_base, resolve_model_name, weights_dtype
 from common.moe import RouterStats, load_summary, split_load
-from common.step import GarbageCollection, clip_grad_norm
+from common.step import clip_grad_norm
 
 EXPERIMENT = "single-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -203,35 +202,24 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Training loop
-    metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
-                            warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
-                            model_config=model.config, lora_rank=config.lora_rank, device=device, world_size=1,
-                            is_main=True, report_to=config.report_to,
-                            log_every=config.log_every, steps_per_epoch=plan.steps_per_epoch)
-    comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
-    stopwatch = Stopwatch(device)
     eval_losses = []
     sample_messages = sample_prompt(data)  # --sample-every: the turns before the first held-out answer
     # The step count is the whole data position: step k always consumes the same rows.
     start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
     if config.resume:
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
-    # Model-state bytes are counted once, on the second step, after its backward and before its update: the
-    # gradients exist, and so does AdamW's state, created by the first update.
-    state_step = min(start_step + 1, config.steps - 1)
-    measured_state = None
-    # From here on Python's garbage collector runs on a schedule, between steps, never inside one (common/step.py).
-    collector = GarbageCollection()
+    # Step clock, comm_ms, the step line, metrics.jsonl, summary.json; the garbage collector on a schedule from here.
+    rec = Recorder(EXPERIMENT, config, device, model.config, data, rows_per_step, steps_per_epoch=plan.steps_per_epoch,
+                   start_step=start_step, script_dir=SCRIPT_DIR, n_parameters=n_params, n_trainable=n_trainable,
+                   flops_per_token=model_flops_per_token)
     for step in range(start_step, config.steps):
-        collector.step(step)  # every few steps, a young-generation collection: before the clock starts
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum)
         loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step
         # The same, as a device tensor: the fused loss scales its gradients by it without reading anything back.
         step_scale = torch.full((), 1.0 / max(loss_tokens, 1), device=device)
         lr = scheduler.get_last_lr()[0]
 
-        stopwatch.reset()
-        comm_timer.start(step)
+        rec.start(step)
         # All of the step's micro-batches go to the device up front, from pinned memory on a GPU, so the copies
         # overlap the compute queued before them instead of waiting in the loop.
         batches = [to_device(host_batch, device) for host_batch in micro_batches]
@@ -267,45 +255,36 @@ def main(argv: list[str] | None = None) -> dict:
                 step_aux += aux.detach()
             loss.backward()
             step_loss += loss.detach()
-        if step == state_step:
-            measured_state = state_bytes(model.parameters(), optimizer)  # every weight, its gradient, AdamW's state
+        rec.state(step, model.parameters(), optimizer)  # every weight, its gradient, AdamW's state
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
         # The norm before clipping; the clipping itself rides on fused AdamW's step (GPU), or is done here (CPU).
         grad_norm = clip_grad_norm(optimizer, trainable, max_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        rec.stop()
         # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together.
         # (A mixture of experts adds its aux loss and the expert load to the same read.)
         values = torch.stack([step_loss, grad_norm.float(), step_aux])
         load = moe.take_load() if moe else None
         values = (torch.cat([values, load.flatten()]) if moe else values).tolist()
-        step_loss_value, grad_norm_value, aux_value = values[:3]
-        step_ms = stopwatch.elapsed_ms()
-        comm_ms = comm_timer.stop(step)
-
-        extra = None
-        if moe:
-            extra = dict(aux_loss=aux_value, expert_tokens=split_load(values[3:], load.shape[1]))
-        metrics.log_step(step + 1, step_loss_value, lr, grad_norm_value, data.step_real_tokens(step, rows_per_step),
-                         loss_tokens, step_ms, comm_ms, print_fn=print0, extra=extra,
-                         documents=data.step_documents(step, rows_per_step))
+        extra = dict(aux_loss=values[2], expert_tokens=split_load(values[3:], load.shape[1])) if moe else None
+        rec.step(step, values[0], lr, values[1], extra=extra)
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate(model, data, config.micro_batch_size, device, autocast)))
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
-            metrics.log_eval(*eval_losses[-1])
+            rec.eval(*eval_losses[-1])
         if config.sample_every and (step + 1) % config.sample_every == 0 and sample_messages:
             completion = generate(model, tokenizer, sample_messages, device, autocast=autocast)
             print0(f"sample step {step + 1}: {completion!r}")
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             saved = save_checkpoint(config.out_dir, step + 1, model, optimizer, scheduler, run=plan.identity)
             print0(f"checkpoint: {saved}")
-    collector.close()
 
     # ---------------------------------------------------------------------------------------------------------
     # Evaluation, results, export
     eval_loss = evaluate(model, data, config.micro_batch_size, device, autocast)
-    metrics.log_eval(config.steps, eval_loss)
+    rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
     # common/memory's prediction for this device: its peak next to the measured one (comparable on a GPU, where
@@ -317,24 +296,12 @@ def main(argv: list[str] | None = None) -> dict:
         activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank, qlora=config.qlora,
         precision=config.dtype, attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
         loss_chunk_tokens=config.loss_chunk_tokens, compile=config.compile)
-    summary = metrics.write_summary(
-        comm_timer=comm_timer,  # comm_ms, collective counts and bytes: torch.profiler over the profiled steps
-        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(SCRIPT_DIR), config=asdict(config),
-        hardware=hardware_info(device, world_size=1), attention=asdict(attention),
-        model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
-                   flops_per_token=model_flops_per_token),
-        t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
+    summary = rec.finish(
+        attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
         predicted_peak_mem_gib=None if prediction is None else prediction.total_gib,
-        state_bytes_per_rank=None if measured_state is None else all_ranks(measured_state),
-        state_bytes_step=None if measured_state is None else state_step + 1,  # 1-based, as in metrics.jsonl
         predicted_state_bytes=None if prediction is None else prediction.state_bytes(),
         collective_bytes_formula={},  # one process: no collective (common/comm.py)
-        packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
-        n_truncated=data.stats["n_truncated"], data=data.stats,
-        expert_load=load_summary(metrics.records),  # a mixture of experts: tokens per expert, imbalance
-        garbage_collection=collector.summary())
-    print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
-           f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
+        expert_load=load_summary(rec.records))  # a mixture of experts: tokens per expert, imbalance
 
     if config.save_hf:
         save_dir = Path(config.save_hf)
