@@ -68,8 +68,21 @@ def config_flags(path: str | Path) -> tuple[str, list[Flag]]:
         raise SystemExit(f"{path}: no `class Config` to read the flags from")
     comments = {token.start[0]: token.string.lstrip("#").strip()
                 for token in tokenize.generate_tokens(io.StringIO(source).readline) if token.type == tokenize.COMMENT}
-    flags = [Flag(node.target.id, ast.unparse(node.annotation), ast.literal_eval(node.value),
-                  comments.get(node.lineno, ""))
+    lines = source.splitlines()
+
+    def indent(line: str) -> int:
+        return len(line) - len(line.lstrip())
+
+    def comment(lineno: int) -> str:
+        """The field's comment, and the comment-only lines right below it indented deeper, which continue it (lines
+        stay within 120 characters); a comment-only line at the field's own indent heads the next fields."""
+        parts, field_indent = [comments.get(lineno, "")], indent(lines[lineno - 1])
+        while lineno < len(lines) and lines[lineno].lstrip().startswith("#") and indent(lines[lineno]) > field_indent:
+            lineno += 1
+            parts.append(comments[lineno])
+        return " ".join(part for part in parts if part)
+
+    flags = [Flag(node.target.id, ast.unparse(node.annotation), ast.literal_eval(node.value), comment(node.lineno))
              for node in config.body if isinstance(node, ast.AnnAssign) and node.value is not None]
     return ast.get_docstring(tree) or "", flags
 

@@ -1,8 +1,9 @@
 """Step timing, communication time, tokens/s, peak memory and MFU; the step line; metrics.jsonl and summary.json.
 
 Definitions (the same in every experiment):
-- step_ms: wall time of one optimizer step (forward, backward, communication, optimizer), excluding data loading,
-  with the device synchronised before the clock is read.
+- step_ms: wall time of one optimizer step (forward, backward, communication, optimizer), excluding data loading:
+  on a GPU two CUDA events around the step (StepClock), read after the step's one host read, with no synchronisation
+  of their own; on a CPU, perf_counter.
 - comm_ms: time inside collectives per step, from torch.profiler over a window of steps: NCCL/RCCL kernels on
   the GPU timeline, gloo's own events on CPU. Overlapping intervals are merged, so a collective that runs while
   the GPU also computes is counted once. Profiling slows the steps it covers, so those steps are left out of the

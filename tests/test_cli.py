@@ -87,7 +87,7 @@ def test_help_lists_every_flag_with_its_meaning_and_default_without_torch():
     assert text.startswith("usage: single-ft/train.py [--flag VALUE ...] single-ft: fine-tune a Qwen3 decoder")
     assert "--steps INT optimizer steps (0 = only evaluate / export);" in text and "(default: 300)" in text
     assert "--packing [BOOL] pack conversations into rows" in text and "--no-packing turn --packing off" in text
-    assert "--dtype {bf16,fp32} bf16: bf16 compute with fp32 master weights" in text
+    assert "--dtype {bf16,fp32} bf16: bf16 compute, fp32 master weights" in text
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
@@ -400,3 +400,19 @@ def test_epochs_set_the_steps_and_the_lines_say_the_epoch(single_ft, small_data,
     printed = [int(m.group(1)) for m in re.finditer(r"^step (\d+)/\d+ \| epoch \d\.\d\d \|", out, re.M)]
     assert printed == sorted({1, *range(3, steps + 1, 3), steps})
     assert "a line every 3 steps (--log-every); metrics.jsonl has every step" in out
+
+
+def test_a_field_comment_continues_on_deeper_indented_comment_lines(tmp_path):
+    """Config comments wrap to stay within 120 characters: comment-only lines indented deeper than the field continue
+    its help text; one at the field's own indent heads the fields after it and belongs to none."""
+    from common.cli import config_flags
+
+    script = tmp_path / "train.py"
+    script.write_text('"""doc"""\n\n\nclass Config:\n'
+                      '    steps: int = 3  # optimizer steps,\n'
+                      '        # counted from 1\n'
+                      '    # Pipeline\n'
+                      '    stages: int = 2  # pipeline stages\n')
+    _, flags = config_flags(script)
+    assert [(flag.name, flag.comment) for flag in flags] == [
+        ("steps", "optimizer steps, counted from 1"), ("stages", "pipeline stages")]

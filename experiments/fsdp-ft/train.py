@@ -61,51 +61,59 @@ SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from 
 
 @dataclass
 class Config:
-    model: str = "auto"  # preset (qwen3-tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b), hub id or local folder; auto: Qwen/Qwen3-0.6B-Base on GPU, qwen3-tiny on CPU
-    data: str = "assets/data/sft_en.jsonl"  # JSONL file or folder, .json/.parquet/.csv/.arrow file, save_to_disk folder, or hub id (org/name); a relative path not found here is looked up in the repository (or the installed package)
+    model: str = "auto"  # preset (README), hub id or folder; auto: Qwen/Qwen3-0.6B-Base on GPU, qwen3-tiny on CPU
+    data: str = "assets/data/sft_en.jsonl"  # JSONL/JSON/parquet/CSV/arrow file or folder, save_to_disk folder or hub id
     data_split: str = "train"  # with a hub id or a saved DatasetDict: the split to train on
     data_config: str | None = None  # with a hub id: the dataset's configuration (subset)
     data_columns: str | None = None  # your column names for the expected ones, e.g. prompt=question,completion=answer
-    train_empty_think: bool = False  # also train the empty <think></think> block Qwen3's template puts before an answer without reasoning
+    train_empty_think: bool = False  # also train the empty <think></think> block Qwen3 puts before a plain answer
     show_sample: bool = False  # before training, print the first conversation with the text that carries loss marked
     seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny, 1024 otherwise
     micro_batch_size: int = 1  # rows per forward pass, per rank
     grad_accum: int = 1  # micro-batches per optimizer step, per rank
-    steps: int = 300  # optimizer steps (0 = only evaluate / export); 300 is sized for a CPU run of qwen3-tiny (a minute or two on 2 cores)
-    epochs: float | None = None  # instead of --steps: passes over the training rows (e.g. 2, 0.5); the steps are rounded up
-    lr: float | None = None  # peak learning rate; default 1e-3 for presets (random init), 2e-5 for pretrained models (1e-4 with LoRA)
+    steps: int = 300  # optimizer steps (0 = only evaluate / export); 300: a minute or two of qwen3-tiny on 2 CPU cores
+    epochs: float | None = None  # instead of --steps: passes over the training rows (e.g. 2, 0.5), rounded up to steps
+    lr: float | None = None  # peak learning rate; default 1e-3 for presets, 2e-5 for pretrained models (1e-4 with LoRA)
     warmup_steps: int = 10  # linear warm-up steps, then cosine decay to 0 at the last step
     weight_decay: float = 0.01  # AdamW decoupled weight decay on matrices (not on norms)
     max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = no clipping; the norm is still logged)
     seed: int = 0  # one seed for init, data order and held-out split
-    dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 compute with fp32 master weights and AdamW state (a frozen LoRA base in bf16); default bf16 on GPU, fp32 on CPU
-    activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of storing its activations
-    loss_chunk_tokens: int = 0  # 0 = plain loss over the full logits; N = LM head + cross-entropy on loss tokens only, N at a time, never holding the [tokens x vocab] logits (common/loss.py); meant for GPUs and a 152k vocabulary, e.g. 1024 (untuned)
+    dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 compute, fp32 master weights (GPU default); fp32 (CPU)
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of storing activations
+    loss_chunk_tokens: int = 0  # N > 0: the LM head and loss on loss tokens only, N at a time (common/loss.py)
     compile: bool = False  # torch.compile each decoder layer (GPU speed; on CPU it only costs compile time)
     packing: bool = True  # pack conversations into rows (--no-packing: one padded conversation per row)
     lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
     lora_alpha: float | None = None  # LoRA scaling numerator; default 2 x rank
     merge_lora: bool = False  # with --save-hf and LoRA: write the merged full model instead of the adapter
-    attn: Literal["auto", "sdpa", "eager", "flash", "varlen", "flex"] = "auto"  # attention implementation; auto: common/attention.py decides per device (varlen: packed documents without a mask; flex: FlexAttention with a document block mask, GPU)
+    attn: Literal["auto", "sdpa", "eager", "flash", "varlen", "flex"] = "auto"  # attention kernel (common/attention.py)
     eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
     eval_every: int = 0  # also evaluate every N steps (0 = only at the end)
     log_every: int = 1  # print every N-th step line (the first and the last always); metrics.jsonl keeps every step
     sample_every: int = 0  # every N steps print a short greedy completion of a fixed held-out prompt (0 = never)
-    timing_warmup_steps: int = 2  # first steps left out of the averages in summary.json (allocator, caches, compilation)
+    timing_warmup_steps: int = 2  # first steps left out of summary.json's averages (allocator, caches, compilation)
     comm_profile_steps: int = 3  # steps profiled with torch.profiler for comm_ms (starting after the timing warm-up)
     out_dir: str | None = None  # where metrics.jsonl and summary.json go; default runs/fsdp-ft-<UTC time>
     checkpoint_every: int = 0  # write <out-dir>/checkpoints/step-<k>/ every N steps (0 = never)
-    resume: str | None = None  # continue a run: its folder (the newest complete checkpoint), a checkpoints/step-<k> folder, or latest (the newest of runs/<experiment>-*)
-    resume_anyway: bool = False  # with --resume: continue from a checkpoint of another run (other model, data, seq_len, rows per step, seed, LoRA rank or experiment) instead of stopping
+    resume: str | None = None  # a run folder (its newest good checkpoint), a checkpoints/step-<k> folder, or latest
+    resume_anyway: bool = False  # with --resume: continue from another run's checkpoint instead of stopping
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
-    report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: also write the step metrics as TensorBoard scalars to <out-dir>/tensorboard (uv sync --group tensorboard)
-    collective_timeout_s: float = 600.0  # seconds one collective may wait for the other ranks; then the run ends with one line naming the rank that stopped answering (gloo) or NCCL's watchdog report and flight-recorder dump (common/dist.py)
+    report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: the step metrics to <out-dir>/tensorboard too
+    collective_timeout_s: float = 600.0  # a collective waiting longer ends the run and names the lost rank
     qlora: bool = False  # refused here (README: QLoRA); use single-ft or ddp-ft --qlora
-    reshard_after_forward: bool = True  # free each layer's gathered weights after its forward and all-gather them again in backward (--no-reshard-after-forward: keep them until backward: one all-gather per layer less, but the whole gathered model alive at the end of forward)
-    reshard_after_backward: bool = True  # free the gathered weights after each micro-batch's backward (--no-reshard-after-backward, with --no-reshard-after-forward: keep them from the step's first forward to its last backward, so each unit is all-gathered once per optimizer step whatever --grad-accum; the whole gathered model stays alive through the step)
-    cpu_offload: bool = False  # keep the sharded fp32 weights, gradients and AdamW state in CPU memory; the optimizer step runs on the CPU
-    reduce_every_micro_batch: bool = False  # reduce-scatter after every micro-batch: more communication, but no full-size fp32 gradient held per rank between micro-batches
-    replicate_degree: int = 1  # HSDP: R replicas of an FSDP group of world/R ranks (shard inside a node, replicate across nodes); 1 = plain FSDP over all ranks
+    reshard_after_forward: bool = True  # free each layer's gathered weights after its forward and all-gather them again
+        # in backward (--no-reshard-after-forward: keep them until backward: one all-gather per layer less, but the
+        # whole gathered model alive at the end of forward)
+    reshard_after_backward: bool = True  # free the gathered weights after each micro-batch's backward
+        # (--no-reshard-after-backward, with --no-reshard-after-forward: keep them from the step's first forward to its
+        # last backward, so each unit is all-gathered once per optimizer step whatever --grad-accum; the whole gathered
+        # model stays alive through the step)
+    cpu_offload: bool = False  # keep the sharded fp32 weights, gradients and AdamW state in CPU memory; the optimizer
+        # step runs on the CPU
+    reduce_every_micro_batch: bool = False  # reduce-scatter after every micro-batch: more communication, but no
+        # full-size fp32 gradient held per rank between micro-batches
+    replicate_degree: int = 1  # HSDP: R replicas of an FSDP group of world/R ranks (shard inside a node, replicate
+        # across nodes); 1 = plain FSDP over all ranks
 
 
 def resolve(config: Config) -> Config:
