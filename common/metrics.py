@@ -41,7 +41,6 @@ import shlex
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,9 +49,7 @@ import torch
 import torch.distributed as dist
 from transformers import PretrainedConfig
 
-from common.data import build_data
-from common.models import MOE_PRESETS, PRESETS, REPO_ROOT, count_parameters, is_preset, load_tokenizer, model_config, \
-    training_flops
+from common.models import REPO_ROOT, training_flops
 
 from common.dist import print0
 
@@ -832,136 +829,3 @@ class Recorder:
         print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
                f"excluded; memory: {summary['memory_measure']}) -> {self.config.out_dir}\n{summary_table(summary)}")
         return summary
-
-
-def runs_table(summaries: list[dict]) -> str:
-    """One row per run, for comparing runs side by side (micro-batch, GA, checkpointing, dtype, times, memory)."""
-    header = ("| run | micro | GA | ckpt | dtype | step_ms | comm_ms | tok/s | tok/s/device | peak_mem_gib | mfu "
-              "| final_loss | eval_loss |")
-    lines = [header, "|" + "---|" * (header.count("|") - 1)]
-
-    def number(value, fmt):
-        return "-" if value is None else format(value, fmt)
-
-    for summary in summaries:
-        config = summary.get("config", {})
-        lines.append(
-            f"| {summary.get('experiment')} | {config.get('micro_batch_size')} | {config.get('grad_accum')} | "
-            f"{'T' if config.get('activation_checkpointing') else 'F'} | {config.get('dtype')} | "
-            f"{number(summary.get('step_ms'), ',.0f')} | {number(summary.get('comm_ms'), ',.0f')} | "
-            f"{number(summary.get('tokens_per_s'), ',.0f')} | {number(summary.get('tokens_per_s_per_device'), ',.0f')} | "
-            f"{number(summary.get('peak_mem_gib'), '.2f')} | {number(summary.get('mfu'), '.3f')} | "
-            f"{number(summary.get('final_loss'), '.4f')} | {number(summary.get('eval_loss'), '.4f')} |")
-    return "\n".join(lines)
-
-
-def devlog_skeleton(summaries: list[dict]) -> str:
-    """A devlog entry with everything a run recorded; the "what it shows" part is left to be written by hand."""
-    first = summaries[0]
-    hardware, packages = first.get("hardware", {}), first.get("hardware", {}).get("packages", {})
-    device = hardware.get("device_name")
-    if hardware.get("device_kind") == "cpu":
-        device = f"CPU only: {hardware.get('cpu')}, {hardware.get('cpu_cores')} cores"
-    software = [f"torch {hardware.get('torch')}"] + [f"{name} {v}" for name, v in packages.items() if v]
-    if hardware.get("device_kind") == "cuda":
-        software.append(f"CUDA {hardware.get('cuda')}")
-    if hardware.get("hip"):
-        software.append(f"HIP {hardware.get('hip')}")
-    software.append(f"Python {hardware.get('python')}")
-    experiments = sorted({s.get("experiment") for s in summaries})
-    commands = "\n".join(s.get("command", "?") for s in summaries)
-    return (f"# {datetime.now(timezone.utc):%Y-%m-%d} {', '.join(experiments)}\n\n"
-            f"- hardware: {device}; world size {hardware.get('world_size')}\n"
-            f"- software: {', '.join(software)}\n"
-            f"- commit: {first.get('commit')}\n"
-            f"- model: {first.get('model', {}).get('name')}, {first.get('model', {}).get('parameters'):,} parameters; "
-            f"seq_len {first.get('config', {}).get('seq_len')}; warm-up steps excluded from averages: "
-            f"{first.get('warmup_steps_excluded')}; memory: {first.get('memory_measure')}\n\n"
-            f"## Commands\n\n```bash\n{commands}\n```\n\n## Results\n\n{runs_table(summaries)}\n\n"
-            f"## What it shows\n\n(written by hand)\n")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The FLOPs of runs recorded before their steps carried them
-
-_rebuilt_data: dict[tuple, object] = {}  # SFTData by everything that fixes its rows: the runs of a series share one
-
-
-def recount_flops(summary: dict, records: list[dict], root: Path | None = None) -> dict | None:
-    """The FLOPs and MFU of a run whose summary.json predates the per-step count (no `flops_per_token` in it),
-    recounted with common/models.py's training_flops from the documents each step trained on.
-
-    The rows of step k are fixed by the data, seed, seq_len, packing and held-out share, and the rows per step
-    (common/data.py), so they are rebuilt from the run's config and the data in the repository at `root` (where a
-    relative --data is found; this one by default). The rebuilt data must have the run's recorded statistics and give
-    every step the real tokens the run recorded, or ValueError says what differs. A run whose model folder is no
-    longer here (an export of a preset) is rebuilt with the preset of its parameter count, under the same check.
-    Returns None where there is nothing to recount (the run has the count, or ran on a CPU, where MFU is null);
-    else {"summary": flops_per_token, mfu, mfu_recorded, mfu_recount (how), "steps": {flops, mfu} per record}.
-    """
-    hardware, config = summary.get("hardware", {}), summary.get("config", {})
-    if "flops_per_token" in summary or hardware.get("device_kind") not in ("cuda", "rocm"):
-        return None
-    peak = peak_flops_per_device(hardware.get("device_name") or "")
-    recorded = dict(mfu_recorded=summary.get("mfu"))
-    if peak is None:
-        return dict(summary=dict(recorded, flops_per_token=None, mfu=None,
-                                 mfu_recount=f"not recounted: no peak for {hardware.get('device_name')}"),
-                    steps=[dict(flops=None, mfu=None) for _ in records])
-    if "packing" not in config:  # TRL's run in the peer baseline: its rows are TRL's packing, not common/data.py's
-        return dict(summary=dict(recorded, flops_per_token=None, mfu=None,
-                                 mfu_recount="not recounted: common/data.py did not pack its rows"),
-                    steps=[dict(flops=None, mfu=None) for _ in records])
-    name = config["model"]
-    if is_preset(name) or Path(name).exists():
-        source = name
-    else:
-        parameters = summary.get("model", {}).get("parameters")
-        source = next((preset for preset in [*PRESETS, *MOE_PRESETS]
-                       if count_parameters(model_config(preset))["total"] == parameters), None)
-        if source is None:
-            raise ValueError(f"its model {name} is not on this machine and no preset has its {parameters} parameters")
-    data_path = Path(config["data"]) if Path(config["data"]).is_absolute() else (root or REPO_ROOT) / config["data"]
-    key = (source, str(data_path), config["seq_len"], config["packing"], config.get("eval_fraction", 0.05),
-           config["seed"], config.get("data_split", "train"), config.get("data_config"), config.get("data_columns"),
-           config.get("train_empty_think", False))
-    if key not in _rebuilt_data:
-        _rebuilt_data[key] = build_data(data_path, load_tokenizer(source), config["seq_len"], packing=key[3],
-                                        eval_fraction=key[4], seed=key[5], split=key[6], subset=key[7],
-                                        columns=key[8], train_empty_think=key[9])
-    data = _rebuilt_data[key]
-    differ = [f"{field} {value} (run) vs {data.stats[field]} (rebuilt)"
-              for field, value in summary.get("data", {}).items() if data.stats.get(field, value) != value]
-    if differ:
-        raise ValueError(f"the data rebuilt from its config differ from the run's: {'; '.join(differ)}")
-    rows_per_step = summary["t_eff"] // config["seq_len"]
-    flops = training_flops(model_config(source), config.get("lora_rank") or 0)
-    steps = []
-    for record in records:
-        documents = data.step_documents(record["step"] - 1, rows_per_step)
-        if sum(documents) != record["tokens"]:
-            raise ValueError(f"step {record['step']}: the rebuilt rows hold {sum(documents):,} real tokens, the run "
-                             f"recorded {record['tokens']:,}")
-        step_flops = flops.of_documents(documents)
-        steps.append(dict(flops=step_flops, mfu=mfu(record["tokens_per_s"], step_flops / record["tokens"], peak,
-                                                     hardware.get("world_size") or 1)))
-    _, timed = timed_records([{**record, **step} for record, step in zip(records, steps)],
-                             summary.get("warmup_steps_excluded", 0), summary.get("profiled_steps") or [])
-    return dict(summary=dict(recorded, **flops_averages(timed, peak, hardware.get("world_size") or 1),
-                             mfu_recount="recounted from each step's rebuilt documents"), steps=steps)
-
-
-if __name__ == "__main__":
-    # python -m common.metrics runs/a [runs/b ...]   prints a devlog entry skeleton for these runs
-    # python -m common.metrics --table runs/a          prints one run's summary as a markdown table
-    arguments = sys.argv[1:]
-    as_table = arguments[:1] == ["--table"]
-    paths = [Path(p) / "summary.json" if Path(p).is_dir() else Path(p) for p in arguments[as_table:]]
-    loaded = [json.loads(p.read_text()) for p in paths]
-    if as_table:
-        for path, summary in zip(paths, loaded):
-            print(f"### {summary.get('experiment')} ({path})\n\n{summary_table(summary)}\n")
-    elif loaded:
-        print(devlog_skeleton(loaded))
-    else:
-        print(__doc__.splitlines()[0] + "\nusage: python -m common.metrics [--table] RUN_DIR_OR_SUMMARY ...")

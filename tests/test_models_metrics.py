@@ -369,3 +369,21 @@ def test_compilations_are_counted_per_step(tmp_path):
     summary = logger.write_summary(experiment="test")
     assert [record["compiles"] for record in logger.records] == [2, 0, 1]
     assert summary["compiled_frames"] == 3 and summary["recompiles"] == 1
+
+
+def test_every_committed_gpu_run_carries_the_flops_of_its_steps():
+    """MFU is the FLOPs of the work done over the time: every GPU run under devlog/data carries its FLOPs per token
+    (and each step's), recorded by the run or recounted once into its files (`mfu_recount`), so no reader recounts."""
+    import json
+
+    from conftest import REPO_ROOT
+
+    runs = [path.parent for path in (REPO_ROOT / "devlog" / "data").rglob("summary.json")
+            if json.loads(path.read_text())["hardware"]["device_kind"] in ("cuda", "rocm")]
+    assert len(runs) >= 15
+    for run in runs:
+        summary = json.loads((run / "summary.json").read_text())
+        assert "flops_per_token" in summary, run
+        if summary["flops_per_token"] is not None:
+            records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
+            assert all(record["flops"] > record["tokens"] * summary["model"]["parameters"] for record in records), run

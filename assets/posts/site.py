@@ -32,25 +32,6 @@ def tracked_files(root: Path) -> set[str] | None:
     return files | folders
 
 
-def recounted(run: Run, name: str, root: Path) -> Run:
-    """A GPU run recorded before its steps carried their FLOPs holds an MFU of the old count (6 FLOPs per weight under
-    LoRA too, attention over whole rows): the MFU shown is recounted from the documents of each step
-    (common.metrics.recount_flops), the recorded one kept as `mfu_recorded`, and tables with an MFU column say so."""
-    if run.summary.get("mfu") is None or "flops_per_token" in run.summary:
-        return run
-    from common.metrics import recount_flops  # imports torch and transformers: only for such runs
-
-    try:
-        recount = recount_flops(run.summary, run.steps, root)
-    except ValueError as error:
-        raise RegionError(f"run {name}: its MFU cannot be recounted: {error}") from None
-    if recount:
-        run.summary.update(recount["summary"])
-        for record, fields in zip(run.steps, recount["steps"]):
-            record.update(fields)
-    return run
-
-
 class Site:
     """The repository root, which files git tracks (checked only in --check mode), and the runs read so far."""
 
@@ -88,7 +69,12 @@ class Site:
             self.require_tracked(f"{name}/summary.json")
             if (folder / "metrics.jsonl").exists():
                 self.require_tracked(f"{name}/metrics.jsonl")
-            self.loaded[name] = recounted(load_run(folder), name, self.root)
+            run = load_run(folder)
+            if run.summary.get("mfu") is not None and "flops_per_token" not in run.summary:
+                # An MFU of an older count (6 FLOPs per weight under LoRA, attention over whole rows) is not shown.
+                raise RegionError(f"run {name}: its MFU predates the per-step FLOPs (no flops_per_token in its "
+                                  f"summary.json): recount its steps into it before a page quotes it")
+            self.loaded[name] = run
         if self.recording is not None and self.loaded[name] not in self.recording:
             self.recording.append(self.loaded[name])
         return self.loaded[name]

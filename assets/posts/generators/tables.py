@@ -265,7 +265,8 @@ def gen_table(ctx: Context, args: dict, runs: list[Run] | None = None) -> str:
 
 
 def mfu_recount_note(runs: list[Run]) -> str:
-    """What a table's MFU column is for runs whose summary.json predates the per-step FLOPs (see `recounted`)."""
+    """What a table's MFU column is for runs recorded before their steps carried their FLOPs: recounted once into their
+    summary.json and metrics.jsonl (`mfu_recount` says how; `mfu_recorded` keeps the figure of the old count)."""
     how = {run.name: run.summary.get("mfu_recount") for run in runs if run.summary.get("mfu_recount")}
     again = [name for name, text in how.items() if text.startswith("recounted")]
     left = [f"{name} ({text[len('not recounted: '):]})" for name, text in how.items() if name not in again]
@@ -273,8 +274,8 @@ def mfu_recount_note(runs: list[Run]) -> str:
     if again:
         which = "MFU" if len(again) == len(runs) else f"MFU of {', '.join(again)}"
         parts.append(f"{which} recounted from the documents of each step, rebuilt from the run's config and data "
-                     f"(common.metrics.recount_flops: attention per document, 4 FLOPs per frozen weight under LoRA); "
-                     f"summary.json keeps the figure of the count the run was recorded with")
+                     f"(common/models.py's training_flops: attention per document, 4 FLOPs per frozen weight under "
+                     f"LoRA); summary.json keeps the figure of the count the run was recorded with as mfu_recorded")
     if left:
         parts.append(f"no MFU for {', '.join(left)}")
     return ("; ".join(parts) + ".") if parts else ""
