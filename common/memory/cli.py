@@ -219,6 +219,8 @@ def ask(argv: list[str], parser: argparse.ArgumentParser | None = None) -> Asked
             parser.error(f"{flag} must be >= {least}, got {value}")
     if args.gpu_mem_gb is not None and args.gpu_mem_gb <= 0:
         parser.error(f"--gpu-mem-gb must be > 0, got {args.gpu_mem_gb:g}")
+    if args.gpu_mem_gb is not None and args.gpu:
+        parser.error(f"--gpu {args.gpu} and --gpu-mem-gb {args.gpu_mem_gb:g} both give the GPU's memory: give one")
     if args.qlora and (args.dtype == "fp32" or args.precision):
         parser.error("--qlora computes in bf16 (its 4-bit weights are dequantized to bf16): drop --dtype fp32 / "
                      "--precision")

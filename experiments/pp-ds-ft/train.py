@@ -98,8 +98,9 @@ class Config:
     log_every: int = 1  # print every N-th step line (the first and the last always); metrics.jsonl keeps every step
     timing_warmup_steps: int = 2  # first steps left out of the averages in summary.json (allocator, caches, compilation)
     comm_profile_steps: int = 3  # steps profiled with torch.profiler for comm_ms (starting after the timing warm-up)
-    out_dir: str | None = None  # where metrics.jsonl and summary.json go; default runs/pp-ds-ft-<UTC time>
+    out_dir: str | None = None  # where metrics.jsonl and summary.json go; default runs/pp-ds-ft-<UTC time> (with --resume: the resumed run's own folder)
     checkpoint_every: int = 0  # write <out-dir>/checkpoints/step-<k>/ every N steps (0 = never); DeepSpeed's per-layer format
+    keep_checkpoints: int = 3  # keep the newest N checkpoints of the run, deleting older ones after each save (0 = keep all)
     resume: str | None = None  # continue a run: its folder (the newest complete checkpoint), a checkpoints/step-<k> folder, or latest (the newest of runs/<experiment>-*); DeepSpeed's format needs the same stages and world size
     resume_anyway: bool = False  # with --resume: continue from a checkpoint of another run (other model, data, seq_len, rows per step, seed, LoRA rank or experiment) instead of stopping
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
@@ -484,7 +485,7 @@ def main(argv: list[str] | None = None) -> dict:
                             warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
                             model_config=model_config, lora_rank=config.lora_rank, device=device, world_size=world_size,
                             is_main=dist_info.is_main, report_to=config.report_to,
-                            log_every=config.log_every, steps_per_epoch=plan.steps_per_epoch)
+                            log_every=config.log_every, steps_per_epoch=plan.steps_per_epoch, resume=config.resume)
     comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
     stopwatch = Stopwatch(device)
     eval_losses = []
@@ -520,7 +521,9 @@ def main(argv: list[str] | None = None) -> dict:
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             # DeepSpeed's own sharded format (its optimizer objects are opaque to torch.distributed.checkpoint),
             # published atomically by common/checkpoint.py: written to step-<k>.tmp/, renamed once all ranks are done.
-            print0(f"checkpoint: {save_deepspeed_checkpoint(config.out_dir, step + 1, engine, run=plan.identity)}")
+            saved = save_deepspeed_checkpoint(config.out_dir, step + 1, engine, run=plan.identity,
+                                              keep=config.keep_checkpoints)
+            print0(f"checkpoint: {saved}")
 
     # ---------------------------------------------------------------------------------------------------------
     # Evaluation, results, export
