@@ -995,6 +995,8 @@ def test_the_lora_answer_for_4b_on_two_24gb_gpus(capsys):
     (["--model", "qwen3-4b", "--gpu-mem-gb", "2"], "cannot hold even qwen3-4b's weights in 4 bits"),
     (["--model", "qwen3-4b", "--qlora", "--dtype", "fp32"], "--qlora computes in bf16"),
     (["--model", "qwen3-4b", "--gpu-mem-gb", "-3"], "--gpu-mem-gb must be > 0"),
+    (["--model", "qwen3-4b", "--gpu-mem-gb", "80", "--gpu", "RTX-4090"],
+     "--gpu RTX-4090 and --gpu-mem-gb 80 both give the GPU's memory: give one"),
     (["--model", "qwen3-4b", "--gpus", "0"], "--gpus must be >= 1"),
     (["--model", "qwen3-4b", "--seq-len", "0"], "--seq-len must be >= 1"),
     (["--model", "/no/such/folder"], "no folder /no/such/folder"),
