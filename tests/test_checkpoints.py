@@ -37,7 +37,8 @@ def losses(run_dir) -> list[float]:
 @pytest.fixture(scope="module")
 def base_run(tmp_path_factory, small_data):
     run_dir = tmp_path_factory.mktemp("base") / "single-ft-base"
-    single_ft.main(train_args(small_data, "--checkpoint-every", 1, "--keep-checkpoints", 3, "--out-dir", run_dir))
+    single_ft.main(train_args(small_data, "--checkpoint-every", 1, "--keep-checkpoints", 3, "--out-dir", run_dir,
+                              "--report-to", "tensorboard"))
     return run_dir
 
 
@@ -130,11 +131,15 @@ def test_a_resume_continues_its_run_in_place_and_a_finished_run_is_left_alone(ba
     (copy / "metrics.jsonl").write_text("".join((copy / "metrics.jsonl").read_text().splitlines(keepends=True)[:5]))
     monkeypatch.chdir(tmp_path)
     summary = single_ft.main(train_args(small_data, "--checkpoint-every", 1, "--keep-checkpoints", 1,
-                                        "--resume", "runs/single-ft-copy"))
+                                        "--report-to", "tensorboard", "--resume", "runs/single-ft-copy"))
     out = capsys.readouterr().out
     assert "--resume: skipping runs/single-ft-copy/checkpoints/step-5: " in out
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["single-ft-copy"]  # no new run folder
     assert losses(copy) == pytest.approx(losses(base_run), rel=1e-5)  # steps 1-4 kept, 5 and 6 run again
+    # TensorBoard goes on in the same folder: what the killed process logged after step 4 is purged, not doubled.
+    scalars = tensorboard_scalars(copy / "tensorboard")["train/loss"]
+    assert [step for step, _ in scalars] == [1, 2, 3, 4, 5, 6]
+    assert [value for _, value in scalars] == pytest.approx(losses(base_run), rel=1e-5)
     written = json.loads((copy / "summary.json").read_text())
     assert written["final_loss"] == pytest.approx(losses(base_run)[-1], rel=1e-5)
     assert summary["warmup_steps_excluded"] == 4  # 2 in each process; steps 3 and 4 are measured
@@ -149,6 +154,13 @@ def test_a_resume_continues_its_run_in_place_and_a_finished_run_is_left_alone(ba
     assert (copy / "summary.json").read_bytes() == before
     assert ("--resume runs/single-ft-copy/checkpoints/step-6: the run is complete (6 steps, summary.json written); "
             "nothing to train, runs/single-ft-copy left as it is") in capsys.readouterr().out
+
+
+def tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder)).Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
 def test_a_sequence_longer_than_the_model_positions_stops_before_training(small_data, tmp_path):
