@@ -38,7 +38,7 @@ def losses(run_dir) -> list[float]:
 def base_run(tmp_path_factory, small_data):
     run_dir = tmp_path_factory.mktemp("base") / "single-ft-base"
     single_ft.main(train_args(small_data, "--checkpoint-every", 1, "--keep-checkpoints", 3, "--out-dir", run_dir,
-                              "--report-to", "tensorboard"))
+                              "--report-to", "tensorboard", "--save-hf", run_dir / "hf"))
     return run_dir
 
 
@@ -161,6 +161,11 @@ def tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
 
     events = EventAccumulator(str(folder)).Reload()
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_the_exported_weights_have_the_permissions_of_the_rest_of_the_export(base_run):
+    modes = {file.name: file.stat().st_mode & 0o777 for file in (base_run / "hf").iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {modes["config.json"]}, modes  # was 0600 vs 0644
 
 
 def test_a_sequence_longer_than_the_model_positions_stops_before_training(small_data, tmp_path):

@@ -55,7 +55,7 @@ from common.memory import attention_kind, estimate
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     state_bytes, summary_table
 from common.models import TINY_PRESETS, count_parameters, flops_per_token, is_moe, is_preset, load_model, \
-    load_tokenizer, model_config
+    load_tokenizer, model_config, share_export
 from common.moe import RouterStats, load_summary, split_load
 
 EXPERIMENT = "ep-ft"
@@ -498,6 +498,7 @@ def main(argv: list[str] | None = None) -> dict:
             save_dir = Path(config.save_hf)
             model.save_pretrained(save_dir, state_dict=full)
             tokenizer.save_pretrained(save_dir)
+            share_export(save_dir)  # safetensors writes 0600; the export is readable like its config
             print0(f"saved model to {save_dir}")
     teardown()
     if own_group:

@@ -58,7 +58,7 @@ from common.memory import DEEPSPEED_BF16, attention_kind, predict_peak_gib  # no
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     memory_label, peak_memory_gib, summary_table  # noqa: E402
 from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
-    record_adapter_base, resolve_model_name  # noqa: E402
+    record_adapter_base, resolve_model_name, share_export  # noqa: E402
 
 EXPERIMENT = "pp-ds-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -581,6 +581,7 @@ def main(argv: list[str] | None = None) -> dict:
         if config.lora_rank:
             merge_lora_adapters(engine.module)
         save_hf_sharded(Path(config.save_hf), engine, model_config, tokenizer)
+        share_export(config.save_hf)  # safetensors writes 0600; the export is readable like its config
         print0(f"saved model to {config.save_hf} ({config.stages} shard(s), one per stage)")
     engine.destroy()
     teardown()

@@ -65,7 +65,7 @@ from common.memory import PROJECT_BF16, PROJECT_FP32, attention_kind, estimate_s
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     memory_label, peak_memory_gib, state_bytes, summary_table, synchronize
 from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
-    record_adapter_base, resolve_model_name, weights_dtype
+    record_adapter_base, resolve_model_name, share_export, weights_dtype
 
 EXPERIMENT = "pp-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -916,6 +916,7 @@ def main(argv: list[str] | None = None) -> dict:
         if config.lora_rank:
             merge_lora_adapters(module)
         save_hf_sharded(Path(config.save_hf), module, model_config, tokenizer, pp_group, writes=replica == 0)
+        share_export(config.save_hf)  # safetensors writes 0600; the export is readable like its config
         print0(f"saved model to {config.save_hf} ({pp_size} shard(s), one per rank of a pipeline)")
     if own_group:
         dist.destroy_process_group()
