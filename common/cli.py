@@ -293,7 +293,7 @@ def out_of_memory(error: BaseException) -> str:
     them `step` and `config`), so that no script carries code for it."""
     frame_locals = {}
     traceback = error.__traceback__
-    while traceback is not None:
+    while traceback is not None and not frame_locals:  # the outermost main(): the script's
         if traceback.tb_frame.f_code.co_name == "main":
             frame_locals = traceback.tb_frame.f_locals
         traceback = traceback.tb_next
@@ -410,11 +410,18 @@ def plan_run(experiment: str, config, stats: dict, rows_per_step: int, print_fn=
         from common.checkpoint import check_identity, checkpoint_step
 
         check_identity(config.resume, identity, allow=getattr(config, "resume_anyway", False), print_fn=print_fn)
-        if checkpoint_step(config.resume) >= config.steps or _finished(config.out_dir, config.steps):
+        step = checkpoint_step(config.resume)
+        if _finished(config.out_dir, config.steps):
             from common.dist import teardown
 
             print_fn(f"--resume {config.resume}: the run is complete ({config.steps} steps, summary.json written); "
                      f"nothing to train, {config.out_dir} left as it is")
             teardown()
             raise SystemExit(0)
+        if step > config.steps:
+            raise SystemExit(f"--resume {config.resume}: the checkpoint is past the run's end (step {step} of --steps "
+                             f"{config.steps}); give the --steps it was written with")
+        if step == config.steps:
+            print_fn(f"--resume {config.resume}: the checkpoint is of the run's last step: no step to train, the "
+                     f"evaluation and the summary follow")
     return RunPlan(steps=config.steps, steps_per_epoch=steps_per_epoch, identity=identity)

@@ -505,7 +505,10 @@ class MetricsLogger:
         self._frames_compiled = frames_compiled()
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in self.records))
+            # Replaced whole, never truncated in place: the other ranks of a resumed run read it at the same time.
+            fresh = self.out_dir / "metrics.jsonl.tmp"
+            fresh.write_text("".join(json.dumps(record) + "\n" for record in self.records))
+            fresh.replace(self.out_dir / "metrics.jsonl")
 
     def _records_before_resume(self) -> list[dict]:
         """Resuming in the checkpoint's own run folder: its metrics.jsonl up to the checkpoint's step (the steps a

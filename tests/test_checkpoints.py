@@ -155,6 +155,14 @@ def test_a_resume_continues_its_run_in_place_and_a_finished_run_is_left_alone(ba
     assert ("--resume runs/single-ft-copy/checkpoints/step-6: the run is complete (6 steps, summary.json written); "
             "nothing to train, runs/single-ft-copy left as it is") in capsys.readouterr().out
 
+    # Killed after its last checkpoint, before the summary: the resume trains nothing and writes the whole run's summary.
+    (copy / "summary.json").unlink()
+    summary = single_ft.main(train_args(small_data, "--resume", "runs/single-ft-copy"))
+    assert "the checkpoint is of the run's last step: no step to train" in capsys.readouterr().out
+    assert summary["final_loss"] == written["final_loss"] and losses(copy) == pytest.approx(losses(base_run), rel=1e-5)
+    with pytest.raises(SystemExit, match=r"the checkpoint is past the run's end \(step 6 of --steps 5\)"):
+        single_ft.main([*train_args(small_data, "--resume", "runs/single-ft-copy"), "--steps", "5"])
+
 
 def tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
