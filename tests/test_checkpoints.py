@@ -19,10 +19,11 @@ import torch
 from common.checkpoint import checkpoint_problem, find_checkpoint, prune_checkpoints
 from common.cli import run as run_main
 from common.memory.cli import ask
-from conftest import load_experiment
+from conftest import REPO_ROOT, load_experiment
 
 single_ft = load_experiment("single-ft")
 STEPS = 6
+README = REPO_ROOT / "README.md"
 
 
 def train_args(data, *args) -> list[str]:
@@ -174,6 +175,14 @@ def tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
 def test_the_exported_weights_have_the_permissions_of_the_rest_of_the_export(base_run):
     modes = {file.name: file.stat().st_mode & 0o777 for file in (base_run / "hf").iterdir()}
     assert "model.safetensors" in modes and set(modes.values()) == {modes["config.json"]}, modes  # was 0600 vs 0644
+
+
+def test_every_count_beside_the_averages_is_explained_in_the_readme(base_run):
+    results = README.read_text().split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
+    summary = json.loads((base_run / "summary.json").read_text())
+    counts = [key for key in summary if re.search(r"_steps?(_|$)|^predicted_|^profiled_", key)]
+    assert {"measured_steps", "timed_steps", "warmup_steps_observed", "state_bytes_step"} <= set(counts)
+    assert [key for key in counts if f"`{key}`" not in results] == []
 
 
 def test_a_sequence_longer_than_the_model_positions_stops_before_training(small_data, tmp_path):
