@@ -152,7 +152,7 @@ def _read_trainer_state(file: Path) -> dict:
     """The trainer state with weights_only=True: tensors and plain types, never arbitrary pickled objects."""
     try:
         return torch.load(file, weights_only=True)
-    except Exception as error:  # noqa: BLE001  (UnpicklingError names the object weights_only refused)
+    except Exception as error:  # UnpicklingError names the object weights_only refused; damage raises others
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise SystemExit(f"{file}: not readable as tensors and plain types (torch.load weights_only=True: "
                          f"{first}); refusing to unpickle it") from None
@@ -185,7 +185,7 @@ def checkpoint_problem(path: Path) -> str | None:
         return f"{metadata_file} is missing"
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception:  # noqa: BLE001  (a cut-short pickle raises any of several errors)
+    except Exception:  # a cut-short pickle raises any of several errors
         return f"{metadata_file} is damaged (unreadable, {metadata_file.stat().st_size:,} bytes)"
     written: dict[str, int] = {}
     for info in metadata.storage_data.values():
