@@ -11,7 +11,15 @@ A checkpoint is the folder `<out-dir>/checkpoints/step-<k>/` holding:
   that differs in any of them stops and says which (common.cli.plan_run), unless --resume-anyway.
 
 `--resume` takes a step-<k> folder, a run folder (its newest complete checkpoint) or `latest` (the newest complete
-checkpoint of this experiment's runs under ./runs): find_checkpoint.
+checkpoint of this experiment's runs under ./runs): find_checkpoint. A checkpoint is checked before it is loaded
+(checkpoint_problem: every file DCP's metadata names is there and of the size written, run.json and the trainer state
+readable); a run folder or `latest` falls back to the newest checkpoint that passes and says which it skipped and why.
+
+`--keep-checkpoints N` keeps the newest N complete checkpoints of the run: the older ones are deleted once a new one
+is published (never the one this process resumed from).
+
+The trainer state holds tensors and plain types only (the RNG states as tensors), read with weights_only=True: a file
+that needs more (arbitrary pickled objects) is refused, never executed.
 
 Atomicity: everything is written to `step-<k>.tmp/` and renamed to `step-<k>/` by rank 0 only after every rank has
 finished. A crash mid-save leaves a `.tmp` folder that is never read (and is cleared by the next save of that step);
@@ -29,6 +37,7 @@ import json
 import random
 import shutil
 import warnings
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -77,7 +86,11 @@ def _barrier() -> None:
 
 
 def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    """Tensors and plain types only, so that torch.load(weights_only=True) reads it: Python's Mersenne Twister state
+    (version, 625 words, gauss_next) as an int64 tensor of its words."""
+    version, words, gauss_next = random.getstate()
+    state = {"torch": torch.get_rng_state(), "python": torch.tensor(words, dtype=torch.int64),
+             "python_version": version, "python_gauss_next": gauss_next}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -85,7 +98,10 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
+    python = state["python"]
+    if isinstance(python, torch.Tensor):
+        python = (state["python_version"], tuple(python.tolist()), state["python_gauss_next"])
+    random.setstate(python)  # a checkpoint written before the tensor form holds the plain tuple
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -123,23 +139,101 @@ def _step_number(folder: Path) -> int:
     return int(folder.name.removeprefix("step-"))
 
 
-def find_checkpoint(path: str | Path, experiment: str) -> Path:
-    """The step-<k> folder `--resume` names: itself, a run folder's newest complete checkpoint, or with `latest` the
-    newest complete checkpoint of ./runs/<experiment>-*. An unfinished save (step-<k>.tmp) is never taken."""
+def _zip_problem(file: Path) -> str | None:
+    """torch.save writes a zip archive whose index sits at its end: a file cut short has none."""
+    try:
+        with zipfile.ZipFile(file):
+            return None
+    except (zipfile.BadZipFile, OSError):
+        return f"{file} is damaged (not a whole torch.save archive: {file.stat().st_size:,} bytes)"
+
+
+def _read_trainer_state(file: Path) -> dict:
+    """The trainer state with weights_only=True: tensors and plain types, never arbitrary pickled objects."""
+    try:
+        return torch.load(file, weights_only=True)
+    except Exception as error:  # UnpicklingError names the object weights_only refused; damage raises others
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise SystemExit(f"{file}: not readable as tensors and plain types (torch.load weights_only=True: "
+                         f"{first}); refusing to unpickle it") from None
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """What makes a step-<k> folder unusable, naming the file (None when it passes): run.json readable; for DCP
+    every file its .metadata names present and at least as long as written, the trainer state readable as tensors and
+    plain types; for DeepSpeed's format every .pt file a whole archive."""
+    if path.name.endswith(".tmp"):
+        return f"{path} is unfinished (a save was interrupted)"
+    if not path.is_dir():
+        return f"{path} is not a folder"
+    identity = path / IDENTITY_FILE
+    if identity.exists():
+        try:
+            json.loads(identity.read_text())
+        except (ValueError, UnicodeDecodeError):
+            return f"{identity} is not readable JSON ({identity.stat().st_size:,} bytes)"
+    trainer = path / "trainer_state_rank0.pt"
+    if not trainer.exists() and not (path / ".metadata").exists():  # DeepSpeed's own format (zero-ft, pp-ds-ft)
+        files = sorted(path.glob("*.pt"))
+        if not files:
+            return f"{path} holds no checkpoint files (neither DCP's .metadata nor DeepSpeed's *.pt)"
+        return next((problem for file in files if (problem := _zip_problem(file))), None)
+    if not trainer.exists():
+        return f"{trainer} is missing"
+    metadata_file = path / ".metadata"
+    if not metadata_file.exists():
+        return f"{metadata_file} is missing"
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception:  # a cut-short pickle raises any of several errors
+        return f"{metadata_file} is damaged (unreadable, {metadata_file.stat().st_size:,} bytes)"
+    written: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        written[info.relative_path] = max(written.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(written.items()):
+        file = path / name
+        if not file.exists():
+            return f"{file} is missing (named in .metadata)"
+        if file.stat().st_size < size:
+            return f"{file} is cut short: {file.stat().st_size:,} bytes of the {size:,} written"
+    for file in sorted(path.glob("trainer_state_rank*.pt")):
+        if problem := _zip_problem(file):
+            return problem
+    try:
+        _read_trainer_state(trainer)
+    except SystemExit as stop:
+        return str(stop.code)
+    return None
+
+
+def _rank0_print(message: str) -> None:
+    if _rank() == 0:
+        print(message, flush=True)
+
+
+def find_checkpoint(path: str | Path, experiment: str, print_fn=_rank0_print) -> Path:
+    """The step-<k> folder `--resume` names: itself (one line naming the file when it fails checkpoint_problem), a
+    run folder's newest checkpoint that passes, or with `latest` the newest that passes of ./runs/<experiment>-*.
+    An unfinished save (step-<k>.tmp) is never taken; a damaged checkpoint skipped is printed with the reason."""
     if str(path) == "latest":
         runs = sorted(Path("runs").glob(f"{experiment}-*"), key=lambda run: run.stat().st_mtime, reverse=True)
-        found = [checkpoint for run in runs if (checkpoint := _newest(run / "checkpoints")) is not None]
-        if not found:
+        found = _first_sound([step for run in runs for step in _complete(run / "checkpoints")], print_fn)
+        if found is None:
             raise SystemExit(f"--resume latest: no run under {Path('runs').resolve()}/{experiment}-* has a complete "
                              f"checkpoint (--checkpoint-every N writes them); name the run folder instead")
-        return found[0]
+        return found
     path = Path(path)
     if path.name.startswith("step-"):
         _check_resumable(path)
+        if problem := checkpoint_problem(path):
+            raise SystemExit(f"--resume {path}: {problem}")
         return path
     for folder in (path / "checkpoints", path):
-        if folder.is_dir() and (newest := _newest(folder)) is not None:
-            return newest
+        if folder.is_dir() and (candidates := _complete(folder)):
+            if (found := _first_sound(candidates, print_fn)) is not None:
+                return found
+            raise SystemExit(f"--resume {path}: every checkpoint in it is damaged (the newest: "
+                             f"{checkpoint_problem(candidates[0])})")
     if not path.is_dir():
         raise SystemExit(f"--resume {path}: no such folder (a run folder, its checkpoints/step-<k>, or latest)")
     unfinished = sorted(path.glob("**/step-*.tmp"))
@@ -148,9 +242,41 @@ def find_checkpoint(path: str | Path, experiment: str) -> Path:
                         else " (--checkpoint-every N writes them)"))
 
 
-def _newest(folder: Path) -> Path | None:
+def _first_sound(candidates: list[Path], print_fn) -> Path | None:
+    """The first checkpoint that passes checkpoint_problem; each one skipped is printed with its reason."""
+    for candidate in candidates:
+        problem = checkpoint_problem(candidate)
+        if problem is None:
+            return candidate
+        print_fn(f"--resume: skipping {candidate}: {problem}")
+    return None
+
+
+def _complete(folder: Path) -> list[Path]:
+    """The published step-<k> folders under `folder`, newest first."""
     steps = [child for child in folder.glob("step-*") if child.is_dir() and child.name.removeprefix("step-").isdigit()]
-    return max(steps, key=_step_number) if steps else None
+    return sorted(steps, key=_step_number, reverse=True)
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """k of a step-<k> folder: the optimizer steps it holds."""
+    return _step_number(Path(path))
+
+
+_resumed_from: set[Path] = set()  # the checkpoints this process loaded: --keep-checkpoints never deletes them
+
+
+def prune_checkpoints(out_dir: str | Path, keep: int) -> list[Path]:
+    """Delete the oldest published checkpoints of `out_dir` beyond the newest `keep` (0 keeps all), except one this
+    process resumed from; rank 0 only. Returns what was deleted."""
+    if keep <= 0 or _rank() != 0:
+        return []
+    deleted = []
+    for old in _complete(Path(out_dir) / "checkpoints")[keep:]:
+        if old.resolve() not in _resumed_from:
+            shutil.rmtree(old)
+            deleted.append(old)
+    return deleted
 
 
 IDENTITY_FILE = "run.json"
@@ -188,9 +314,10 @@ def _write_identity(folder: Path, run: dict | None) -> None:
         (folder / IDENTITY_FILE).write_text(json.dumps(run, indent=2) + "\n")
 
 
-def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, scheduler, run: dict | None = None) -> Path:
+def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, scheduler, run: dict | None = None,
+                    keep: int = 0) -> Path:
     """Save after optimizer step `step` (1-based count of completed steps); returns the final folder. `run`: the
-    run's identity (common.cli.plan_run), which a resume checks."""
+    run's identity (common.cli.plan_run), which a resume checks; `keep`: --keep-checkpoints (prune_checkpoints)."""
     with _published(out_dir, step) as temporary:
         model_state, optimizer_state, _ = _state_dicts(model, optimizer)
         with _alone_is_expected():
@@ -198,6 +325,7 @@ def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, scheduler,
         _write_identity(temporary, run)
         torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": _rng_state()},
                    temporary / f"trainer_state_rank{_rank()}.pt")
+    prune_checkpoints(out_dir, keep)
     return checkpoint_dir(out_dir, step)
 
 
@@ -205,24 +333,24 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> int:
     """Restore model, optimizer, scheduler and RNG in place from a `step-<k>` folder; returns k."""
     path = Path(path)
     _check_resumable(path)
+    if problem := checkpoint_problem(path):
+        raise SystemExit(f"--resume {path}: {problem}")
     trainer_file = path / f"trainer_state_rank{_rank()}.pt"
     if not trainer_file.exists():
         # Written by fewer ranks (DCP reshards the model and optimizer to any layout): this rank takes rank 0's
         # step, scheduler and RNG state. The step and the schedule are the same on every rank, and no experiment
         # draws random numbers after initialization (step k's rows are fixed by k), so nothing else differs.
         trainer_file = path / "trainer_state_rank0.pt"
-    if not trainer_file.exists():
-        raise SystemExit(f"{path} is not a checkpoint: trainer_state_rank0.pt is missing (expected a step-<k> folder "
-                         f"written by --checkpoint-every)")
     model_state, optimizer_state, options = _state_dicts(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     with _alone_is_expected():
         dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                    options=options)
-    trainer = torch.load(trainer_file, weights_only=False)  # our own file: scheduler dict and RNG tuples
+    trainer = _read_trainer_state(trainer_file)
     scheduler.load_state_dict(trainer["scheduler"])
     _set_rng_state(trainer["rng"])
+    _resumed_from.add(path.resolve())
     return trainer["step"]
 
 
@@ -230,7 +358,7 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> int:
 # get_state_dict does not understand; they save in DeepSpeed's own format, published by the same protocol.
 
 
-def save_deepspeed_checkpoint(out_dir: str | Path, step: int, engine, run: dict | None = None) -> Path:
+def save_deepspeed_checkpoint(out_dir: str | Path, step: int, engine, run: dict | None = None, keep: int = 0) -> Path:
     """engine.save_checkpoint into step-<k>.tmp/, published as step-<k>/; the step rides along as client state."""
     with _published(out_dir, step) as temporary:
         _write_identity(temporary, run)
@@ -238,6 +366,7 @@ def save_deepspeed_checkpoint(out_dir: str | Path, step: int, engine, run: dict 
         # naming the .tmp folder would be wrong after the rename anyway. The step fixes the data position.
         engine.save_checkpoint(str(temporary.parent), tag=temporary.name, client_state={"step": step},
                                save_latest=False)
+    prune_checkpoints(out_dir, keep)
     return checkpoint_dir(out_dir, step)
 
 
@@ -247,8 +376,11 @@ def load_deepspeed_checkpoint(path: str | Path, engine) -> int:
     The optimizer shards only fit the layout that wrote them (ZeRO stage, pipeline stages, number of ranks)."""
     path = Path(path)
     _check_resumable(path)
+    if problem := checkpoint_problem(path):
+        raise SystemExit(f"--resume {path}: {problem}")
     loaded, client_state = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
                                                   load_lr_scheduler_states=True)
     if loaded is None:
         raise SystemExit(f"{path}: DeepSpeed found no checkpoint of this run's layout (stages, number of ranks)")
+    _resumed_from.add(path.resolve())
     return client_state["step"]

@@ -94,6 +94,7 @@ AT_LEAST = {  # field -> smallest allowed value
     "seq_len": 1, "micro_batch_size": 1, "grad_accum": 1, "log_every": 1, "stages": 1, "stages_per_rank": 1,
     "tp_degree": 1, "replicate_degree": 1,
     "steps": 0, "warmup_steps": 0, "lora_rank": 0, "eval_every": 0, "sample_every": 0, "checkpoint_every": 0,
+    "keep_checkpoints": 0,
     "loss_chunk_tokens": 0, "timing_warmup_steps": 0, "comm_profile_steps": 0, "max_grad_norm": 0,
     "weight_decay": 0,
 }
@@ -117,6 +118,9 @@ def _check_values(values: dict, flags: dict[str, Flag]) -> None:
     if "steps" in values and values.get("epochs") is not None:
         raise FlagError("--steps and --epochs both given: the run's length is one or the other")
     lora = values.get("lora_rank") or values.get("qlora")
+    if values.get("lora_alpha") is not None and not lora:
+        raise FlagError(f"--lora-alpha {values['lora_alpha']:g} scales LoRA adapters: it needs --lora-rank N "
+                        f"(without it every parameter trains)")
     if values.get("merge_lora") and not lora:
         raise FlagError("--merge-lora merges LoRA adapters into the model: it needs --lora-rank N")
     if values.get("merge_lora") and not values.get("save_hf") and not values.get("qlora"):  # --qlora: its own refusal
@@ -284,11 +288,47 @@ def stop_early(module_name: str, path: str) -> None:
 
 
 def run(main) -> None:
-    """`if __name__ == "__main__": run(main)`: main(), and a stop reported as one line (report_stop)."""
+    """`if __name__ == "__main__": run(main)`: main(), and a stop reported as one line (report_stop); running out of
+    GPU memory too (out_of_memory)."""
     try:
         main()
     except SystemExit as stop:
         raise SystemExit(report_stop(stop)) from None
+    except Exception as error:
+        if type(error).__name__ != "OutOfMemoryError":
+            raise
+        raise SystemExit(report_stop(SystemExit(out_of_memory(error)))) from None
+
+
+def out_of_memory(error: BaseException) -> str:
+    """One line for torch.OutOfMemoryError: the step, the measured peak, and the common.memory command that prices
+    the run. The step and the config are main()'s own locals, read from the traceback's frames (a train.py names
+    them `step` and `config`), so that no script carries code for it."""
+    frame_locals = {}
+    traceback = error.__traceback__
+    while traceback is not None and not frame_locals:  # the outermost main(): the script's
+        if traceback.tb_frame.f_code.co_name == "main":
+            frame_locals = traceback.tb_frame.f_locals
+        traceback = traceback.tb_next
+    config, step = frame_locals.get("config"), frame_locals.get("step")
+    where = f"at step {step + 1}" if isinstance(step, int) else "before the first step"
+    import torch
+
+    peak, gpu = "", ""
+    if torch.cuda.is_available():
+        total_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        peak = f" (peak {torch.cuda.max_memory_reserved() / 2**30:.1f} GiB reserved of {total_bytes / 2**30:.1f} GiB)"
+        gpu = f" --gpu-mem-gb {total_bytes / 1e9:.0f}"
+    price = "python -m common.memory --model MODEL --seq-len N"
+    if config is not None and hasattr(config, "seq_len"):
+        flags = [f"--model {config.model}", f"--seq-len {config.seq_len}",
+                 f"--micro-batch-size {getattr(config, 'micro_batch_size', 1)}"]
+        flags += [f"--lora-rank {config.lora_rank}"] if getattr(config, "lora_rank", 0) else []
+        flags += ["--activation-checkpointing"] if getattr(config, "activation_checkpointing", False) else []
+        flags += ["--qlora"] if getattr(config, "qlora", False) else []
+        price = f"python -m common.memory {' '.join(flags)} --gpus {os.environ.get('WORLD_SIZE', '1')}{gpu}"
+    return (f"out of GPU memory {where}{peak}: price this run and what fits with `{price}`; a smaller "
+            f"--micro-batch-size, --activation-checkpointing or --lora-rank lowers the peak")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -308,10 +348,18 @@ def find_file(path: str) -> str:
 
 
 def resolve_paths(config, experiment: str) -> None:
-    """--data found (find_file), --out-dir defaulted to runs/<experiment>-<UTC time> under the working directory,
-    --resume turned into the checkpoint folder it names (common.checkpoint.find_checkpoint). Called after the process
-    group exists: every rank takes rank 0's time stamp, so that all of them write into one folder."""
+    """--data found (find_file), --seq-len checked against the model's positions, --resume turned into the checkpoint
+    folder it names (common.checkpoint.find_checkpoint), --out-dir defaulted to that checkpoint's own run folder (a
+    resumed run continues in place) or else to runs/<experiment>-<UTC time> under the working directory. Called after
+    the process group exists: every rank takes rank 0's time stamp, so that all of them write into one folder."""
     config.data = find_file(config.data)
+    check_seq_len(config.model, config.seq_len)
+    if config.resume:
+        from common.checkpoint import find_checkpoint
+
+        config.resume = str(find_checkpoint(config.resume, experiment))
+        if config.out_dir is None and Path(config.resume).parent.name == "checkpoints":
+            config.out_dir = str(Path(config.resume).parent.parent)
     if config.out_dir is None:
         import torch.distributed as dist
 
@@ -319,10 +367,26 @@ def resolve_paths(config, experiment: str) -> None:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(stamp, src=0)
         config.out_dir = str(Path("runs") / f"{experiment}-{stamp[0]}")
-    if config.resume:
-        from common.checkpoint import find_checkpoint
 
-        config.resume = str(find_checkpoint(config.resume, experiment))
+
+def check_seq_len(model: str, seq_len: int) -> None:
+    """A row longer than the model's positions is refused before anything loads (it would train on positions the
+    model never learned, or run out of memory first)."""
+    from common.models import model_config
+
+    positions = getattr(model_config(model), "max_position_embeddings", None)
+    if positions is not None and seq_len > positions:
+        raise SystemExit(f"--seq-len {seq_len:,}: longer than {model}'s {positions:,} positions "
+                         f"(max_position_embeddings); use --seq-len {positions:,} or less")
+
+
+def _finished(out_dir: str, steps: int) -> bool:
+    """The run in `out_dir` wrote its summary after these many steps (a later checkpoint need not exist)."""
+    try:
+        summary = json.loads((Path(out_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return summary.get("config", {}).get("steps") == steps and summary.get("final_loss") is not None
 
 
 @dataclass(frozen=True)
@@ -356,7 +420,21 @@ def plan_run(experiment: str, config, stats: dict, rows_per_step: int, print_fn=
                     data={key: stats[key] for key in ("n_conversations", "n_train_rows", "train_tokens",
                                                       "train_loss_tokens")})
     if config.resume:
-        from common.checkpoint import check_identity
+        from common.checkpoint import check_identity, checkpoint_step
 
         check_identity(config.resume, identity, allow=getattr(config, "resume_anyway", False), print_fn=print_fn)
+        step = checkpoint_step(config.resume)
+        if _finished(config.out_dir, config.steps):
+            from common.dist import teardown
+
+            print_fn(f"--resume {config.resume}: the run is complete ({config.steps} steps, summary.json written); "
+                     f"nothing to train, {config.out_dir} left as it is")
+            teardown()
+            raise SystemExit(0)
+        if step > config.steps:
+            raise SystemExit(f"--resume {config.resume}: the checkpoint is past the run's end (step {step} of --steps "
+                             f"{config.steps}); give the --steps it was written with")
+        if step == config.steps:
+            print_fn(f"--resume {config.resume}: the checkpoint is of the run's last step: no step to train, the "
+                     f"evaluation and the summary follow")
     return RunPlan(steps=config.steps, steps_per_epoch=steps_per_epoch, identity=identity)

@@ -437,10 +437,13 @@ def format_step_line(record: dict, total_steps: int, eta_s: float | None = None)
     return line if eta_s is None else f"{line} | eta {format_duration(eta_s)}"
 
 
-def timed_records(records: list[dict], warmup_steps: int, profiled=()) -> tuple[list[dict], list[dict]]:
+def timed_records(records: list[dict], warmup_steps: int, profiled=(), resumed_at: int = 0
+                  ) -> tuple[list[dict], list[dict]]:
     """(measured, timed): the step records after the warm-up, and those of them not run under the profiler, which
-    slows a step. A run too short to have either keeps what it has."""
-    measured = records[warmup_steps:] or records
+    slows a step. A run too short to have either keeps what it has. A resumed run (`resumed_at`: the records written
+    before the resume) has a warm-up in each process."""
+    segments = [records[:resumed_at], records[resumed_at:]] if resumed_at else [records]
+    measured = [record for segment in segments for record in segment[warmup_steps:]] or records
     timed = [r for r in measured if r["step"] not in set(profiled)] or measured
     return measured, timed
 
@@ -469,16 +472,20 @@ class MetricsLogger:
     report_to: str = "none"  # --report-to: "tensorboard" also writes every step's metrics as TensorBoard scalars
     log_every: int = 1  # --log-every: print every N-th step line (and the first and the last); every step is recorded
     steps_per_epoch: float | None = None  # optimizer steps per pass over the training rows: the records' `epoch`
+    resume: str | None = None  # --resume's step-<k> folder: in its own run folder, that run's first k records go on
 
     def __post_init__(self):
         self.out_dir = Path(self.out_dir)
-        self.records: list[dict] = []
+        self.records: list[dict] = self._records_before_resume()
+        self.resumed_at = len(self.records)  # records of the run before this process (they had their own warm-up)
         self.writer = None
         self.check_report_to(self.report_to)
         if self.report_to == "tensorboard" and self.is_main:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"))
+            # purge_step: TensorBoard drops what an earlier process logged after the checkpoint's step.
+            self.writer = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"),
+                                        purge_step=self.records[-1]["step"] + 1 if self.records else None)
         self.wall_s: list[float] = []  # wall time from one step line to the next (data loading and eval included)
         self._last_line: float | None = None
         self.flops = training_flops(self.model_config, self.lora_rank)
@@ -496,7 +503,20 @@ class MetricsLogger:
         self._frames_compiled = frames_compiled()
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "metrics.jsonl").write_text("")
+            # Replaced whole, never truncated in place: the other ranks of a resumed run read it at the same time.
+            fresh = self.out_dir / "metrics.jsonl.tmp"
+            fresh.write_text("".join(json.dumps(record) + "\n" for record in self.records))
+            fresh.replace(self.out_dir / "metrics.jsonl")
+
+    def _records_before_resume(self) -> list[dict]:
+        """Resuming in the checkpoint's own run folder: its metrics.jsonl up to the checkpoint's step (the steps a
+        killed process ran after it are run again); in another folder, or without --resume, none."""
+        if self.resume is None or Path(self.resume).parent.parent.resolve() != self.out_dir.resolve():
+            return []
+        step = int(Path(self.resume).name.removeprefix("step-"))
+        file = self.out_dir / "metrics.jsonl"
+        lines = file.read_text().splitlines() if file.exists() else []
+        return [record for line in lines if line.strip() and (record := json.loads(line))["step"] <= step]
 
     def _time_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -544,9 +564,10 @@ class MetricsLogger:
             if self._peak_notice:
                 print_fn(self._peak_notice)
                 self._peak_notice = None
-            if step == 1 or step % self.log_every == 0 or step == self.total_steps or len(self.records) == 1:
+            first = len(self.records) == self.resumed_at + 1  # this process's first step
+            if step == 1 or step % self.log_every == 0 or step == self.total_steps or first:
                 print_fn(format_step_line(record, self.total_steps, self.eta_s(step)))
-            if len(self.records) == 1:
+            if first:
                 print_fn(self.first_line_notes(record))
         if self.writer is not None:
             for key in ("loss", "lr", "grad_norm", "step_ms", "comm_ms", "tokens_per_s", "mfu", "peak_mem_gib"):
@@ -591,7 +612,7 @@ class MetricsLogger:
     def averages(self, profiled: list[int] = ()) -> dict:
         """Means over the measured steps (after the warm-up). `profiled` (1-based step numbers) ran under
         torch.profiler: they give comm_ms and are left out of step_ms, tokens/s and MFU, which the profiler slows."""
-        measured, timed = timed_records(self.records, self.warmup_steps, profiled)
+        measured, timed = timed_records(self.records, self.warmup_steps, profiled, self.resumed_at)
         result = {}
         for key in ("step_ms", "comm_ms"):
             values = [r[key] for r in (measured if key == "comm_ms" else timed) if r[key] is not None]
@@ -766,7 +787,8 @@ class Recorder:
             out_dir=config.out_dir, total_steps=config.steps,
             warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)), model_config=model_config,
             lora_rank=config.lora_rank, device=device, world_size=world_size, is_main=rank == 0,
-            report_to=config.report_to, log_every=config.log_every, steps_per_epoch=steps_per_epoch)
+            report_to=config.report_to, log_every=config.log_every, steps_per_epoch=steps_per_epoch,
+            resume=getattr(config, "resume", None))
         self.comm = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
         self.clock = StepClock(device)
         # Model-state bytes are counted once, on the second step, after its backward and before its update: the

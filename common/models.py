@@ -300,12 +300,28 @@ def add_lora(model, rank: int, alpha: float):
 PRESET_BASE_FILE = "preset_base.json"  # beside a LoRA adapter trained on a preset: which preset, built from which seed
 
 
+def share_export(save_dir: str | Path) -> None:
+    """Give every file of an export the permissions of a file this process creates (0644 under the usual umask 022):
+    safetensors writes its files 0600, so that the weights alone would be unreadable to the others who can read the
+    config beside them. Rank 0, after the export's files are written (record_adapter_base calls it)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in Path(save_dir).rglob("*"):
+        if file.is_file():
+            file.chmod(0o666 & ~umask)
+
+
 def record_adapter_base(save_dir: str | Path, model_name: str, seed: int) -> None:
     """After a LoRA adapter is written to `save_dir` (on the rank that wrote it): its adapter_config.json names the
     base as the run loaded it (an absolute folder, a hub id, or a preset), and a preset's base also records its
     seed, from which experiments/infer.py rebuilds the same random weights. A full-model export is left as it is."""
     import torch.distributed as dist
 
+    share_export(save_dir)
     config_file = Path(save_dir) / "adapter_config.json"
     if (dist.is_initialized() and dist.get_rank() != 0) or not config_file.exists():
         return

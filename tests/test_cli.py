@@ -65,6 +65,9 @@ FLAG_MISTAKES = {
     "a share of one": (["--eval-fraction", 1], "--eval-fraction 1.0: must be in [0, 1) (a share of the conversations)"),
     "override without resume": (["--resume-anyway"], "--resume-anyway only changes what --resume accepts: add "
                                                      "--resume RUN_DIR"),
+    "an alpha without a rank": (["--lora-alpha", 32], "--lora-alpha 32 scales LoRA adapters: it needs --lora-rank N "
+                                                       "(without it every parameter trains)"),
+    "keep a negative number": (["--keep-checkpoints", -1], "--keep-checkpoints -1: must be >= 0"),
 }
 
 

@@ -995,6 +995,8 @@ def test_the_lora_answer_for_4b_on_two_24gb_gpus(capsys):
     (["--model", "qwen3-4b", "--gpu-mem-gb", "2"], "cannot hold even qwen3-4b's weights in 4 bits"),
     (["--model", "qwen3-4b", "--qlora", "--dtype", "fp32"], "--qlora computes in bf16"),
     (["--model", "qwen3-4b", "--gpu-mem-gb", "-3"], "--gpu-mem-gb must be > 0"),
+    (["--model", "qwen3-4b", "--gpu-mem-gb", "80", "--gpu", "RTX-4090"],
+     "--gpu RTX-4090 and --gpu-mem-gb 80 both give the GPU's memory: give one"),
     (["--model", "qwen3-4b", "--gpus", "0"], "--gpus must be >= 1"),
     (["--model", "qwen3-4b", "--seq-len", "0"], "--seq-len must be >= 1"),
     (["--model", "/no/such/folder"], "no folder /no/such/folder"),
@@ -1351,3 +1353,32 @@ def test_attention_kind_of_each_backend():
     assert attention_kind({"impl": "varlen", "expands_kv": False}, packing=True) == "flash"
     assert attention_kind({"impl": "sdpa"}, packing=True) == "sdpa-packed"
     assert attention_kind({"impl": "sdpa"}, packing=False) == "sdpa"
+
+
+def test_cli_json_holds_the_gpu_memory_the_rungs_that_fit_and_the_choice(capsys):
+    main(["--model", "qwen3-4b", "--gpu-mem-gb", "8", "--json"])
+    answer_json = json.loads(capsys.readouterr().out)
+    assert (answer_json["gpu_mem_gb"], answer_json["usable_gib"]) == (8.0, pytest.approx(7.2))
+    rungs = answer_json["rungs"]
+    assert [rung["fits"] for rung in rungs] == [rung["peak_gib"] <= 7.2 for rung in rungs]
+    # recommend()'s answer is the first rung that fits, and the JSON says which one it is.
+    assert answer_json["choice"] == next(i for i, rung in enumerate(rungs) if rung["fits"])
+    main(["--model", "qwen3-4b", "--gpu-mem-gb", "8"])
+    (run_line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("run: ")]
+    assert run_line == f"run: {answer_json['recommendation']}" == f"run: {rungs[answer_json['choice']]['command']}"
+    assert answer_json["full_fine_tuning_fits"] is False and rungs[answer_json["choice"]]["qlora"]
+
+
+def test_cli_says_in_words_when_only_adapters_fit_and_prices_qlora_in_4_bits(capsys):
+    main(["--model", "qwen3-4b", "--gpu-mem-gb", "8"])
+    out = capsys.readouterr().out
+    assert ("full fine-tuning fits nowhere on 1 x 8 GB: the rows below train only QLoRA adapters of rank 16 on a 4-bit "
+            "base (33,030,144 parameters), not every weight") in out
+    (row,) = [line for line in out.splitlines() if line.startswith("single ")]
+    assert row.endswith("QLoRA r16 (4-bit base), checkpointing")
+    (header,) = [line for line in out.splitlines() if line.startswith("bytes per trainable parameter")]
+    assert header.startswith("bytes per trainable parameter under QLoRA (single): --qlora: ") and "NF4" in header
+    assert "frozen (LoRA base) weight 2" not in out
+    main(["--model", "qwen3-4b", "--gpu-mem-gb", "80"])  # full fine-tuning fits: no such line, no adapters in the rows
+    out = capsys.readouterr().out
+    assert "fits nowhere" not in out and "LoRA r" not in out.split("recommendation:")[0]

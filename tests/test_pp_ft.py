@@ -233,6 +233,8 @@ def test_save_hf_reloads_in_plain_transformers_with_the_same_eval_loss(pp, small
     index = json.loads((export / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) == 2  # one shard per rank
     assert "lm_head.weight" not in index["weight_map"]  # tied: rebuilt from the embedding
+    modes = {file.name: file.stat().st_mode & 0o777 for file in export.iterdir()}
+    assert set(modes.values()) == {modes["config.json"]}, modes  # both ranks' shards readable like the config
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     data = build_data(small_data, AutoTokenizer.from_pretrained(export), 128, seed=0)

@@ -21,7 +21,7 @@ from common.memory.estimate import MemoryEstimate, estimate, uses_autocast
 from common.memory.recommend import DEFAULT_ROWS_PER_GPU, Ladder, Recommendation, format_multi_node, \
     multi_node_layouts, recommend
 from common.memory.states import DTYPES, GIB, NF4_BYTES_PER_WEIGHT, PRECISIONS, STRATEGIES, USABLE_FRACTION, \
-    ZERO_PAPER,     BytesPerParam, ModelShape, model_shape, resolve_precision, strategy_precision, zero_paper_figure1
+    QLORA, ZERO_PAPER, BytesPerParam, ModelShape, model_shape, resolve_precision, strategy_precision, zero_paper_figure1
 
 ZERO_PAPER_FIGURE1_GB = {"baseline": 120, "P_os": 31.4, "P_os+g": 16.6, "P_os+g+p": 1.9}  # as printed in the paper
 COLUMNS = (("weights", "weights_bytes"), ("grads", "grads_bytes"), ("optim", "optimizer_bytes"),
@@ -64,7 +64,8 @@ def format_table(estimates: list[MemoryEstimate], gpu_mem_gb: float) -> str:
     lines = [header]
     for e in estimates:
         cells = "".join(f"{getattr(e, field) / GIB:>8.2f}" for _, field in COLUMNS)
-        note = ", ".join(filter(None, [e.note, "checkpointing" if e.activation_checkpointing else "",
+        adapters = f"QLoRA r{e.lora_rank} (4-bit base)" if e.qlora else f"LoRA r{e.lora_rank}" if e.lora_rank else ""
+        note = ", ".join(filter(None, [adapters, e.note, "checkpointing" if e.activation_checkpointing else "",
                                        f"+ {e.cpu_bytes / GIB:.1f} GiB in CPU memory per rank" if e.cpu_bytes else "",
                                        f"peak at the {e.peak_phase}" if e.peak_phase != "backward start" else ""]))
         fits = "yes" if e.fits(gpu_mem_gb) else "no"
@@ -72,8 +73,12 @@ def format_table(estimates: list[MemoryEstimate], gpu_mem_gb: float) -> str:
     return "\n".join(lines)
 
 
-def describe_precisions(strategies: list[str], precision: BytesPerParam | str) -> str:
-    """Which bytes per parameter the rows use: one convention, or each strategy's experiment under --dtype."""
+def describe_precisions(strategies: list[str], precision: BytesPerParam | str, qlora: bool = False) -> str:
+    """Which bytes per parameter the rows use: one convention, or each strategy's experiment under --dtype; under
+    QLoRA the 4-bit base's bytes (its frozen weights are NF4, not a bf16 weight of 2 bytes)."""
+    if qlora:
+        return (f"bytes per trainable parameter under QLoRA ({', '.join(strategies)}): {QLORA.description} = "
+                f"{QLORA.trainable}")
     if not isinstance(precision, str):
         return (f"precision {precision.name} for every strategy: {precision.description} = {precision.trainable} "
                 f"bytes per trainable parameter")
@@ -219,6 +224,8 @@ def ask(argv: list[str], parser: argparse.ArgumentParser | None = None) -> Asked
             parser.error(f"{flag} must be >= {least}, got {value}")
     if args.gpu_mem_gb is not None and args.gpu_mem_gb <= 0:
         parser.error(f"--gpu-mem-gb must be > 0, got {args.gpu_mem_gb:g}")
+    if args.gpu_mem_gb is not None and args.gpu:
+        parser.error(f"--gpu {args.gpu} and --gpu-mem-gb {args.gpu_mem_gb:g} both give the GPU's memory: give one")
     if args.qlora and (args.dtype == "fp32" or args.precision):
         parser.error("--qlora computes in bf16 (its 4-bit weights are dequantized to bf16): drop --dtype fp32 / "
                      "--precision")
@@ -256,9 +263,16 @@ def answer(argv: list[str] | None = None) -> int:
     if asked.note and not args.json:
         print(asked.note)
     if args.json:
+        usable_gib = gpu_mem_gb * USABLE_FRACTION
+        rungs = [dict(rung, fits=rung["peak_gib"] <= usable_gib) for rung in asked.ladder.to_json(_command_model(args))]
+        chosen = advice.command()  # the first rung that fits (recommend), as its command; "" when nothing fits
         print(json.dumps(dict(model=shape.name, parameters=shape.total_parameters, gpus=args.gpus,
-                              seq_len=args.seq_len, usable_fraction=USABLE_FRACTION,
-                              rungs=asked.ladder.to_json(_command_model(args))), indent=1))
+                              gpu_mem_gb=gpu_mem_gb, usable_gib=usable_gib, seq_len=args.seq_len,
+                              usable_fraction=USABLE_FRACTION, rungs=rungs,
+                              choice=next((i for i, rung in enumerate(rungs) if rung["command"] == chosen), None),
+                              recommendation=chosen or None,
+                              full_fine_tuning_fits=any(rung["fits"] and not rung["lora_rank"] for rung in rungs)),
+                         indent=1))
         return 0
     shown = [e for e in advice.estimates if args.strategy in (None, e.strategy)]
     if args.strategy and not shown:  # single on several GPUs, or a layout these GPUs cannot take
@@ -278,7 +292,8 @@ def answer(argv: list[str] | None = None) -> int:
     print(f"model {shape.name}: {shape.total_parameters:,} parameters, {trainable:,} trainable | {shape.layers} "
           f"layers, hidden {shape.hidden}, {shape.heads}/{shape.kv_heads} heads x {shape.head_dim}, {mlp}, "
           f"vocab {shape.vocab:,}{'' if shape.tied_embeddings else ', untied LM head'}")
-    print(describe_precisions([e.strategy for e in shown], precision))
+    adapters_only = bool(advice.lora_rank) and not (args.lora_rank or args.qlora)  # full SFT fits nowhere
+    print(describe_precisions([e.strategy for e in shown], precision, qlora=any(e.qlora for e in shown)))
     chosen = advice.choice
     tokens = (chosen.micro_batch_size if chosen else 1) * args.seq_len
     print(describe_activations(shape, resolve_precision("single", precision), tokens, args.seq_len,
@@ -295,6 +310,11 @@ def answer(argv: list[str] | None = None) -> int:
           f"strategy at its largest micro-batch that fits; copies = autocast's bf16 weight copies, buffers = reduce "
           f"buckets, ep's dispatch, gathered FSDP/ZeRO-3 parameters and unsharded gradients; peak = the larger of "
           f"the start of backward and the optimizer step")
+    if adapters_only:
+        kind = f"QLoRA adapters of rank {advice.lora_rank} on a 4-bit base" if chosen.qlora else \
+            f"LoRA adapters of rank {advice.lora_rank}"
+        print(f"full fine-tuning fits nowhere on {args.gpus} x {gpu_mem_gb:g} GB: the rows below train only {kind} "
+              f"({trainable:,} parameters), not every weight")
     print(format_table(shown, gpu_mem_gb))
     print()
     if advice.strategy is None:

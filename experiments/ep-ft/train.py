@@ -55,7 +55,7 @@ from common.memory import attention_kind, estimate
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     state_bytes, summary_table
 from common.models import TINY_PRESETS, count_parameters, flops_per_token, is_moe, is_preset, load_model, \
-    load_tokenizer, model_config
+    load_tokenizer, model_config, share_export
 from common.moe import RouterStats, load_summary, split_load
 
 EXPERIMENT = "ep-ft"
@@ -97,8 +97,9 @@ class Config:
     sample_every: int = 0  # every N steps print a short greedy completion of a fixed held-out prompt (0 = never)
     timing_warmup_steps: int = 2  # first steps left out of summary.json's averages (allocator, caches, compilation)
     comm_profile_steps: int = 3  # steps profiled with torch.profiler for comm_ms (starting after the timing warm-up)
-    out_dir: str | None = None  # where metrics.jsonl and summary.json go; default runs/ep-ft-<UTC time>
+    out_dir: str | None = None  # default runs/ep-ft-<UTC time>; on --resume, the resumed run's own folder
     checkpoint_every: int = 0  # write <out-dir>/checkpoints/step-<k>/ every N steps (0 = never)
+    keep_checkpoints: int = 3  # keep the newest N checkpoints, deleting older ones after each save (0 = keep all)
     resume: str | None = None  # a run folder (its newest good checkpoint), a checkpoints/step-<k> folder, or latest
     resume_anyway: bool = False  # with --resume: continue from another run's checkpoint instead of stopping
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
@@ -343,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict:
                             warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
                             model_config=model.config, device=device, world_size=world_size,
                             is_main=rank == 0, report_to=config.report_to,
-                            log_every=config.log_every, steps_per_epoch=plan.steps_per_epoch)
+                            log_every=config.log_every, steps_per_epoch=plan.steps_per_epoch, resume=config.resume)
     comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
     stopwatch = Stopwatch(device)
     eval_losses = []
@@ -441,7 +442,8 @@ def main(argv: list[str] | None = None) -> dict:
             completion = generate(model, tokenizer, sample_messages, device, autocast=autocast)
             print0(f"sample step {step + 1}: {completion!r}")
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
-            saved = save_checkpoint(config.out_dir, step + 1, model, optimizer, scheduler, run=plan.identity)
+            saved = save_checkpoint(config.out_dir, step + 1, model, optimizer, scheduler, run=plan.identity,
+                                    keep=config.keep_checkpoints)
             print0(f"checkpoint: {saved}")
 
     # ---------------------------------------------------------------------------------------------------------
@@ -497,6 +499,7 @@ def main(argv: list[str] | None = None) -> dict:
             save_dir = Path(config.save_hf)
             model.save_pretrained(save_dir, state_dict=full)
             tokenizer.save_pretrained(save_dir)
+            share_export(save_dir)  # safetensors writes 0600; the export is readable like its config
             print0(f"saved model to {save_dir}")
     teardown()
     if own_group:

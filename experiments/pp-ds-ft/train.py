@@ -58,7 +58,7 @@ from common.memory import DEEPSPEED_BF16, attention_kind, predict_peak_gib  # no
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     memory_label, peak_memory_gib, summary_table  # noqa: E402
 from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
-    record_adapter_base, resolve_model_name  # noqa: E402
+    record_adapter_base, resolve_model_name, share_export  # noqa: E402
 
 EXPERIMENT = "pp-ds-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -100,9 +100,10 @@ class Config:
     log_every: int = 1  # print every N-th step line (the first and the last always); metrics.jsonl keeps every step
     timing_warmup_steps: int = 2  # first steps left out of summary.json's averages (allocator, caches, compilation)
     comm_profile_steps: int = 3  # steps profiled with torch.profiler for comm_ms (starting after the timing warm-up)
-    out_dir: str | None = None  # where metrics.jsonl and summary.json go; default runs/pp-ds-ft-<UTC time>
+    out_dir: str | None = None  # default runs/pp-ds-ft-<UTC time>; on --resume, the resumed run's own folder
     checkpoint_every: int = 0  # write <out-dir>/checkpoints/step-<k>/ every N steps (0 = never); DeepSpeed's per-layer
         # format
+    keep_checkpoints: int = 3  # keep the newest N checkpoints, deleting older ones after each save (0 = keep all)
     resume: str | None = None  # a run folder (its newest good checkpoint), a checkpoints/step-<k> folder, or latest
     resume_anyway: bool = False  # with --resume: continue from another run's checkpoint instead of stopping
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
@@ -489,7 +490,7 @@ def main(argv: list[str] | None = None) -> dict:
                             warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
                             model_config=model_config, lora_rank=config.lora_rank, device=device, world_size=world_size,
                             is_main=dist_info.is_main, report_to=config.report_to,
-                            log_every=config.log_every, steps_per_epoch=plan.steps_per_epoch)
+                            log_every=config.log_every, steps_per_epoch=plan.steps_per_epoch, resume=config.resume)
     comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
     stopwatch = Stopwatch(device)
     eval_losses = []
@@ -525,7 +526,9 @@ def main(argv: list[str] | None = None) -> dict:
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             # DeepSpeed's own sharded format (its optimizer objects are opaque to torch.distributed.checkpoint),
             # published atomically by common/checkpoint.py: written to step-<k>.tmp/, renamed once all ranks are done.
-            print0(f"checkpoint: {save_deepspeed_checkpoint(config.out_dir, step + 1, engine, run=plan.identity)}")
+            saved = save_deepspeed_checkpoint(config.out_dir, step + 1, engine, run=plan.identity,
+                                              keep=config.keep_checkpoints)
+            print0(f"checkpoint: {saved}")
 
     # ---------------------------------------------------------------------------------------------------------
     # Evaluation, results, export
@@ -583,6 +586,7 @@ def main(argv: list[str] | None = None) -> dict:
         if config.lora_rank:
             merge_lora_adapters(engine.module)
         save_hf_sharded(Path(config.save_hf), engine, model_config, tokenizer)
+        share_export(config.save_hf)  # safetensors writes 0600; the export is readable like its config
         print0(f"saved model to {config.save_hf} ({config.stages} shard(s), one per stage)")
     engine.destroy()
     teardown()

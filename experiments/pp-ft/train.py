@@ -65,7 +65,7 @@ from common.memory import PROJECT_BF16, PROJECT_FP32, attention_kind, estimate_s
 from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
     memory_label, peak_memory_gib, state_bytes, summary_table, synchronize
 from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
-    record_adapter_base, resolve_model_name, weights_dtype
+    record_adapter_base, resolve_model_name, share_export, weights_dtype
 
 EXPERIMENT = "pp-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -106,8 +106,9 @@ class Config:
     log_every: int = 1  # print every N-th step line (the first and the last always); metrics.jsonl keeps every step
     timing_warmup_steps: int = 2  # first steps left out of summary.json's averages (allocator, caches, compilation)
     comm_profile_steps: int = 3  # steps profiled with torch.profiler for comm_ms (starting after the timing warm-up)
-    out_dir: str | None = None  # where metrics.jsonl and summary.json go; default runs/pp-ft-<UTC time>
+    out_dir: str | None = None  # default runs/pp-ft-<UTC time>; on --resume, the resumed run's own folder
     checkpoint_every: int = 0  # write <out-dir>/checkpoints/step-<k>/ every N steps (0 = never)
+    keep_checkpoints: int = 3  # keep the newest N checkpoints, deleting older ones after each save (0 = keep all)
     resume: str | None = None  # a run folder (its newest good checkpoint), a checkpoints/step-<k> folder, or latest
     resume_anyway: bool = False  # with --resume: continue from another run's checkpoint instead of stopping
     save_hf: str | None = None  # after training, write an HF folder (safetensors + config + tokenizer) here
@@ -756,7 +757,7 @@ def main(argv: list[str] | None = None) -> dict:
                             warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
                             model_config=model_config, lora_rank=config.lora_rank, device=device, world_size=world_size,
                             is_main=dist.get_rank() == 0, report_to=config.report_to,
-                            log_every=config.log_every, steps_per_epoch=plan.steps_per_epoch)
+                            log_every=config.log_every, steps_per_epoch=plan.steps_per_epoch, resume=config.resume)
     comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
     stopwatch = Stopwatch(device)
     eval_losses = []
@@ -829,7 +830,8 @@ def main(argv: list[str] | None = None) -> dict:
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
             metrics.log_eval(*eval_losses[-1])
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
-            saved = save_checkpoint(config.out_dir, step + 1, module, optimizer, scheduler, run=plan.identity)
+            saved = save_checkpoint(config.out_dir, step + 1, module, optimizer, scheduler, run=plan.identity,
+                                    keep=config.keep_checkpoints)
             print0(f"checkpoint: {saved}")
 
     # ---------------------------------------------------------------------------------------------------------
@@ -920,6 +922,7 @@ def main(argv: list[str] | None = None) -> dict:
         if config.lora_rank:
             merge_lora_adapters(module)
         save_hf_sharded(Path(config.save_hf), module, model_config, tokenizer, pp_group, writes=replica == 0)
+        share_export(config.save_hf)  # safetensors writes 0600; the export is readable like its config
         print0(f"saved model to {config.save_hf} ({pp_size} shard(s), one per rank of a pipeline)")
     if own_group:
         dist.destroy_process_group()
