@@ -43,19 +43,19 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, \
     loss_parallel, parallelize_module
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from transformers import AutoModelForCausalLM
 
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
-from common.data import DataError, build_data, describe, evaluate, sample_text, token_loss_sum
+from common.data import DataError, build_data, describe, evaluate, sample_text, to_device, token_loss_sum
 from common.comm import as_backend, tp_collectives
-from common.dist import all_ranks, init_distributed, print0, record_collectives_in, teardown
+from common.dist import init_distributed, print0, record_collectives_in, teardown
 from common.memory import attention_kind, estimate
-from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
-    state_bytes, summary_table
+from common.metrics import MetricsLogger, Recorder
 from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
     record_adapter_base, resolve_model_name, weights_dtype
+from common.step import clip_grad_norm
+from common.tp import FullLogits, SavedActivations, local, replica_drift
 
 EXPERIMENT = "tp-sp-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -303,99 +303,6 @@ def all_reduce_partial_grads(plain: list[torch.nn.Parameter], trainable: list[to
         p.grad = DTensor.from_local(total, tp_mesh, [Replicate()], run_check=False)
 
 
-def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ for a mix of DTensor and plain parameters (it rejects the mix: it stacks the
-    per-tensor norms; meta-pytorch/torchtune#2420). Over the DTensor gradients get_total_norm() all-reduces the ranks' sums of squares of the
-    split ones; the plain gradients are the same on every rank and count once."""
-    groups = [[p for p in parameters if isinstance(p, DTensor)], [p for p in parameters if not isinstance(p, DTensor)]]
-    norms = []
-    for group in groups:
-        grads = [p.grad for p in group if p.grad is not None]
-        if grads:
-            norm = torch.nn.utils.get_total_norm(grads)
-            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total_norm = torch.linalg.vector_norm(torch.stack(norms))
-    for group in groups:
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm)
-    return total_norm
-
-
-class SavedActivations:
-    """Bytes of the tensors autograd keeps for the backward during a forward, parameters excluded: the activation
-    memory of one micro-batch on this rank. Unlike peak memory it reads the same on CPU, where peak RSS mixes in
-    everything else the process holds."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.parameters = {storage.data_ptr() for p in model.parameters() for storage in storages(p)}
-        # Keyed by address, each storage held until the forward ends: a tensor freed mid-forward would otherwise
-        # hand its address to a later one, and the two would count once.
-        self.kept: dict[int, torch.UntypedStorage] = {}
-        self.nbytes: int | None = None  # set when the measured forward ends
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        for storage in storages(tensor):
-            if storage.data_ptr() not in self.parameters:
-                self.kept[storage.data_ptr()] = storage
-        return tensor
-
-    @property
-    def mib(self) -> float:
-        return self.nbytes / 2**20
-
-    def __enter__(self):
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
-        self.nbytes = sum(storage.nbytes() for storage in self.kept.values())
-        self.kept.clear()
-
-
-def storages(tensor: torch.Tensor):
-    """The memory behind a tensor: a DTensor (or a collective's not yet awaited result) wraps plain tensors."""
-    if is_traceable_wrapper_subclass(tensor):
-        inner_names, _ = tensor.__tensor_flatten__()
-        for inner in (getattr(tensor, name) for name in inner_names):
-            if isinstance(inner, torch.Tensor):
-                yield from storages(inner)
-    else:
-        yield tensor.untyped_storage()
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (a plain tensor is all local)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-class FullLogits(torch.nn.Module):
-    """common.data.evaluate() adds up plain-tensor losses: give it gathered logits (no grad, one micro-batch)."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, **kwargs):
-        output = self.model(**kwargs)
-        if isinstance(output.logits, DTensor):
-            output.logits = output.logits.full_tensor()
-        return output
-
-
-def replica_drift(parameters: list[torch.nn.Parameter], tp_mesh) -> float:
-    """Largest |difference| between any rank's and rank 0's copy of the replicated parameters (0.0 when in sync)."""
-    copies = [local(p).detach() for p in parameters if not isinstance(p, DTensor) or not p.placements[0].is_shard()]
-    if not copies:
-        return 0.0
-    mine = torch.cat([copy.flatten() for copy in copies])
-    rank0 = mine.clone()
-    dist.broadcast(rank0, group=tp_mesh.get_group(), group_src=0)
-    drift = (mine - rank0).abs().max()
-    dist.all_reduce(drift, op=dist.ReduceOp.MAX, group=tp_mesh.get_group())
-    return drift.item()
-
-
 def main(argv: list[str] | None = None) -> dict:
     config = parse_config(Config, argv)  # a flag mistake stops with one line (common/cli.py)
     MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
@@ -497,7 +404,8 @@ def main(argv: list[str] | None = None) -> dict:
            f"per rank | norms and residuals on {config.seq_len // tp} of {config.seq_len} tokens per row | "
            f"loss parallel {'on' if config.loss_parallel else 'off'}")
     print0(f"batch: B = {config.micro_batch_size} x {config.grad_accum} = {rows_per_step} rows of {config.seq_len} "
-           f"(the same rows on every rank) -> T_eff = {rows_per_step * config.seq_len:,} token slots per optimizer step")
+           f"(the same rows on every rank) -> T_eff = {rows_per_step * config.seq_len:,} token slots per "
+           f"optimizer step")
 
     # ---------------------------------------------------------------------------------------------------------
     # Optimizer: AdamW; no weight decay on norms (1-D weights). Fused kernels on GPU. AdamW's fused and foreach
@@ -516,76 +424,58 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Training loop
-    # world_size = tp: every rank is a device of this run (MFU divides by all of them), but tokens/s counts the
-    # step's real tokens once, since all ranks process the same rows.
-    metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
-                            warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
-                            model_config=model.config, lora_rank=config.lora_rank, device=device, world_size=tp,
-                            is_main=dist_info.is_main, report_to=config.report_to,
-                            log_every=config.log_every, steps_per_epoch=plan.steps_per_epoch)
-    comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
-    stopwatch = Stopwatch(device)
     eval_losses = []
-    activations = SavedActivations(model)  # measured on the first micro-batch of the first step
     # The step count is the whole data position: step k always consumes the same rows.
     start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
     if config.resume:
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
-    # Model-state bytes are counted once, on the second step, after its backward and before its update: the
-    # gradients exist, and so does AdamW's state, created by the first update.
-    state_step = min(start_step + 1, config.steps - 1)
-    measured_state = None
+    # Step clock, comm_ms, the step line, metrics.jsonl, summary.json; the garbage collector on a schedule from here.
+    # world_size = tp: MFU divides by every rank; tokens/s counts the step's rows once (every rank reads them).
+    rec = Recorder(EXPERIMENT, config, device, model.config, data, rows_per_step, world_size=tp, rank=dist_info.rank,
+                   steps_per_epoch=plan.steps_per_epoch, start_step=start_step, script_dir=SCRIPT_DIR,
+                   n_parameters=n_params, n_trainable=n_trainable, flops_per_token=model_flops_per_token)
+    activations = SavedActivations(model)  # what the first micro-batch's forward keeps for backward (common/tp.py)
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum)
         loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step
         lr = scheduler.get_last_lr()[0]
 
-        stopwatch.reset()
-        comm_timer.start(step)
+        rec.start(step)
+        # All of the step's micro-batches go to the device up front, from pinned memory on a GPU, so the copies
+        # overlap the compute queued before them instead of waiting in the loop.
+        batches = [to_device(host_batch, device) for host_batch in micro_batches]
         step_loss = torch.zeros((), device=device)
-        for index, host_batch in enumerate(micro_batches):
-            batch = {key: value.to(device, non_blocking=True) for key, value in host_batch.items()}
-            # --attn varlen: the documents' boundaries, from the host copy of position_ids ({} otherwise). The
-            # attention sees every token of the row (each rank computes its own heads), so they are single-ft's.
+        for host_batch, batch in zip(micro_batches, batches):
+            # --attn varlen: the documents' boundaries, from the host copy of position_ids ({} otherwise).
             packed = attention.forward_kwargs(host_batch["position_ids"], device)
-            measure = activations if step == start_step and index == 0 else nullcontext()
-            with loss_context():
-                with autocast(), measure:
+            # Each micro-batch's loss is divided by the whole step's loss tokens, not its own: summing the
+            # micro-batch gradients then gives exactly the gradient of the token-weighted step loss.
+            with loss_context():  # loss parallelism: the backward of the sharded cross-entropy must run inside it
+                with autocast(), activations.once():
                     # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
                     # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen
                     # needs none).
                     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                    attention_mask=None, use_cache=False, **packed).logits
-                # Divide by the whole step's loss tokens, not this micro-batch's: summing the micro-batch gradients
-                # then gives exactly the gradient of the token-weighted step loss. With loss parallelism the sum
-                # over tokens is already complete on every rank (a Replicate DTensor), so the division is the same.
-                loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
+                loss = token_loss_sum(logits, batch["labels"]) / loss_tokens  # a Replicate DTensor under loss parallel
                 loss.backward()
             step_loss += local(loss.detach())
-        if step == state_step:
-            # This rank's shards of the split weights (DTensor local tensors), whole replicated ones, their
-            # gradients, AdamW's state.
-            measured_state = state_bytes(model.parameters(), optimizer)
+        rec.state(step, model.parameters(), optimizer)  # this rank's shards, the replicated weights, grads, AdamW's
         all_reduce_partial_grads(partial_grad_params, trainable, tp_mesh)
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
-        grad_norm = clip_grad_norm(trainable, max_norm)
+        # The norm before clipping, the split gradients' squares summed over the ranks (DTensor: no fused folding).
+        grad_norm = clip_grad_norm(optimizer, trainable, max_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        rec.stop()
         # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together.
-        step_loss_value, grad_norm_value = torch.stack([step_loss, grad_norm.float()]).tolist()
-        step_ms = stopwatch.elapsed_ms()
-        comm_ms = comm_timer.stop(step)
-
-        if step == start_step:
-            print0(f"activations: {activations.mib:.1f} MiB saved for the backward of one micro-batch on rank 0")
-        metrics.log_step(step + 1, step_loss_value, lr, grad_norm_value, data.step_real_tokens(step, rows_per_step),
-                         loss_tokens, step_ms, comm_ms, print_fn=print0,
-                         documents=data.step_documents(step, rows_per_step))
+        values = torch.stack([step_loss, grad_norm.float()]).tolist()
+        rec.step(step, values[0], lr, values[1])
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate(FullLogits(model), data, config.micro_batch_size, device, autocast)))
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
-            metrics.log_eval(*eval_losses[-1])
+            rec.eval(*eval_losses[-1])
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             # DCP writes each rank's shards of the DTensors and rank 0's copy of the replicated tensors.
             saved = save_checkpoint(config.out_dir, step + 1, model, optimizer, scheduler, run=plan.identity)
@@ -594,11 +484,9 @@ def main(argv: list[str] | None = None) -> dict:
     # ---------------------------------------------------------------------------------------------------------
     # Evaluation, results, export
     eval_loss = evaluate(FullLogits(model), data, config.micro_batch_size, device, autocast)
-    metrics.log_eval(config.steps, eval_loss)
+    rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    drift = replica_drift(list(model.parameters()), tp_mesh)
-    print0(f"replicated parameters: largest difference between ranks {drift:.3g}")
     # common/memory's prediction for one device: its peak next to the measured one (comparable on a GPU, where
     # both mean max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included),
     # its model states next to the bytes counted above.
@@ -617,22 +505,11 @@ def main(argv: list[str] | None = None) -> dict:
             vocab=model.config.vocab_size, tokens=config.micro_batch_size * config.seq_len,
             grad_accum=config.grad_accum, world_size=tp, sequence_parallel=True, loss_parallel=config.loss_parallel,
             sync_qk_norm_grads=config.sync_qk_norm_grads), dist.get_backend())
-    summary = metrics.write_summary(
-        comm_timer=comm_timer,  # comm_ms, collective counts and bytes: torch.profiler over the profiled steps
-        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(SCRIPT_DIR), config=asdict(config), hardware=hardware_info(device, world_size=tp), attention=asdict(attention),
-        model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
-                   flops_per_token=model_flops_per_token),
-        t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
-        predicted_peak_mem_gib=prediction.total_gib,
-        state_bytes_per_rank=None if measured_state is None else all_ranks(measured_state),
-        state_bytes_step=None if measured_state is None else state_step + 1,  # 1-based, as in metrics.jsonl
-        predicted_state_bytes=prediction.state_bytes(),
-        collective_bytes_formula=formula,
-        packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
-        n_truncated=data.stats["n_truncated"], data=data.stats, tensor_parallel=tp,
-        activation_mib=activations.mib if activations.nbytes else None, replica_drift=drift)
-    print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
-           f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
+    summary = rec.finish(
+        attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
+        predicted_peak_mem_gib=prediction.total_gib, predicted_state_bytes=prediction.state_bytes(),
+        collective_bytes_formula=formula, tensor_parallel=tp, activation_mib=activations.mib,
+        replica_drift=replica_drift(model.parameters(), tp_mesh))  # a collective: every rank calls finish
 
     if config.save_hf:
         # Every rank takes part: each DTensor is all-gathered into a full tensor under its original name (on rank
