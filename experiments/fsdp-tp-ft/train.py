@@ -17,11 +17,8 @@ modules, shards every rank's TP slice once more over the dp ranks that hold the 
 one FSDP unit, all-gathered (over dp only) just before it runs and reduce-scattered (over dp only) in backward.
 A rank holds 1/(dp x tp) of every split weight, of its gradient and of its AdamW state, and 1/dp of the norms.
 
-Why both: TP alone stops at one node (its collectives are inside every layer, on the critical path, and want
-NVLink), and it splits the model but not the batch; FSDP alone all-gathers each whole layer on every rank, which
-fails when one layer's weights and activations do not fit one GPU, and its all-gathers grow with the world size.
-Together, the per-layer all-reduces stay on a node's fast links, FSDP's all-gathers and reduce-scatters cross nodes
-once per layer (on tp times fewer bytes each), and the batch is split over the dp rows.
+Why both (the README says more): TP's per-layer all-reduces stay on a node's fast links, FSDP's all-gathers and
+reduce-scatters cross nodes once per layer on tp times fewer bytes each, and the batch is split over the dp rows.
 
 The data is split over the dp coordinate of the mesh, never over the global rank: all tp ranks of one row read the
 same rows, so one optimizer step consumes B = micro_batch_size x grad_accum x dp rows and is the same step as
@@ -58,8 +55,8 @@ from common.data import DataError, build_data, describe, evaluate, sample_text, 
 from common.dist import init_distributed, print0, record_collectives_in, teardown
 from common.memory import attention_kind, estimate
 from common.metrics import MetricsLogger, Recorder
-from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
-    model_config, record_adapter_base, refuse_moe, resolve_model_name, weights_dtype
+from common.models import TINY_PRESETS, add_lora, count_parameters, flops_per_token, is_preset, load_model, \
+    load_tokenizer, model_config, record_adapter_base, refuse_moe, resolve_model_name, weights_dtype
 from common.tp import FullLogits, local, on_tp_mesh, replica_drift
 
 EXPERIMENT = "fsdp-tp-ft"
@@ -123,7 +120,7 @@ def resolve(config: Config) -> Config:
     if notice:
         print0(notice)
     if config.seq_len is None:
-        config.seq_len = 256 if config.model == "qwen3-tiny" else 1024
+        config.seq_len = 256 if config.model in TINY_PRESETS else 1024
     if config.dtype is None:
         config.dtype = "bf16" if torch.cuda.is_available() else "fp32"
     if config.lr is None:
@@ -136,8 +133,7 @@ def resolve(config: Config) -> Config:
                          "backward inside DTensor's redistribution (torch 2.15 on CPU; see tp-ft's README)")
     if config.loss_chunk_tokens:
         raise SystemExit(f"{EXPERIMENT} has no --loss-chunk-tokens: loss parallelism already splits the logits over "
-                         "the vocabulary, and chunking them too needs a vocabulary-parallel chunked cross-entropy "
-                         "over DTensors, not built yet (see tp-ft's README)")
+                         "the vocabulary; chunking them too is not built yet (see tp-ft's README)")
     return config
 
 
@@ -174,17 +170,10 @@ def build_model(config: Config, tokenizer, attn_implementation: str, on_meta: bo
 # Tensor parallelism inside a row of the mesh: tp-ft's plan, unchanged
 
 
-def decoder_layers(model) -> torch.nn.ModuleList:
-    """The decoder layers of a Qwen3ForCausalLM, bare or wrapped by peft."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.model.layers
-
-
 def check_divisible(config, tp: int) -> None:
     """Every tp rank must get whole heads, whole KV groups and equal slices; say which number breaks it."""
-    # Whole heads: q_norm/k_norm and the softmax work per head. Whole KV groups (GQA): rank r's query heads
-    # [r H/tp, (r+1) H/tp) read KV heads [r KV/tp, (r+1) KV/tp) only when tp divides KV. The MLP width and the
-    # vocabulary are split evenly so that every rank's shard has the same shape.
+    # q_norm/k_norm and the softmax work per head; a rank's query heads must read its own KV heads (GQA); equal
+    # shards for the MLP width and the vocabulary (tp-ft's README says more).
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
         value = getattr(config, field)
         if value % tp:
@@ -192,23 +181,16 @@ def check_divisible(config, tp: int) -> None:
                              f"choose a --tp-degree that divides it")
 
 
-def replicated(module: torch.nn.Module, tp_mesh: DeviceMesh) -> torch.nn.Module:
-    """Make every parameter of `module` a Replicate DTensor, so that it accepts the DTensor inputs of the plan."""
-    return distribute_module(module, tp_mesh)  # without a partition_fn every parameter is replicated
-
-
 def apply_tp(model, tp_mesh: DeviceMesh, loss_parallel: bool) -> list[torch.nn.Module]:
     """Split `model` (a Qwen3ForCausalLM, optionally wrapped by peft) over the tp ranks of its row, in place.
 
-    tp-ft's apply_tp on the "tp" dimension of the 2-D mesh: every collective of this plan runs inside one row (one
-    node). Returns the modules whose weight stays a plain replicated tensor but gets from each tp rank a gradient of
-    its own heads only (q_norm and k_norm): the training loop sums those over the row. Modules, not parameters as in
-    tp-ft: fully_shard replaces every parameter of a module with a new (sharded) one.
+    tp-ft's apply_tp on the "tp" dimension of the mesh, inside one row (one node). Returns q_norm and k_norm, whose
+    gradients the loop sums over the row: modules, not parameters, since fully_shard replaces every parameter.
     """
     tp = tp_mesh.size()
     check_divisible(model.config, tp)
     partial_grad_modules = []
-    for layer in decoder_layers(model):
+    for layer in model.get_decoder().layers:
         plan = {
             # The attention's and the MLP's (replicated) input enters the plan once as a DTensor, so backward
             # all-reduces one summed input gradient per block instead of one per column-parallel linear.
@@ -253,8 +235,8 @@ def apply_tp(model, tp_mesh: DeviceMesh, loss_parallel: bool) -> list[torch.nn.M
 def with_lora_adapters(layer, plan: dict, tp_mesh: DeviceMesh) -> dict:
     """Extend a layer's plan to peft's LoRA layers: y = W x + B A x, each adapter linear split to match W.
 
-    As in tp-ft (whose docstring says why peft and parallelize_module need this): for a column-parallel W, A is
-    replicated and B column-parallel; for a row-parallel W, A is row-parallel and B stays a plain tensor.
+    As in tp-ft (its README says why): for a column-parallel W, A is replicated and B column-parallel; for a
+    row-parallel W, A is row-parallel and B stays a plain tensor.
     """
     expanded = {}
     for name, style in plan.items():
@@ -267,7 +249,7 @@ def with_lora_adapters(layer, plan: dict, tp_mesh: DeviceMesh) -> dict:
             if isinstance(style, ColwiseParallel):
                 # A's gradient is a Partial(sum) DTensor over the tp ranks; FSDP redistributes it to A's Replicate
                 # placement (an all-reduce over the row) before its reduce-scatter over the column.
-                replicated(module.lora_A[adapter], tp_mesh)
+                distribute_module(module.lora_A[adapter], tp_mesh)  # no partition_fn: replicated
                 expanded[f"{name}.lora_B.{adapter}"] = ColwiseParallel()
             else:
                 expanded[f"{name}.lora_A.{adapter}"] = RowwiseParallel()
@@ -282,18 +264,14 @@ def apply_fsdp(model, dp_mesh: DeviceMesh, param_dtype: torch.dtype | None, resh
                ) -> list[torch.nn.Module]:
     """fsdp-ft's units (one per decoder layer, then the root) on the "dp" dimension of the mesh. Returns the layers.
 
-    After apply_tp a split weight is a DTensor on the "tp" mesh holding this rank's slice, e.g. q_proj's [out/tp, in].
-    fully_shard over "dp" cuts that slice again along dim 0 over the dp ranks of its column and keeps the result as
-    one DTensor on the 2-D mesh: placements (Shard(0) or _StridedShard(0) over "dp", the TP placement over "tp").
-    The norms, plain tensors after the plan, become 1/dp shards on the "dp" mesh. In forward a unit's all-gather runs
-    over "dp" only and rebuilds this rank's TP slice (not the whole weight); in backward the reduce-scatter over
-    "dp" sums the gradients of the dp ranks that hold the same slice. Those are the only collectives that cross the
-    rows (nodes); the plan's all-reduces stay inside a row.
+    fully_shard over "dp" cuts each rank's TP slice again along dim 0 (a DTensor on the 2-D mesh; the norms become
+    1/dp shards on the "dp" mesh). Its all-gathers and reduce-scatters run over "dp" only, the only collectives that
+    cross the rows (nodes); the plan's all-reduces stay inside a row (the README says more).
     """
     # Mixed precision as in fsdp-ft: fp32 shards (the master weights and AdamW's state), bf16 gathers and compute,
     # fp32 reduce-scatters. No autocast.
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    layers = list(decoder_layers(model))
+    layers = list(model.get_decoder().layers)
     for layer in layers:
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     # The root (embedding = tied LM head, final norm) stays gathered after forward: backward starts with the head.
@@ -313,9 +291,8 @@ def init_rope_buffers(model, device: torch.device) -> None:
 def all_reduce_partial_grads(plain: list[torch.nn.Parameter], tp_mesh: DeviceMesh) -> None:
     """Sum over the tp ranks of a row, in one all-reduce per step, the q_norm/k_norm gradients.
 
-    FSDP has already reduce-scattered them over "dp": each rank holds the dp-sum of its own heads' partial gradient,
-    on its 1/dp shard. The tp ranks of a row hold the same shard (they share the dp coordinate), so summing the
-    local shards over the row completes the gradient, as tp-ft's all-reduce does on whole tensors.
+    FSDP has already reduce-scattered them over "dp"; the tp ranks of a row hold the same 1/dp shard, each the
+    partial gradient of its own heads, so summing the local shards over the row completes the gradient.
     """
     grads = [p.grad.to_local() for p in plain if p.grad is not None]
     if not grads:
@@ -339,11 +316,8 @@ def by_mesh(parameters) -> list[list[torch.nn.Parameter]]:
 def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float, tp: int) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ for gradients sharded over a 2-D mesh, with one all-reduce.
 
-    A TP slice's gradient block differs on every rank of the mesh, so its sum of squares is summed over all ranks.
-    The other gradients (norms, LoRA's replicated adapters) are sharded over "dp" only, the same block on every tp
-    rank of a row: summed over all ranks, each would count tp times, hence the / tp. (DTensor's own norm of the 2-D
-    gradients would all-reduce over "dp" and "tp" one after the other, and it refuses a list mixing the two meshes.)
-    Every rank then scales its own blocks by the same factor.
+    A TP slice's block differs on every rank, so its sum of squares is summed over all ranks; the other gradients
+    (norms, LoRA's replicated adapters) are the same block on every tp rank of a row, hence the / tp (the README).
     """
     split = [p.grad.to_local() for p in parameters if p.grad is not None and on_tp_mesh(p)]
     shared = [p.grad.to_local() for p in parameters if p.grad is not None and not on_tp_mesh(p)]
@@ -420,11 +394,8 @@ def main(argv: list[str] | None = None) -> dict:
         full_state = build_model(config, tokenizer, attention.impl, on_meta=False).state_dict()
     model = build_model(config, tokenizer, attention.impl, on_meta=True)
     if config.activation_checkpointing:
-        # Before the plan and the sharding, as in fsdp-ft: the checkpoint wraps each layer's forward, so the TP and
-        # FSDP hooks around the module call stay outside the recomputed region.
-        # early_stop=False and disable_input_require_grads, as in tp-ft: every recomputed layer runs to its end, so
-        # no asynchronous DTensor collective is left unwaited under LoRA, and the embedding's output (frozen under
-        # LoRA) does not get a gradient nobody uses.
+        # Before the plan and the sharding (the TP and FSDP hooks stay outside the recomputed region); early_stop
+        # and disable_input_require_grads as in tp-ft (its README says why).
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False,
                                                                          "early_stop": False})
         model.disable_input_require_grads()

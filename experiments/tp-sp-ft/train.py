@@ -52,8 +52,8 @@ from common.comm import as_backend, tp_collectives
 from common.dist import init_distributed, print0, record_collectives_in, teardown
 from common.memory import attention_kind, estimate
 from common.metrics import MetricsLogger, Recorder
-from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
-    record_adapter_base, resolve_model_name, weights_dtype
+from common.models import TINY_PRESETS, add_lora, count_parameters, flops_per_token, is_preset, load_model, \
+    load_tokenizer, record_adapter_base, resolve_model_name, weights_dtype
 from common.step import clip_grad_norm
 from common.tp import FullLogits, SavedActivations, local, replica_drift
 
@@ -115,7 +115,7 @@ def resolve(config: Config) -> Config:
     if notice:
         print0(notice)
     if config.seq_len is None:
-        config.seq_len = 256 if config.model == "qwen3-tiny" else 1024
+        config.seq_len = 256 if config.model in TINY_PRESETS else 1024
     if config.dtype is None:
         config.dtype = "bf16" if torch.cuda.is_available() else "fp32"
     if config.lr is None:
@@ -125,8 +125,7 @@ def resolve(config: Config) -> Config:
     resolve_paths(config, EXPERIMENT)  # --data found, --out-dir under the working directory, --resume
     if config.loss_chunk_tokens:
         raise SystemExit(f"{EXPERIMENT} has no --loss-chunk-tokens: loss parallelism already splits the logits over "
-                         "the vocabulary, and chunking them too needs a vocabulary-parallel chunked cross-entropy "
-                         "over DTensors, not built yet (see the README)")
+                         "the vocabulary; chunking them too is not built yet (see the README)")
     return config
 
 
@@ -138,30 +137,15 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def decoder_layers(model) -> torch.nn.ModuleList:
-    """The decoder layers of a Qwen3ForCausalLM, bare or wrapped by peft."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.model.layers
-
-
 def check_divisible(config, tp: int) -> None:
     """Every rank must get whole heads, whole KV groups and equal slices; say which number breaks it."""
-    # Whole heads: q_norm/k_norm normalise over one head's head_dim and the softmax runs per head, so a head cut
-    # in two would need its partial dot products summed before the softmax. Whole KV groups (GQA): query head h
-    # reads KV head h // (H / KV); the column split gives rank r query heads [r H/tp, (r+1) H/tp) and KV heads
-    # [r KV/tp, (r+1) KV/tp), which belong together only when tp divides KV (tp > KV would need the KV heads
-    # replicated, which this plan does not do). The MLP width and the vocabulary are split evenly so that every
-    # rank's shard has the same shape (the tied embedding/LM head is one weight split over the vocabulary).
+    # q_norm/k_norm and the softmax work per head; a rank's query heads must read its own KV heads (GQA); equal
+    # shards for the MLP width and the vocabulary (the README says more).
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
         value = getattr(config, field)
         if value % tp:
             raise SystemExit(f"tensor parallelism over {tp} ranks needs {field} ({value}) divisible by {tp}; "
                              f"run with a --nproc_per_node that divides it")
-
-
-def replicated(module: torch.nn.Module, tp_mesh) -> torch.nn.Module:
-    """Make every parameter of `module` a Replicate DTensor, so that it accepts the DTensor inputs of the plan."""
-    return distribute_module(module, tp_mesh)  # without a partition_fn every parameter is replicated
 
 
 def apply_tp(model, tp_mesh, loss_parallel: bool) -> list[torch.nn.Parameter]:
@@ -180,7 +164,7 @@ def apply_tp(model, tp_mesh, loss_parallel: bool) -> list[torch.nn.Parameter]:
     # the replica, without a broadcast from rank 0; that holds because every rank built the same model.
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     partial_grad_params = []
-    for layer in decoder_layers(model):
+    for layer in model.get_decoder().layers:
         plan = {
             # Sequence-parallel region: the norm runs on this rank's seq_len/tp tokens with a replicated weight.
             # Its weight gradient comes out Partial(sum) (this rank's tokens only) and is summed once per step.
@@ -205,14 +189,13 @@ def apply_tp(model, tp_mesh, loss_parallel: bool) -> list[torch.nn.Parameter]:
         parallelize_module(layer, tp_mesh, with_lora_adapters(layer, plan, tp_mesh))
 
         attention = layer.self_attn
-        # transformers' Qwen3Attention reshapes q, k and v with -1 heads, so it takes its local head counts from
-        # the local shapes (H/tp and KV/tp), and num_key_value_groups = H/KV = (H/tp)/(KV/tp) holds on every rank.
-        # Versions that keep the head counts on the module need them divided:
+        # Qwen3Attention reshapes with -1 heads (local counts from the local shapes); versions that keep the head
+        # counts on the module need them divided.
         for name in ("num_heads", "num_key_value_heads"):
             if hasattr(attention, name):
                 setattr(attention, name, getattr(attention, name) // tp)
-        # q_norm/k_norm hold one weight per head_dim entry, shared by all heads: replicated, but each rank applies
-        # it to its own heads only, so its gradient here is a partial sum over this rank's heads.
+        # q_norm/k_norm: one weight per head_dim entry, shared by all heads, applied by each rank to its own heads:
+        # replicated, with a partial gradient.
         partial_grad_params += [attention.q_norm.weight, attention.k_norm.weight]
 
     # Embedding and LM head, both split over the vocabulary as in tp-ft. The embedding's partial lookups are
@@ -224,11 +207,9 @@ def apply_tp(model, tp_mesh, loss_parallel: bool) -> list[torch.nn.Parameter]:
     tied = head.weight is embedding.weight
     parallelize_module(embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
                                                            use_local_output=False))
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    parallelize_module(base.model.norm, tp_mesh, SequenceParallel())
+    parallelize_module(model.get_decoder().norm, tp_mesh, SequenceParallel())
     if loss_parallel:
-        # The logits stay a DTensor split over the vocabulary: no rank ever holds the full [tokens x V] tensor
-        # (V = 151,936 for Qwen3: 0.6 GB of fp32 logits per 1,024-token row, plus as much for their gradient).
+        # The logits stay a DTensor split over the vocabulary: no rank holds the full [tokens x V] tensor.
         parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
                                                           use_local_output=False))
     else:
@@ -242,22 +223,7 @@ def apply_tp(model, tp_mesh, loss_parallel: bool) -> list[torch.nn.Parameter]:
 
 def with_lora_adapters(layer, plan: dict, tp_mesh) -> dict:
     """Extend a layer's plan to peft's LoRA layers: y = W x + B A x, each adapter linear split to match W.
-
-    Why the plan has to name the adapters (peft 0.21, torch 2.15):
-    - peft after parallelize_module: get_peft_model() sizes the adapters from the local shard of W, but it adds
-      collectives only for transformers' own TP (it looks for the `_hf_tp_plan` attribute that
-      from_pretrained(tp_plan=...) sets, which parallelize_module does not; huggingface/peft#3079 makes the split
-      below for that case). Nothing fails, and it is wrong: the
-      row-parallel A x stays a per-rank partial sum that is never all-reduced, so the ranks compute different losses,
-      neither equal to single-ft; the column-parallel A gets per-rank partial gradients that are never summed; the
-      row-parallel A is initialised with fan_in = in/tp; and the adapter shards are plain tensors that checkpoints
-      and exports take for replicated copies.
-    - peft first, the plan on the base layers only: the first forward fails, W x is [tokens, out/tp] and B A x is
-      [tokens, out] ("The size of tensor a (128) must match the size of tensor b (256)"). Nor can the plan name
-      the LoRA layer itself ("ColwiseParallel currently only support nn.Linear and nn.Embedding!").
-    So peft wraps the unsplit model (the same init as single-ft, from the same seed) and the plan splits the
-    adapter's own two nn.Linear as well.
-    """
+    peft wraps the unsplit model (single-ft's init); why the plan must name the adapters: the README."""
     expanded = {}
     for name, style in plan.items():
         module = layer.get_submodule(name)
@@ -270,14 +236,14 @@ def with_lora_adapters(layer, plan: dict, tp_mesh) -> dict:
                 # x is the replicated DTensor input: A [r, in] is replicated, B [out, r] is split by rows like W,
                 # so B A x lands on this rank's output columns. A's gradient arrives as a partial sum (B's input
                 # gradient, per rank) and is summed with the q_norm/k_norm gradients.
-                replicated(module.lora_A[adapter], tp_mesh)
+                distribute_module(module.lora_A[adapter], tp_mesh)  # no partition_fn: replicated
                 expanded[f"{name}.lora_B.{adapter}"] = ColwiseParallel()
             else:
                 # x is split over its features: A [r, in] is split like W (columns), and A x [tokens, r] is
                 # reduce-scattered along the sequence like W x; B [out, r] is replicated and runs on this rank's
                 # tokens (so, like a norm weight, its gradient comes out Partial and is summed once per step).
                 expanded[f"{name}.lora_A.{adapter}"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
-                replicated(module.lora_B[adapter], tp_mesh)
+                distribute_module(module.lora_B[adapter], tp_mesh)  # no partition_fn: replicated
     return expanded
 
 
@@ -313,8 +279,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = dist_info.device
     own_group = dist_info.backend is None
     if own_group:
-        # `python train.py` without torchrun: DTensor needs a process group even for tp = 1, so make a one-rank
-        # group in memory (a HashStore instead of torchrun's rendezvous).
+        # `python train.py`: DTensor needs a process group even for tp = 1, a one-rank group in memory.
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1)
     tp = dist_info.world_size
@@ -334,14 +299,12 @@ def main(argv: list[str] | None = None) -> dict:
     # bf16 mixed precision: weights, gradients and AdamW state stay fp32 (the "master weights"); autocast runs the
     # matrix multiplies in bf16. fp32: everything in fp32, which is what the parity tests use.
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if config.dtype == "bf16" else nullcontext
-    # Under loss_parallel() cross_entropy accepts logits split over the vocabulary: each rank reduces its shard
-    # (max, sum of exp, the target's logit where it owns the target) and three all-reduces of one number per
-    # token combine them. The backward must run inside it too.
+    # Under loss_parallel() cross_entropy takes logits split over the vocabulary: each rank reduces its shard and
+    # three all-reduces of one number per token combine them.
     loss_context = loss_parallel if config.loss_parallel else nullcontext
 
     # ---------------------------------------------------------------------------------------------------------
-    # Data: every row of every step is fixed by (seed, data, seq_len); see common/data.py. Every rank reads the
-    # same rows: TP splits the model, not the batch.
+    # Data: every row of every step is fixed by (seed, data, seq_len); see common/data.py.
     tokenizer = load_tokenizer(config.model)
     try:
         data = build_data(config.data, tokenizer, config.seq_len, packing=config.packing,
@@ -360,21 +323,14 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
 
     # ---------------------------------------------------------------------------------------------------------
-    # Model: built whole on every rank from the same seed (so LoRA's A is initialised exactly as in single-ft),
-    # then split by apply_tp; parallelize_module scatters rank 0's values, so the ranks start from one model.
+    # Model: built whole on every rank from the same seed (single-ft's init, LoRA's too), then split by apply_tp.
     model = load_model(config.model, tokenizer, attention.impl, device=device,
                        dtype=weights_dtype(config.dtype, config.lora_rank))  # a LoRA base in bf16 under bf16
     if config.lora_rank:
         model = add_lora(model, config.lora_rank, config.lora_alpha)  # fp32 adapters; the rest frozen
     if config.activation_checkpointing:
-        # After peft, so that only transformers makes the embedding's output require a gradient (for the reentrant
-        # variant), and disable_input_require_grads undoes it: non-reentrant checkpointing, the variant PyTorch
-        # recommends, needs no input that requires grad, and under LoRA that gradient is never used (here
-        # its reduce-scatter was never even waited on). early_stop=False: by default the recomputation stops once
-        # it has remade the last tensor backward needs, under LoRA the row-parallel adapter's input, after the base
-        # projection's reduce-scatter (an asynchronous DTensor collective) was issued: torch kept that work and its
-        # buffers registered until exit, one per layer per step ("N unwaited collective calls"). Recomputing each
-        # layer to its end waits on it, for the cost of a few elementwise ops.
+        # early_stop=False and disable_input_require_grads: no asynchronous DTensor collective left unwaited
+        # under LoRA, no unused gradient for the embedding's output (tp-ft's README says why).
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False,
                                                                          "early_stop": False})
         model.disable_input_require_grads()
@@ -388,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict:
         # the right ones (tests/test_tp_ft.py holds it to single-ft). Compilation then costs its full time every run.
         torch._inductor.config.fx_graph_cache = False
         torch._functorch.config.enable_autograd_cache = False
-        for layer in decoder_layers(model):
+        for layer in model.get_decoder().layers:
             layer.compile()
     if not config.sync_qk_norm_grads:
         partial_grad_params = []
@@ -402,23 +358,24 @@ def main(argv: list[str] | None = None) -> dict:
     print0(f"tensor parallel: {tp} ranks, mesh {tp_mesh} | {model.config.num_attention_heads // tp} query heads, "
            f"{model.config.num_key_value_heads // tp} KV heads, {model.config.intermediate_size // tp} MLP columns "
            f"per rank | norms and residuals on {config.seq_len // tp} of {config.seq_len} tokens per row | "
-           f"loss parallel {'on' if config.loss_parallel else 'off'}")
+           f"loss parallel {'on' if config.loss_parallel else 'off'} | the same rows on every rank")
     print0(f"batch: B = {config.micro_batch_size} x {config.grad_accum} = {rows_per_step} rows of {config.seq_len} "
-           f"(the same rows on every rank) -> T_eff = {rows_per_step * config.seq_len:,} token slots per "
-           f"optimizer step")
+           f"-> T_eff = {rows_per_step * config.seq_len:,} token slots per optimizer step")
 
     # ---------------------------------------------------------------------------------------------------------
-    # Optimizer: AdamW; no weight decay on norms (1-D weights). Fused kernels on GPU. AdamW's fused and foreach
-    # kernels take one list per parameter group and DTensor rejects a list that mixes DTensors with plain tensors
-    # (q_norm, k_norm), so each group holds one kind.
+    # Optimizer: AdamW; no weight decay on norms (1-D weights). Fused kernels on GPU. DTensor rejects a list that
+    # mixes DTensors with plain tensors (q_norm, k_norm): one group per kind.
     def by_kind(params):
         return [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
 
     decay = [p for p in trainable if p.ndim >= 2]
     no_decay = [p for p in trainable if p.ndim < 2]
-    groups = [{"params": kind, "weight_decay": config.weight_decay} for kind in by_kind(decay) if kind] + \
-             [{"params": kind, "weight_decay": 0.0} for kind in by_kind(no_decay) if kind]
-    optimizer = torch.optim.AdamW(groups, lr=config.lr, fused=device.type == "cuda")
+    # A group left empty (under LoRA nothing 1-D is trained) is not created: a checkpoint's flattened optimizer
+    # state cannot be loaded back into a group without parameters.
+    groups = [{"params": kind, "weight_decay": decay_rate} for params, decay_rate in
+              ((decay, config.weight_decay), (no_decay, 0.0)) for kind in by_kind(params)]
+    optimizer = torch.optim.AdamW([group for group in groups if group["params"]], lr=config.lr,
+                                  fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, config.warmup_steps, config.steps))
 
@@ -430,10 +387,9 @@ def main(argv: list[str] | None = None) -> dict:
     if config.resume:
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
     # Step clock, comm_ms, the step line, metrics.jsonl, summary.json; the garbage collector on a schedule from here.
-    # world_size = tp: MFU divides by every rank; tokens/s counts the step's rows once (every rank reads them).
-    rec = Recorder(EXPERIMENT, config, device, model.config, data, rows_per_step, world_size=tp, rank=dist_info.rank,
-                   steps_per_epoch=plan.steps_per_epoch, start_step=start_step, script_dir=SCRIPT_DIR,
-                   n_parameters=n_params, n_trainable=n_trainable, flops_per_token=model_flops_per_token)
+    rec = Recorder(EXPERIMENT, config, device, model.config, data, rows_per_step, steps_per_epoch=plan.steps_per_epoch,
+                   start_step=start_step, script_dir=SCRIPT_DIR, n_parameters=n_params, n_trainable=n_trainable,
+                   flops_per_token=model_flops_per_token, world_size=tp, rank=dist_info.rank)  # MFU over tp devices
     activations = SavedActivations(model)  # what the first micro-batch's forward keeps for backward (common/tp.py)
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum)
@@ -487,7 +443,7 @@ def main(argv: list[str] | None = None) -> dict:
     rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    # common/memory's prediction for one device: its peak next to the measured one (comparable on a GPU, where
+    # common/memory's prediction for this device: its peak next to the measured one (comparable on a GPU, where
     # both mean max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included),
     # its model states next to the bytes counted above.
     prediction = estimate(
@@ -495,9 +451,8 @@ def main(argv: list[str] | None = None) -> dict:
         activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank,
         precision=config.dtype, attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
         compile=config.compile)
-    # common/comm.py's formula for what the profiled steps measured. Covered: full-parameter fp32 on two or more
-    # ranks. Not covered: LoRA (its adapters add collectives of their own), bf16 (autocast gives the forward's and
-    # the backward's activations different dtypes) and a world of one; neither is checked against a measurement.
+    # common/comm.py's formula for what the profiled steps measured: full-parameter fp32 on two or more ranks only
+    # (LoRA adds collectives, bf16 gives forward and backward different dtypes; the README).
     formula = None
     if tp > 1 and not config.lora_rank and config.dtype == "fp32":
         formula = as_backend(tp_collectives(
@@ -512,9 +467,8 @@ def main(argv: list[str] | None = None) -> dict:
         replica_drift=replica_drift(model.parameters(), tp_mesh))  # a collective: every rank calls finish
 
     if config.save_hf:
-        # Every rank takes part: each DTensor is all-gathered into a full tensor under its original name (on rank
-        # 0, in CPU memory). A copy of the architecture on the meta device (no memory) takes them with
-        # assign=True, and from there the export is single-ft's: save_pretrained, of the adapter or merged.
+        # Every rank takes part: each DTensor is all-gathered into a full tensor on rank 0 (CPU memory); a copy of
+        # the architecture on the meta device takes them (assign=True), and from there the export is single-ft's.
         full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if dist_info.is_main:
             save_dir = Path(config.save_hf)
