@@ -96,8 +96,9 @@ def replica_drift(parameters, tp_mesh) -> float:
     dist.broadcast(first, group=tp_mesh.get_group(), group_src=0)
     drift = (mine - first).abs().max()
     dist.all_reduce(drift, op=dist.ReduceOp.MAX)  # over every tp group of the world
-    print0(f"parameters replicated over tp: largest difference between ranks {drift.item():.3g}")
-    return drift.item()
+    largest = drift.item()
+    print0(f"parameters replicated over tp: largest difference between ranks {largest:.3g}")
+    return largest
 
 
 class FullLogits(torch.nn.Module):

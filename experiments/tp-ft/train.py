@@ -194,7 +194,7 @@ def apply_tp(model, tp_mesh, loss_parallel: bool) -> list[torch.nn.Parameter]:
 
 def with_lora_adapters(layer, plan: dict, tp_mesh) -> dict:
     """Extend a layer's plan to peft's LoRA layers: y = W x + B A x, each adapter linear split to match W.
-    peft wraps the unsplit model (single-ft's init); why the plan must name the adapters: the README."""
+    peft wraps the unsplit model (single-ft's init); the README says why the plan must name the adapters."""
     expanded = {}
     for name, style in plan.items():
         module = layer.get_submodule(name)
