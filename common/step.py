@@ -24,6 +24,7 @@ from __future__ import annotations
 import gc
 
 import torch
+from torch.distributed.tensor import DTensor
 
 GC_EVERY_STEPS = 20  # young-generation collections every this many optimizer steps (torchtitan's default is 50)
 
@@ -68,6 +69,8 @@ def clip_grad_norm(optimizer: torch.optim.Optimizer, parameters: list[torch.Tens
     clipped to `max_norm` (inf: not at all) by the next `optimizer.step()` when the optimizer can fold it in
     (`folds_clipping`), else here, in place, as clip_grad_norm_ does."""
     grads = [p.grad for p in parameters if p.grad is not None]
+    if any(isinstance(grad, DTensor) for grad in grads):
+        return _clip_sharded_grad_norm(parameters, max_norm)
     norm = torch.nn.utils.get_total_norm(grads, foreach=True)
     if folds_clipping(optimizer):
         # clip_grad_norm_ multiplies by min(1, max_norm / (norm + 1e-6)); the fused step divides by grad_scale.
@@ -75,3 +78,22 @@ def clip_grad_norm(optimizer: torch.optim.Optimizer, parameters: list[torch.Tens
     else:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach=True)
     return norm
+
+
+def _clip_sharded_grad_norm(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ for DTensor gradients, alone or beside plain ones (tensor parallelism's replicated norms),
+    which clip_grad_norm_ refuses to stack (meta-pytorch/torchtune#2420): one norm per device mesh (plain tensors,
+    the same on every rank, count once), each DTensor norm summed over its mesh, then every group clipped."""
+    groups: dict = {}
+    for p in parameters:
+        groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    norms = []
+    for group in groups.values():
+        grads = [p.grad for p in group if p.grad is not None]
+        if grads:
+            norm = torch.nn.utils.get_total_norm(grads)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total_norm = torch.linalg.vector_norm(torch.stack(norms))
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm)
+    return total_norm

@@ -1,10 +1,12 @@
 """fsdp-tp-ft: fine-tune a Qwen3 decoder with FSDP2 x tensor parallelism on a 2-D device mesh ("dp", "tp").
 
-    uv run torchrun --nproc_per_node=4 experiments/fsdp-tp-ft/train.py --tp-degree 2      # CPU (gloo): 2 x 2, qwen3-tiny
-    uv run torchrun --nproc_per_node=8 experiments/fsdp-tp-ft/train.py --model Qwen/Qwen3-4B-Base --tp-degree 2 --activation-checkpointing
+    uv run torchrun --nproc_per_node=4 experiments/fsdp-tp-ft/train.py --tp-degree 2   # CPU (gloo): 2 x 2, qwen3-tiny
+    uv run torchrun --nproc_per_node=8 experiments/fsdp-tp-ft/train.py --model Qwen/Qwen3-4B-Base --tp-degree 2 \\
+        --activation-checkpointing
     uv run torchrun --nproc_per_node=4 experiments/fsdp-tp-ft/train.py --lora-rank 16 --save-hf runs/lora --merge-lora
     uv run torchrun --nproc_per_node=4 experiments/fsdp-tp-ft/train.py --steps 3 --seq-len 128   # CPU smoke run (gloo)
-    uv run torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=node01:29500 --rdzv-id=job1 experiments/fsdp-tp-ft/train.py --tp-degree 8
+    uv run torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=node01:29500 --rdzv-id=job1 \\
+        experiments/fsdp-tp-ft/train.py --tp-degree 8
 
 The layout torchtitan uses for large models. The W ranks form a mesh of dp = W / tp rows and tp columns, and the tp
 ranks of one row are consecutive (one node's GPUs under torchrun). Tensor parallelism runs inside a row: tp-ft's
@@ -15,11 +17,8 @@ modules, shards every rank's TP slice once more over the dp ranks that hold the 
 one FSDP unit, all-gathered (over dp only) just before it runs and reduce-scattered (over dp only) in backward.
 A rank holds 1/(dp x tp) of every split weight, of its gradient and of its AdamW state, and 1/dp of the norms.
 
-Why both: TP alone stops at one node (its collectives are inside every layer, on the critical path, and want
-NVLink), and it splits the model but not the batch; FSDP alone all-gathers each whole layer on every rank, which
-fails when one layer's weights and activations do not fit one GPU, and its all-gathers grow with the world size.
-Together, the per-layer all-reduces stay on a node's fast links, FSDP's all-gathers and reduce-scatters cross nodes
-once per layer (on tp times fewer bytes each), and the batch is split over the dp rows.
+Why both (the README says more): TP's per-layer all-reduces stay on a node's fast links, FSDP's all-gathers and
+reduce-scatters cross nodes once per layer on tp times fewer bytes each, and the batch is split over the dp rows.
 
 The data is split over the dp coordinate of the mesh, never over the global rank: all tp ranks of one row read the
 same rows, so one optimizer step consumes B = micro_batch_size x grad_accum x dp rows and is the same step as
@@ -45,20 +44,20 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, loss_parallel, \
     parallelize_module
 from transformers import AutoModelForCausalLM
 
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
-from common.data import DataError, build_data, describe, evaluate, sample_text, token_loss_sum
-from common.dist import all_ranks, init_distributed, print0, record_collectives_in, teardown
+from common.data import DataError, build_data, describe, evaluate, sample_text, to_device, token_loss_sum
+from common.dist import init_distributed, print0, record_collectives_in, teardown
 from common.memory import attention_kind, estimate
-from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
-    state_bytes, summary_table
-from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
-    model_config, record_adapter_base, refuse_moe, resolve_model_name, weights_dtype
+from common.metrics import MetricsLogger, Recorder
+from common.models import TINY_PRESETS, add_lora, count_parameters, flops_per_token, is_preset, load_model, \
+    load_tokenizer, model_config, record_adapter_base, refuse_moe, resolve_model_name, weights_dtype
+from common.tp import FullLogits, local, on_tp_mesh, replica_drift
 
 EXPERIMENT = "fsdp-tp-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -122,7 +121,7 @@ def resolve(config: Config) -> Config:
     if notice:
         print0(notice)
     if config.seq_len is None:
-        config.seq_len = 256 if config.model == "qwen3-tiny" else 1024
+        config.seq_len = 256 if config.model in TINY_PRESETS else 1024
     if config.dtype is None:
         config.dtype = "bf16" if torch.cuda.is_available() else "fp32"
     if config.lr is None:
@@ -135,8 +134,7 @@ def resolve(config: Config) -> Config:
                          "backward inside DTensor's redistribution (torch 2.15 on CPU; see tp-ft's README)")
     if config.loss_chunk_tokens:
         raise SystemExit(f"{EXPERIMENT} has no --loss-chunk-tokens: loss parallelism already splits the logits over "
-                         "the vocabulary, and chunking them too needs a vocabulary-parallel chunked cross-entropy "
-                         "over DTensors, not built yet (see tp-ft's README)")
+                         "the vocabulary; chunking them too is not built yet (see tp-ft's README)")
     return config
 
 
@@ -173,17 +171,10 @@ def build_model(config: Config, tokenizer, attn_implementation: str, on_meta: bo
 # Tensor parallelism inside a row of the mesh: tp-ft's plan, unchanged
 
 
-def decoder_layers(model) -> torch.nn.ModuleList:
-    """The decoder layers of a Qwen3ForCausalLM, bare or wrapped by peft."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.model.layers
-
-
 def check_divisible(config, tp: int) -> None:
     """Every tp rank must get whole heads, whole KV groups and equal slices; say which number breaks it."""
-    # Whole heads: q_norm/k_norm and the softmax work per head. Whole KV groups (GQA): rank r's query heads
-    # [r H/tp, (r+1) H/tp) read KV heads [r KV/tp, (r+1) KV/tp) only when tp divides KV. The MLP width and the
-    # vocabulary are split evenly so that every rank's shard has the same shape.
+    # q_norm/k_norm and the softmax work per head; a rank's query heads must read its own KV heads (GQA); equal
+    # shards for the MLP width and the vocabulary (tp-ft's README says more).
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
         value = getattr(config, field)
         if value % tp:
@@ -191,23 +182,16 @@ def check_divisible(config, tp: int) -> None:
                              f"choose a --tp-degree that divides it")
 
 
-def replicated(module: torch.nn.Module, tp_mesh: DeviceMesh) -> torch.nn.Module:
-    """Make every parameter of `module` a Replicate DTensor, so that it accepts the DTensor inputs of the plan."""
-    return distribute_module(module, tp_mesh)  # without a partition_fn every parameter is replicated
-
-
 def apply_tp(model, tp_mesh: DeviceMesh, loss_parallel: bool) -> list[torch.nn.Module]:
     """Split `model` (a Qwen3ForCausalLM, optionally wrapped by peft) over the tp ranks of its row, in place.
 
-    tp-ft's apply_tp on the "tp" dimension of the 2-D mesh: every collective of this plan runs inside one row (one
-    node). Returns the modules whose weight stays a plain replicated tensor but gets from each tp rank a gradient of
-    its own heads only (q_norm and k_norm): the training loop sums those over the row. Modules, not parameters as in
-    tp-ft: fully_shard replaces every parameter of a module with a new (sharded) one.
+    tp-ft's apply_tp on the "tp" dimension of the mesh, inside one row (one node). Returns q_norm and k_norm, whose
+    gradients the loop sums over the row: modules, not parameters, since fully_shard replaces every parameter.
     """
     tp = tp_mesh.size()
     check_divisible(model.config, tp)
     partial_grad_modules = []
-    for layer in decoder_layers(model):
+    for layer in model.get_decoder().layers:
         plan = {
             # The attention's and the MLP's (replicated) input enters the plan once as a DTensor, so backward
             # all-reduces one summed input gradient per block instead of one per column-parallel linear.
@@ -252,8 +236,8 @@ def apply_tp(model, tp_mesh: DeviceMesh, loss_parallel: bool) -> list[torch.nn.M
 def with_lora_adapters(layer, plan: dict, tp_mesh: DeviceMesh) -> dict:
     """Extend a layer's plan to peft's LoRA layers: y = W x + B A x, each adapter linear split to match W.
 
-    As in tp-ft (whose docstring says why peft and parallelize_module need this): for a column-parallel W, A is
-    replicated and B column-parallel; for a row-parallel W, A is row-parallel and B stays a plain tensor.
+    As in tp-ft (its README says why): for a column-parallel W, A is replicated and B column-parallel; for a
+    row-parallel W, A is row-parallel and B stays a plain tensor.
     """
     expanded = {}
     for name, style in plan.items():
@@ -266,7 +250,7 @@ def with_lora_adapters(layer, plan: dict, tp_mesh: DeviceMesh) -> dict:
             if isinstance(style, ColwiseParallel):
                 # A's gradient is a Partial(sum) DTensor over the tp ranks; FSDP redistributes it to A's Replicate
                 # placement (an all-reduce over the row) before its reduce-scatter over the column.
-                replicated(module.lora_A[adapter], tp_mesh)
+                distribute_module(module.lora_A[adapter], tp_mesh)  # no partition_fn: replicated
                 expanded[f"{name}.lora_B.{adapter}"] = ColwiseParallel()
             else:
                 expanded[f"{name}.lora_A.{adapter}"] = RowwiseParallel()
@@ -281,18 +265,14 @@ def apply_fsdp(model, dp_mesh: DeviceMesh, param_dtype: torch.dtype | None, resh
                ) -> list[torch.nn.Module]:
     """fsdp-ft's units (one per decoder layer, then the root) on the "dp" dimension of the mesh. Returns the layers.
 
-    After apply_tp a split weight is a DTensor on the "tp" mesh holding this rank's slice, e.g. q_proj's [out/tp, in].
-    fully_shard over "dp" cuts that slice again along dim 0 over the dp ranks of its column and keeps the result as
-    one DTensor on the 2-D mesh: placements (Shard(0) or _StridedShard(0) over "dp", the TP placement over "tp").
-    The norms, plain tensors after the plan, become 1/dp shards on the "dp" mesh. In forward a unit's all-gather runs
-    over "dp" only and rebuilds this rank's TP slice (not the whole weight); in backward the reduce-scatter over
-    "dp" sums the gradients of the dp ranks that hold the same slice. Those are the only collectives that cross the
-    rows (nodes); the plan's all-reduces stay inside a row.
+    fully_shard over "dp" cuts each rank's TP slice again along dim 0 (a DTensor on the 2-D mesh; the norms become
+    1/dp shards on the "dp" mesh). Its all-gathers and reduce-scatters run over "dp" only, the only collectives that
+    cross the rows (nodes); the plan's all-reduces stay inside a row (the README says more).
     """
     # Mixed precision as in fsdp-ft: fp32 shards (the master weights and AdamW's state), bf16 gathers and compute,
     # fp32 reduce-scatters. No autocast.
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    layers = list(decoder_layers(model))
+    layers = list(model.get_decoder().layers)
     for layer in layers:
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     # The root (embedding = tied LM head, final norm) stays gathered after forward: backward starts with the head.
@@ -309,20 +289,11 @@ def init_rope_buffers(model, device: torch.device) -> None:
             module.original_inv_freq = fresh.original_inv_freq.to(device)
 
 
-def on_tp_mesh(parameter: torch.nn.Parameter) -> bool:
-    """Whether a parameter is split over the tp ranks (a TP slice), rather than replicated across them."""
-    mesh = parameter.device_mesh
-    if "tp" not in (mesh.mesh_dim_names or ()):
-        return False
-    return not parameter.placements[mesh.mesh_dim_names.index("tp")].is_replicate()
-
-
 def all_reduce_partial_grads(plain: list[torch.nn.Parameter], tp_mesh: DeviceMesh) -> None:
     """Sum over the tp ranks of a row, in one all-reduce per step, the q_norm/k_norm gradients.
 
-    FSDP has already reduce-scattered them over "dp": each rank holds the dp-sum of its own heads' partial gradient,
-    on its 1/dp shard. The tp ranks of a row hold the same shard (they share the dp coordinate), so summing the
-    local shards over the row completes the gradient, as tp-ft's all-reduce does on whole tensors.
+    FSDP has already reduce-scattered them over "dp"; the tp ranks of a row hold the same 1/dp shard, each the
+    partial gradient of its own heads, so summing the local shards over the row completes the gradient.
     """
     grads = [p.grad.to_local() for p in plain if p.grad is not None]
     if not grads:
@@ -346,11 +317,8 @@ def by_mesh(parameters) -> list[list[torch.nn.Parameter]]:
 def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float, tp: int) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ for gradients sharded over a 2-D mesh, with one all-reduce.
 
-    A TP slice's gradient block differs on every rank of the mesh, so its sum of squares is summed over all ranks.
-    The other gradients (norms, LoRA's replicated adapters) are sharded over "dp" only, the same block on every tp
-    rank of a row: summed over all ranks, each would count tp times, hence the / tp. (DTensor's own norm of the 2-D
-    gradients would all-reduce over "dp" and "tp" one after the other, and it refuses a list mixing the two meshes.)
-    Every rank then scales its own blocks by the same factor.
+    A TP slice's block differs on every rank, so its sum of squares is summed over all ranks; the other gradients
+    (norms, LoRA's replicated adapters) are the same block on every tp rank of a row, hence the / tp (the README).
     """
     split = [p.grad.to_local() for p in parameters if p.grad is not None and on_tp_mesh(p)]
     shared = [p.grad.to_local() for p in parameters if p.grad is not None and not on_tp_mesh(p)]
@@ -360,39 +328,6 @@ def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float, tp: in
     for group in by_mesh(parameters):
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm)
     return total_norm
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (a plain tensor is all local)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-class FullLogits(torch.nn.Module):
-    """common.data.evaluate() adds up plain-tensor losses: give it gathered logits (no grad, one micro-batch)."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, **kwargs):
-        output = self.model(**kwargs)
-        if isinstance(output.logits, DTensor):
-            output.logits = output.logits.full_tensor()
-        return output
-
-
-def replica_drift(parameters: list[torch.nn.Parameter], tp_mesh: DeviceMesh) -> float:
-    """Largest |difference| between any tp rank's and the row's first rank's shard of the parameters replicated
-    over "tp" (the norms, LoRA's replicated adapters): 0.0 when the rows' replicas are in sync."""
-    copies = [local(p).detach() for p in parameters if not on_tp_mesh(p)]
-    if not copies:
-        return 0.0
-    mine = torch.cat([copy.flatten() for copy in copies])
-    first = mine.clone()
-    dist.broadcast(first, group=tp_mesh.get_group(), group_src=0)
-    drift = (mine - first).abs().max()
-    dist.all_reduce(drift, op=dist.ReduceOp.MAX)
-    return drift.item()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -460,11 +395,8 @@ def main(argv: list[str] | None = None) -> dict:
         full_state = build_model(config, tokenizer, attention.impl, on_meta=False).state_dict()
     model = build_model(config, tokenizer, attention.impl, on_meta=True)
     if config.activation_checkpointing:
-        # Before the plan and the sharding, as in fsdp-ft: the checkpoint wraps each layer's forward, so the TP and
-        # FSDP hooks around the module call stay outside the recomputed region.
-        # early_stop=False and disable_input_require_grads, as in tp-ft: every recomputed layer runs to its end, so
-        # no asynchronous DTensor collective is left unwaited under LoRA, and the embedding's output (frozen under
-        # LoRA) does not get a gradient nobody uses.
+        # Before the plan and the sharding (the TP and FSDP hooks stay outside the recomputed region); early_stop
+        # and disable_input_require_grads as in tp-ft (its README says why).
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False,
                                                                          "early_stop": False})
         model.disable_input_require_grads()
@@ -511,74 +443,59 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Training loop
-    # world_size: every rank is a device of this run (MFU divides by all); tokens/s counts the step's real tokens,
-    # the dp rows' different rows, each once.
-    metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
-                            warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
-                            model_config=model.config, lora_rank=config.lora_rank, device=device, world_size=world_size,
-                            is_main=rank == 0, report_to=config.report_to,
-                            log_every=config.log_every, steps_per_epoch=plan.steps_per_epoch, resume=config.resume)
-    comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
-    stopwatch = Stopwatch(device)
     eval_losses = []
     # The step count is the whole data position: step k always consumes the same rows.
     start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
     if config.resume:
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
-    # Model-state bytes are counted once, on the second step, after its backward and before its update: the
-    # gradients exist, and so does AdamW's state, created by the first update.
-    state_step = min(start_step + 1, config.steps - 1)
-    measured_state = None
+    # Step clock, comm_ms, the step line, metrics.jsonl, summary.json; the garbage collector on a schedule from here.
+    # MFU divides by every rank; tokens/s counts the step's real tokens, the dp rows' different rows, each once.
+    rec = Recorder(EXPERIMENT, config, device, model.config, data, rows_per_step, world_size=world_size, rank=rank,
+                   steps_per_epoch=plan.steps_per_epoch, start_step=start_step, script_dir=SCRIPT_DIR,
+                   n_parameters=n_params, n_trainable=n_trainable, flops_per_token=model_flops_per_token)
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum, dp_rank, dp)
         # The denominator of the whole step, over all dp rows: every rank counts it locally, no collective.
         loss_tokens = data.step_loss_tokens(step, rows_per_step)
         lr = scheduler.get_last_lr()[0]
 
-        stopwatch.reset()
-        comm_timer.start(step)
+        rec.start(step)
+        # All of the step's micro-batches go to the device up front, from pinned memory on a GPU, so the copies
+        # overlap the compute queued before them instead of waiting in the loop.
+        batches = [to_device(host_batch, device) for host_batch in micro_batches]
         step_loss = torch.zeros((), device=device)
-        for index, host_batch in enumerate(micro_batches):
-            batch = {key: value.to(device, non_blocking=True) for key, value in host_batch.items()}
+        for index, (host_batch, batch) in enumerate(zip(micro_batches, batches)):
             # --attn varlen: the documents' boundaries, from the host copy of position_ids ({} otherwise).
             packed = attention.forward_kwargs(host_batch["position_ids"], device)
             # As in fsdp-ft: reduce-scatter over "dp" only in the last micro-batch's backward.
             model.set_requires_gradient_sync(index == len(micro_batches) - 1)
-            with loss_context():
+            with loss_context():  # loss parallelism: the backward of the sharded cross-entropy must run inside it
                 # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay isolated.
                 logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                attention_mask=None, use_cache=False, **packed).logits
-                # Divide by the whole step's loss tokens (all micro-batches, all dp rows). With loss parallelism the
-                # sum over tokens is complete on every tp rank (a Replicate DTensor). FSDP's reduce-scatter averages
-                # over the dp ranks, so backward runs on dp x loss: the average of those is the sum we want. (The tp
-                # ranks of a row compute the same loss; their gradients are slices, never averaged.)
+                # Divide by the whole step's loss tokens (all micro-batches, all dp rows); FSDP's reduce-scatter
+                # averages over the dp ranks, so backward runs on dp x loss (README: the loss).
                 loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
                 (loss * dp).backward()
             step_loss += local(loss.detach())
-        if step == state_step:
-            # This rank's (dp, tp) blocks of the split weights, its 1/dp of the norms, their gradients, AdamW's state.
-            measured_state = state_bytes(model.parameters(), optimizer)
+        rec.state(step, model.parameters(), optimizer)  # this rank's (dp, tp) blocks, 1/dp of the norms, grads, AdamW
         all_reduce_partial_grads(partial_grad_params, tp_mesh)
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
-        grad_norm = clip_grad_norm(trainable, max_norm, tp)
+        grad_norm = clip_grad_norm(trainable, max_norm, tp)  # one all-reduce over the 2-D mesh (README)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         # Each dp row summed its own rows' token losses over the global count: the step loss is the sum over "dp".
         dist.all_reduce(step_loss, group=dp_mesh.get_group())
+        rec.stop()
         # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together.
-        step_loss_value, grad_norm_value = torch.stack([step_loss, grad_norm.float()]).tolist()
-        step_ms = stopwatch.elapsed_ms()
-        comm_ms = comm_timer.stop(step)
-
-        metrics.log_step(step + 1, step_loss_value, lr, grad_norm_value, data.step_real_tokens(step, rows_per_step),
-                         loss_tokens, step_ms, comm_ms, print_fn=print0,
-                         documents=data.step_documents(step, rows_per_step))
+        values = torch.stack([step_loss, grad_norm.float()]).tolist()
+        rec.step(step, values[0], lr, values[1])
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate(FullLogits(model), data, config.micro_batch_size, device,
                                                    nullcontext)))
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
-            metrics.log_eval(*eval_losses[-1])
+            rec.eval(*eval_losses[-1])
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             # Collective: DCP writes each rank's (dp, tp) blocks; a block shared by several ranks is written once.
             saved = save_checkpoint(config.out_dir, step + 1, model, optimizer, scheduler, run=plan.identity,
@@ -592,35 +509,21 @@ def main(argv: list[str] | None = None) -> dict:
     # A forward without backward leaves the root gathered (reshard_after_forward=False): back to the shards, so that
     # model.parameters() are the sharded DTensors again for the drift check below.
     model.reshard()
-    metrics.log_eval(config.steps, eval_loss)
+    rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    drift = replica_drift(list(model.parameters()), tp_mesh)
-    print0(f"parameters replicated over tp: largest difference between the ranks of a row {drift:.3g}")
     # common/memory's prediction for one device ("fsdp-tp": tp-ft's slice, its states sharded over dp, FSDP's
-    # gathered units as in fsdp-ft). No collective formula: common/comm.py does not model this layout, so the
-    # summary has the profiled collectives (collective_counts, collective_bytes_per_step) without one.
+    # gathered units as in fsdp-ft). No collective formula: common/comm.py does not model this layout.
     prediction = estimate(
         model.config, "fsdp-tp", world_size, tensor_parallel=tp, seq_len=config.seq_len,
         micro_batch_size=config.micro_batch_size, activation_checkpointing=config.activation_checkpointing,
         lora_rank=config.lora_rank, precision=config.dtype, attention=attention_kind(attention, config.packing),
         grad_accum=config.grad_accum)  # neither --compile nor --loss-chunk-tokens here
-    summary = metrics.write_summary(
-        comm_timer=comm_timer,  # comm_ms, collective counts and bytes: torch.profiler over the profiled steps
-        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(SCRIPT_DIR), config=asdict(config),
-        hardware=hardware_info(device, world_size=world_size), attention=asdict(attention),
-        model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
-                   flops_per_token=model_flops_per_token),
-        t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
-        predicted_peak_mem_gib=prediction.total_gib,
-        state_bytes_per_rank=None if measured_state is None else all_ranks(measured_state),
-        state_bytes_step=None if measured_state is None else state_step + 1,  # 1-based, as in metrics.jsonl
-        predicted_state_bytes=prediction.state_bytes(),
-        packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
-        n_truncated=data.stats["n_truncated"], data=data.stats, tensor_parallel=tp, data_parallel=dp,
-        mesh=dict(shape=[dp, tp], dim_names=["dp", "tp"]), replica_drift=drift)
-    print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
-           f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
+    summary = rec.finish(
+        attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
+        predicted_peak_mem_gib=prediction.total_gib, predicted_state_bytes=prediction.state_bytes(),
+        tensor_parallel=tp, data_parallel=dp, mesh=dict(shape=[dp, tp], dim_names=["dp", "tp"]),
+        replica_drift=replica_drift(model.parameters(), tp_mesh))  # a collective: every rank calls finish
 
     if config.save_hf:
         # Every rank takes part: each DTensor is all-gathered over both dimensions into a full tensor under its

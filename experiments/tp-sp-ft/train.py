@@ -43,19 +43,19 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, \
     loss_parallel, parallelize_module
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from transformers import AutoModelForCausalLM
 
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
-from common.data import DataError, build_data, describe, evaluate, sample_text, token_loss_sum
+from common.data import DataError, build_data, describe, evaluate, sample_text, to_device, token_loss_sum
 from common.comm import as_backend, tp_collectives
-from common.dist import all_ranks, init_distributed, print0, record_collectives_in, teardown
+from common.dist import init_distributed, print0, record_collectives_in, teardown
 from common.memory import attention_kind, estimate
-from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
-    state_bytes, summary_table
-from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
-    record_adapter_base, resolve_model_name, weights_dtype
+from common.metrics import MetricsLogger, Recorder
+from common.models import TINY_PRESETS, add_lora, count_parameters, flops_per_token, is_preset, load_model, \
+    load_tokenizer, record_adapter_base, resolve_model_name, weights_dtype
+from common.step import clip_grad_norm
+from common.tp import FullLogits, SavedActivations, local, replica_drift
 
 EXPERIMENT = "tp-sp-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -116,7 +116,7 @@ def resolve(config: Config) -> Config:
     if notice:
         print0(notice)
     if config.seq_len is None:
-        config.seq_len = 256 if config.model == "qwen3-tiny" else 1024
+        config.seq_len = 256 if config.model in TINY_PRESETS else 1024
     if config.dtype is None:
         config.dtype = "bf16" if torch.cuda.is_available() else "fp32"
     if config.lr is None:
@@ -126,8 +126,7 @@ def resolve(config: Config) -> Config:
     resolve_paths(config, EXPERIMENT)  # --data found, --out-dir under the working directory, --resume
     if config.loss_chunk_tokens:
         raise SystemExit(f"{EXPERIMENT} has no --loss-chunk-tokens: loss parallelism already splits the logits over "
-                         "the vocabulary, and chunking them too needs a vocabulary-parallel chunked cross-entropy "
-                         "over DTensors, not built yet (see the README)")
+                         "the vocabulary; chunking them too is not built yet (see the README)")
     return config
 
 
@@ -139,30 +138,15 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def decoder_layers(model) -> torch.nn.ModuleList:
-    """The decoder layers of a Qwen3ForCausalLM, bare or wrapped by peft."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.model.layers
-
-
 def check_divisible(config, tp: int) -> None:
     """Every rank must get whole heads, whole KV groups and equal slices; say which number breaks it."""
-    # Whole heads: q_norm/k_norm normalise over one head's head_dim and the softmax runs per head, so a head cut
-    # in two would need its partial dot products summed before the softmax. Whole KV groups (GQA): query head h
-    # reads KV head h // (H / KV); the column split gives rank r query heads [r H/tp, (r+1) H/tp) and KV heads
-    # [r KV/tp, (r+1) KV/tp), which belong together only when tp divides KV (tp > KV would need the KV heads
-    # replicated, which this plan does not do). The MLP width and the vocabulary are split evenly so that every
-    # rank's shard has the same shape (the tied embedding/LM head is one weight split over the vocabulary).
+    # q_norm/k_norm and the softmax work per head; a rank's query heads must read its own KV heads (GQA); equal
+    # shards for the MLP width and the vocabulary (the README says more).
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
         value = getattr(config, field)
         if value % tp:
             raise SystemExit(f"tensor parallelism over {tp} ranks needs {field} ({value}) divisible by {tp}; "
                              f"run with a --nproc_per_node that divides it")
-
-
-def replicated(module: torch.nn.Module, tp_mesh) -> torch.nn.Module:
-    """Make every parameter of `module` a Replicate DTensor, so that it accepts the DTensor inputs of the plan."""
-    return distribute_module(module, tp_mesh)  # without a partition_fn every parameter is replicated
 
 
 def apply_tp(model, tp_mesh, loss_parallel: bool) -> list[torch.nn.Parameter]:
@@ -181,7 +165,7 @@ def apply_tp(model, tp_mesh, loss_parallel: bool) -> list[torch.nn.Parameter]:
     # the replica, without a broadcast from rank 0; that holds because every rank built the same model.
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     partial_grad_params = []
-    for layer in decoder_layers(model):
+    for layer in model.get_decoder().layers:
         plan = {
             # Sequence-parallel region: the norm runs on this rank's seq_len/tp tokens with a replicated weight.
             # Its weight gradient comes out Partial(sum) (this rank's tokens only) and is summed once per step.
@@ -206,14 +190,13 @@ def apply_tp(model, tp_mesh, loss_parallel: bool) -> list[torch.nn.Parameter]:
         parallelize_module(layer, tp_mesh, with_lora_adapters(layer, plan, tp_mesh))
 
         attention = layer.self_attn
-        # transformers' Qwen3Attention reshapes q, k and v with -1 heads, so it takes its local head counts from
-        # the local shapes (H/tp and KV/tp), and num_key_value_groups = H/KV = (H/tp)/(KV/tp) holds on every rank.
-        # Versions that keep the head counts on the module need them divided:
+        # Qwen3Attention reshapes with -1 heads (local counts from the local shapes); versions that keep the head
+        # counts on the module need them divided.
         for name in ("num_heads", "num_key_value_heads"):
             if hasattr(attention, name):
                 setattr(attention, name, getattr(attention, name) // tp)
-        # q_norm/k_norm hold one weight per head_dim entry, shared by all heads: replicated, but each rank applies
-        # it to its own heads only, so its gradient here is a partial sum over this rank's heads.
+        # q_norm/k_norm: one weight per head_dim entry, shared by all heads, applied by each rank to its own heads:
+        # replicated, with a partial gradient.
         partial_grad_params += [attention.q_norm.weight, attention.k_norm.weight]
 
     # Embedding and LM head, both split over the vocabulary as in tp-ft. The embedding's partial lookups are
@@ -225,11 +208,9 @@ def apply_tp(model, tp_mesh, loss_parallel: bool) -> list[torch.nn.Parameter]:
     tied = head.weight is embedding.weight
     parallelize_module(embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
                                                            use_local_output=False))
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    parallelize_module(base.model.norm, tp_mesh, SequenceParallel())
+    parallelize_module(model.get_decoder().norm, tp_mesh, SequenceParallel())
     if loss_parallel:
-        # The logits stay a DTensor split over the vocabulary: no rank ever holds the full [tokens x V] tensor
-        # (V = 151,936 for Qwen3: 0.6 GB of fp32 logits per 1,024-token row, plus as much for their gradient).
+        # The logits stay a DTensor split over the vocabulary: no rank holds the full [tokens x V] tensor.
         parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
                                                           use_local_output=False))
     else:
@@ -243,22 +224,7 @@ def apply_tp(model, tp_mesh, loss_parallel: bool) -> list[torch.nn.Parameter]:
 
 def with_lora_adapters(layer, plan: dict, tp_mesh) -> dict:
     """Extend a layer's plan to peft's LoRA layers: y = W x + B A x, each adapter linear split to match W.
-
-    Why the plan has to name the adapters (peft 0.21, torch 2.15):
-    - peft after parallelize_module: get_peft_model() sizes the adapters from the local shard of W, but it adds
-      collectives only for transformers' own TP (it looks for the `_hf_tp_plan` attribute that
-      from_pretrained(tp_plan=...) sets, which parallelize_module does not; huggingface/peft#3079 makes the split
-      below for that case). Nothing fails, and it is wrong: the
-      row-parallel A x stays a per-rank partial sum that is never all-reduced, so the ranks compute different losses,
-      neither equal to single-ft; the column-parallel A gets per-rank partial gradients that are never summed; the
-      row-parallel A is initialised with fan_in = in/tp; and the adapter shards are plain tensors that checkpoints
-      and exports take for replicated copies.
-    - peft first, the plan on the base layers only: the first forward fails, W x is [tokens, out/tp] and B A x is
-      [tokens, out] ("The size of tensor a (128) must match the size of tensor b (256)"). Nor can the plan name
-      the LoRA layer itself ("ColwiseParallel currently only support nn.Linear and nn.Embedding!").
-    So peft wraps the unsplit model (the same init as single-ft, from the same seed) and the plan splits the
-    adapter's own two nn.Linear as well.
-    """
+    peft wraps the unsplit model (single-ft's init); tp-ft's README says why the plan must name the adapters."""
     expanded = {}
     for name, style in plan.items():
         module = layer.get_submodule(name)
@@ -271,14 +237,14 @@ def with_lora_adapters(layer, plan: dict, tp_mesh) -> dict:
                 # x is the replicated DTensor input: A [r, in] is replicated, B [out, r] is split by rows like W,
                 # so B A x lands on this rank's output columns. A's gradient arrives as a partial sum (B's input
                 # gradient, per rank) and is summed with the q_norm/k_norm gradients.
-                replicated(module.lora_A[adapter], tp_mesh)
+                distribute_module(module.lora_A[adapter], tp_mesh)  # no partition_fn: replicated
                 expanded[f"{name}.lora_B.{adapter}"] = ColwiseParallel()
             else:
                 # x is split over its features: A [r, in] is split like W (columns), and A x [tokens, r] is
                 # reduce-scattered along the sequence like W x; B [out, r] is replicated and runs on this rank's
                 # tokens (so, like a norm weight, its gradient comes out Partial and is summed once per step).
                 expanded[f"{name}.lora_A.{adapter}"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
-                replicated(module.lora_B[adapter], tp_mesh)
+                distribute_module(module.lora_B[adapter], tp_mesh)  # no partition_fn: replicated
     return expanded
 
 
@@ -304,99 +270,6 @@ def all_reduce_partial_grads(plain: list[torch.nn.Parameter], trainable: list[to
         p.grad = DTensor.from_local(total, tp_mesh, [Replicate()], run_check=False)
 
 
-def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ for a mix of DTensor and plain parameters (it rejects the mix: it stacks the
-    per-tensor norms; meta-pytorch/torchtune#2420). Over the DTensor gradients get_total_norm() all-reduces the ranks' sums of squares of the
-    split ones; the plain gradients are the same on every rank and count once."""
-    groups = [[p for p in parameters if isinstance(p, DTensor)], [p for p in parameters if not isinstance(p, DTensor)]]
-    norms = []
-    for group in groups:
-        grads = [p.grad for p in group if p.grad is not None]
-        if grads:
-            norm = torch.nn.utils.get_total_norm(grads)
-            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total_norm = torch.linalg.vector_norm(torch.stack(norms))
-    for group in groups:
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm)
-    return total_norm
-
-
-class SavedActivations:
-    """Bytes of the tensors autograd keeps for the backward during a forward, parameters excluded: the activation
-    memory of one micro-batch on this rank. Unlike peak memory it reads the same on CPU, where peak RSS mixes in
-    everything else the process holds."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.parameters = {storage.data_ptr() for p in model.parameters() for storage in storages(p)}
-        # Keyed by address, each storage held until the forward ends: a tensor freed mid-forward would otherwise
-        # hand its address to a later one, and the two would count once.
-        self.kept: dict[int, torch.UntypedStorage] = {}
-        self.nbytes: int | None = None  # set when the measured forward ends
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        for storage in storages(tensor):
-            if storage.data_ptr() not in self.parameters:
-                self.kept[storage.data_ptr()] = storage
-        return tensor
-
-    @property
-    def mib(self) -> float:
-        return self.nbytes / 2**20
-
-    def __enter__(self):
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
-        self.nbytes = sum(storage.nbytes() for storage in self.kept.values())
-        self.kept.clear()
-
-
-def storages(tensor: torch.Tensor):
-    """The memory behind a tensor: a DTensor (or a collective's not yet awaited result) wraps plain tensors."""
-    if is_traceable_wrapper_subclass(tensor):
-        inner_names, _ = tensor.__tensor_flatten__()
-        for inner in (getattr(tensor, name) for name in inner_names):
-            if isinstance(inner, torch.Tensor):
-                yield from storages(inner)
-    else:
-        yield tensor.untyped_storage()
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (a plain tensor is all local)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-class FullLogits(torch.nn.Module):
-    """common.data.evaluate() adds up plain-tensor losses: give it gathered logits (no grad, one micro-batch)."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, **kwargs):
-        output = self.model(**kwargs)
-        if isinstance(output.logits, DTensor):
-            output.logits = output.logits.full_tensor()
-        return output
-
-
-def replica_drift(parameters: list[torch.nn.Parameter], tp_mesh) -> float:
-    """Largest |difference| between any rank's and rank 0's copy of the replicated parameters (0.0 when in sync)."""
-    copies = [local(p).detach() for p in parameters if not isinstance(p, DTensor) or not p.placements[0].is_shard()]
-    if not copies:
-        return 0.0
-    mine = torch.cat([copy.flatten() for copy in copies])
-    rank0 = mine.clone()
-    dist.broadcast(rank0, group=tp_mesh.get_group(), group_src=0)
-    drift = (mine - rank0).abs().max()
-    dist.all_reduce(drift, op=dist.ReduceOp.MAX, group=tp_mesh.get_group())
-    return drift.item()
-
-
 def main(argv: list[str] | None = None) -> dict:
     config = parse_config(Config, argv)  # a flag mistake stops with one line (common/cli.py)
     MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
@@ -407,8 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = dist_info.device
     own_group = dist_info.backend is None
     if own_group:
-        # `python train.py` without torchrun: DTensor needs a process group even for tp = 1, so make a one-rank
-        # group in memory (a HashStore instead of torchrun's rendezvous).
+        # `python train.py`: DTensor needs a process group even for tp = 1, a one-rank group in memory.
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1)
     tp = dist_info.world_size
@@ -428,14 +300,12 @@ def main(argv: list[str] | None = None) -> dict:
     # bf16 mixed precision: weights, gradients and AdamW state stay fp32 (the "master weights"); autocast runs the
     # matrix multiplies in bf16. fp32: everything in fp32, which is what the parity tests use.
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if config.dtype == "bf16" else nullcontext
-    # Under loss_parallel() cross_entropy accepts logits split over the vocabulary: each rank reduces its shard
-    # (max, sum of exp, the target's logit where it owns the target) and three all-reduces of one number per
-    # token combine them. The backward must run inside it too.
+    # Under loss_parallel() cross_entropy takes logits split over the vocabulary: each rank reduces its shard and
+    # three all-reduces of one number per token combine them.
     loss_context = loss_parallel if config.loss_parallel else nullcontext
 
     # ---------------------------------------------------------------------------------------------------------
-    # Data: every row of every step is fixed by (seed, data, seq_len); see common/data.py. Every rank reads the
-    # same rows: TP splits the model, not the batch.
+    # Data: every row of every step is fixed by (seed, data, seq_len); see common/data.py.
     tokenizer = load_tokenizer(config.model)
     try:
         data = build_data(config.data, tokenizer, config.seq_len, packing=config.packing,
@@ -454,21 +324,14 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
 
     # ---------------------------------------------------------------------------------------------------------
-    # Model: built whole on every rank from the same seed (so LoRA's A is initialised exactly as in single-ft),
-    # then split by apply_tp; parallelize_module scatters rank 0's values, so the ranks start from one model.
+    # Model: built whole on every rank from the same seed (single-ft's init, LoRA's too), then split by apply_tp.
     model = load_model(config.model, tokenizer, attention.impl, device=device,
                        dtype=weights_dtype(config.dtype, config.lora_rank))  # a LoRA base in bf16 under bf16
     if config.lora_rank:
         model = add_lora(model, config.lora_rank, config.lora_alpha)  # fp32 adapters; the rest frozen
     if config.activation_checkpointing:
-        # After peft, so that only transformers makes the embedding's output require a gradient (for the reentrant
-        # variant), and disable_input_require_grads undoes it: non-reentrant checkpointing, the variant PyTorch
-        # recommends, needs no input that requires grad, and under LoRA that gradient is never used (here
-        # its reduce-scatter was never even waited on). early_stop=False: by default the recomputation stops once
-        # it has remade the last tensor backward needs, under LoRA the row-parallel adapter's input, after the base
-        # projection's reduce-scatter (an asynchronous DTensor collective) was issued: torch kept that work and its
-        # buffers registered until exit, one per layer per step ("N unwaited collective calls"). Recomputing each
-        # layer to its end waits on it, for the cost of a few elementwise ops.
+        # early_stop=False and disable_input_require_grads: no asynchronous DTensor collective left unwaited
+        # under LoRA, no unused gradient for the embedding's output (tp-ft's README says why).
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False,
                                                                          "early_stop": False})
         model.disable_input_require_grads()
@@ -482,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
         # the right ones (tests/test_tp_ft.py holds it to single-ft). Compilation then costs its full time every run.
         torch._inductor.config.fx_graph_cache = False
         torch._functorch.config.enable_autograd_cache = False
-        for layer in decoder_layers(model):
+        for layer in model.get_decoder().layers:
             layer.compile()
     if not config.sync_qk_norm_grads:
         partial_grad_params = []
@@ -496,97 +359,80 @@ def main(argv: list[str] | None = None) -> dict:
     print0(f"tensor parallel: {tp} ranks, mesh {tp_mesh} | {model.config.num_attention_heads // tp} query heads, "
            f"{model.config.num_key_value_heads // tp} KV heads, {model.config.intermediate_size // tp} MLP columns "
            f"per rank | norms and residuals on {config.seq_len // tp} of {config.seq_len} tokens per row | "
-           f"loss parallel {'on' if config.loss_parallel else 'off'}")
+           f"loss parallel {'on' if config.loss_parallel else 'off'} | the same rows on every rank")
     print0(f"batch: B = {config.micro_batch_size} x {config.grad_accum} = {rows_per_step} rows of {config.seq_len} "
-           f"(the same rows on every rank) -> T_eff = {rows_per_step * config.seq_len:,} token slots per optimizer step")
+           f"-> T_eff = {rows_per_step * config.seq_len:,} token slots per optimizer step")
 
     # ---------------------------------------------------------------------------------------------------------
-    # Optimizer: AdamW; no weight decay on norms (1-D weights). Fused kernels on GPU. AdamW's fused and foreach
-    # kernels take one list per parameter group and DTensor rejects a list that mixes DTensors with plain tensors
-    # (q_norm, k_norm), so each group holds one kind.
+    # Optimizer: AdamW; no weight decay on norms (1-D weights). Fused kernels on GPU. DTensor rejects a list that
+    # mixes DTensors with plain tensors (q_norm, k_norm): one group per kind.
     def by_kind(params):
         return [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
 
     decay = [p for p in trainable if p.ndim >= 2]
     no_decay = [p for p in trainable if p.ndim < 2]
-    groups = [{"params": kind, "weight_decay": config.weight_decay} for kind in by_kind(decay) if kind] + \
-             [{"params": kind, "weight_decay": 0.0} for kind in by_kind(no_decay) if kind]
-    optimizer = torch.optim.AdamW(groups, lr=config.lr, fused=device.type == "cuda")
+    # A group left empty (under LoRA nothing 1-D is trained) is not created: a checkpoint's flattened optimizer
+    # state cannot be loaded back into a group without parameters.
+    groups = [{"params": kind, "weight_decay": decay_rate} for params, decay_rate in
+              ((decay, config.weight_decay), (no_decay, 0.0)) for kind in by_kind(params)]
+    optimizer = torch.optim.AdamW([group for group in groups if group["params"]], lr=config.lr,
+                                  fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, config.warmup_steps, config.steps))
 
     # ---------------------------------------------------------------------------------------------------------
     # Training loop
-    # world_size = tp: every rank is a device of this run (MFU divides by all of them), but tokens/s counts the
-    # step's real tokens once, since all ranks process the same rows.
-    metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
-                            warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
-                            model_config=model.config, lora_rank=config.lora_rank, device=device, world_size=tp,
-                            is_main=dist_info.is_main, report_to=config.report_to,
-                            log_every=config.log_every, steps_per_epoch=plan.steps_per_epoch, resume=config.resume)
-    comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
-    stopwatch = Stopwatch(device)
     eval_losses = []
-    activations = SavedActivations(model)  # measured on the first micro-batch of the first step
     # The step count is the whole data position: step k always consumes the same rows.
     start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
     if config.resume:
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
-    # Model-state bytes are counted once, on the second step, after its backward and before its update: the
-    # gradients exist, and so does AdamW's state, created by the first update.
-    state_step = min(start_step + 1, config.steps - 1)
-    measured_state = None
+    # Step clock, comm_ms, the step line, metrics.jsonl, summary.json; the garbage collector on a schedule from here.
+    rec = Recorder(EXPERIMENT, config, device, model.config, data, rows_per_step, steps_per_epoch=plan.steps_per_epoch,
+                   start_step=start_step, script_dir=SCRIPT_DIR, n_parameters=n_params, n_trainable=n_trainable,
+                   flops_per_token=model_flops_per_token, world_size=tp, rank=dist_info.rank)  # MFU over tp devices
+    activations = SavedActivations(model)  # what the first micro-batch's forward keeps for backward (common/tp.py)
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum)
         loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step
         lr = scheduler.get_last_lr()[0]
 
-        stopwatch.reset()
-        comm_timer.start(step)
+        rec.start(step)
+        # All of the step's micro-batches go to the device up front, from pinned memory on a GPU, so the copies
+        # overlap the compute queued before them instead of waiting in the loop.
+        batches = [to_device(host_batch, device) for host_batch in micro_batches]
         step_loss = torch.zeros((), device=device)
-        for index, host_batch in enumerate(micro_batches):
-            batch = {key: value.to(device, non_blocking=True) for key, value in host_batch.items()}
-            # --attn varlen: the documents' boundaries, from the host copy of position_ids ({} otherwise). The
-            # attention sees every token of the row (each rank computes its own heads), so they are single-ft's.
+        for host_batch, batch in zip(micro_batches, batches):
+            # --attn varlen: the documents' boundaries, from the host copy of position_ids ({} otherwise).
             packed = attention.forward_kwargs(host_batch["position_ids"], device)
-            measure = activations if step == start_step and index == 0 else nullcontext()
-            with loss_context():
-                with autocast(), measure:
+            # Each micro-batch's loss is divided by the whole step's loss tokens, not its own: summing the
+            # micro-batch gradients then gives exactly the gradient of the token-weighted step loss.
+            with loss_context():  # loss parallelism: the backward of the sharded cross-entropy must run inside it
+                with autocast(), activations.once():
                     # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
                     # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen
                     # needs none).
                     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                    attention_mask=None, use_cache=False, **packed).logits
-                # Divide by the whole step's loss tokens, not this micro-batch's: summing the micro-batch gradients
-                # then gives exactly the gradient of the token-weighted step loss. With loss parallelism the sum
-                # over tokens is already complete on every rank (a Replicate DTensor), so the division is the same.
-                loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
+                loss = token_loss_sum(logits, batch["labels"]) / loss_tokens  # a Replicate DTensor under loss parallel
                 loss.backward()
             step_loss += local(loss.detach())
-        if step == state_step:
-            # This rank's shards of the split weights (DTensor local tensors), whole replicated ones, their
-            # gradients, AdamW's state.
-            measured_state = state_bytes(model.parameters(), optimizer)
+        rec.state(step, model.parameters(), optimizer)  # this rank's shards, the replicated weights, grads, AdamW's
         all_reduce_partial_grads(partial_grad_params, trainable, tp_mesh)
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
-        grad_norm = clip_grad_norm(trainable, max_norm)
+        # The norm before clipping, the split gradients' squares summed over the ranks (DTensor: no fused folding).
+        grad_norm = clip_grad_norm(optimizer, trainable, max_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        rec.stop()
         # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together.
-        step_loss_value, grad_norm_value = torch.stack([step_loss, grad_norm.float()]).tolist()
-        step_ms = stopwatch.elapsed_ms()
-        comm_ms = comm_timer.stop(step)
-
-        if step == start_step:
-            print0(f"activations: {activations.mib:.1f} MiB saved for the backward of one micro-batch on rank 0")
-        metrics.log_step(step + 1, step_loss_value, lr, grad_norm_value, data.step_real_tokens(step, rows_per_step),
-                         loss_tokens, step_ms, comm_ms, print_fn=print0,
-                         documents=data.step_documents(step, rows_per_step))
+        values = torch.stack([step_loss, grad_norm.float()]).tolist()
+        rec.step(step, values[0], lr, values[1])
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate(FullLogits(model), data, config.micro_batch_size, device, autocast)))
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
-            metrics.log_eval(*eval_losses[-1])
+            rec.eval(*eval_losses[-1])
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             # DCP writes each rank's shards of the DTensors and rank 0's copy of the replicated tensors.
             saved = save_checkpoint(config.out_dir, step + 1, model, optimizer, scheduler, run=plan.identity,
@@ -596,12 +442,10 @@ def main(argv: list[str] | None = None) -> dict:
     # ---------------------------------------------------------------------------------------------------------
     # Evaluation, results, export
     eval_loss = evaluate(FullLogits(model), data, config.micro_batch_size, device, autocast)
-    metrics.log_eval(config.steps, eval_loss)
+    rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    drift = replica_drift(list(model.parameters()), tp_mesh)
-    print0(f"replicated parameters: largest difference between ranks {drift:.3g}")
-    # common/memory's prediction for one device: its peak next to the measured one (comparable on a GPU, where
+    # common/memory's prediction for this device: its peak next to the measured one (comparable on a GPU, where
     # both mean max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included),
     # its model states next to the bytes counted above.
     prediction = estimate(
@@ -609,9 +453,8 @@ def main(argv: list[str] | None = None) -> dict:
         activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank,
         precision=config.dtype, attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
         compile=config.compile)
-    # common/comm.py's formula for what the profiled steps measured. Covered: full-parameter fp32 on two or more
-    # ranks. Not covered: LoRA (its adapters add collectives of their own), bf16 (autocast gives the forward's and
-    # the backward's activations different dtypes) and a world of one; neither is checked against a measurement.
+    # common/comm.py's formula for what the profiled steps measured: full-parameter fp32 on two or more ranks only
+    # (LoRA adds collectives, bf16 gives forward and backward different dtypes; the README).
     formula = None
     if tp > 1 and not config.lora_rank and config.dtype == "fp32":
         formula = as_backend(tp_collectives(
@@ -619,27 +462,15 @@ def main(argv: list[str] | None = None) -> dict:
             vocab=model.config.vocab_size, tokens=config.micro_batch_size * config.seq_len,
             grad_accum=config.grad_accum, world_size=tp, sequence_parallel=True, loss_parallel=config.loss_parallel,
             sync_qk_norm_grads=config.sync_qk_norm_grads), dist.get_backend())
-    summary = metrics.write_summary(
-        comm_timer=comm_timer,  # comm_ms, collective counts and bytes: torch.profiler over the profiled steps
-        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(SCRIPT_DIR), config=asdict(config), hardware=hardware_info(device, world_size=tp), attention=asdict(attention),
-        model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
-                   flops_per_token=model_flops_per_token),
-        t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
-        predicted_peak_mem_gib=prediction.total_gib,
-        state_bytes_per_rank=None if measured_state is None else all_ranks(measured_state),
-        state_bytes_step=None if measured_state is None else state_step + 1,  # 1-based, as in metrics.jsonl
-        predicted_state_bytes=prediction.state_bytes(),
-        collective_bytes_formula=formula,
-        packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
-        n_truncated=data.stats["n_truncated"], data=data.stats, tensor_parallel=tp,
-        activation_mib=activations.mib if activations.nbytes else None, replica_drift=drift)
-    print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
-           f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
+    summary = rec.finish(
+        attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
+        predicted_peak_mem_gib=prediction.total_gib, predicted_state_bytes=prediction.state_bytes(),
+        collective_bytes_formula=formula, tensor_parallel=tp, activation_mib=activations.mib,
+        replica_drift=replica_drift(model.parameters(), tp_mesh))  # a collective: every rank calls finish
 
     if config.save_hf:
-        # Every rank takes part: each DTensor is all-gathered into a full tensor under its original name (on rank
-        # 0, in CPU memory). A copy of the architecture on the meta device (no memory) takes them with
-        # assign=True, and from there the export is single-ft's: save_pretrained, of the adapter or merged.
+        # Every rank takes part: each DTensor is all-gathered into a full tensor on rank 0 (CPU memory); a copy of
+        # the architecture on the meta device takes them (assign=True), and from there the export is single-ft's.
         full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if dist_info.is_main:
             save_dir = Path(config.save_hf)
