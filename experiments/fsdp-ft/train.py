@@ -47,8 +47,8 @@ from common.generate import generate, sample_prompt
 from common.loss import fused_linear_cross_entropy
 from common.memory import attention_kind, estimate
 from common.metrics import MetricsLogger, Recorder
-from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
-    model_config, record_adapter_base, refuse_moe, resolve_model_name, weights_dtype
+from common.models import TINY_PRESETS, add_lora, count_parameters, flops_per_token, is_preset, load_model, \
+    load_tokenizer, model_config, record_adapter_base, refuse_moe, resolve_model_name, weights_dtype
 from common.step import clip_grad_norm
 
 EXPERIMENT = "fsdp-ft"
@@ -64,7 +64,7 @@ class Config:
     data_columns: str | None = None  # your column names for the expected ones, e.g. prompt=question,completion=answer
     train_empty_think: bool = False  # also train the empty <think></think> block Qwen3 puts before a plain answer
     show_sample: bool = False  # before training, print the first conversation with the text that carries loss marked
-    seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny, 1024 otherwise
+    seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny and qwen3-moe-tiny, 1024 otherwise
     micro_batch_size: int = 1  # rows per forward pass, per rank
     grad_accum: int = 1  # micro-batches per optimizer step, per rank
     steps: int = 300  # optimizer steps (0 = only evaluate / export); 300: a minute or two of qwen3-tiny on 2 CPU cores
@@ -113,7 +113,7 @@ def resolve(config: Config) -> Config:
     if notice:
         print0(notice)
     if config.seq_len is None:
-        config.seq_len = 256 if config.model == "qwen3-tiny" else 1024
+        config.seq_len = 256 if config.model in TINY_PRESETS else 1024
     if config.dtype is None:
         config.dtype = "bf16" if torch.cuda.is_available() else "fp32"
     if config.lr is None:
@@ -373,8 +373,8 @@ def main(argv: list[str] | None = None) -> dict:
         optimizer.zero_grad(set_to_none=True)
         dist.all_reduce(step_loss)  # each rank holds its rows' share of the step loss: the log line wants the sum
         rec.stop()
-        # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together
-        # (with --cpu-offload the norm of the CPU shards is a CPU tensor).
+        # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together.
+        # (With --cpu-offload the norm of the CPU shards is a CPU tensor, moved to the device for the same read.)
         values = torch.stack([step_loss, grad_norm.to(device, torch.float32)]).tolist()
         rec.step(step, values[0], lr, values[1])
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:

@@ -329,8 +329,8 @@ def main(argv: list[str] | None = None) -> dict:
         dist.all_reduce(step_loss)  # each rank holds its rows' share of the step loss: the log line wants the sum
         grad_norm = engine.get_global_grad_norm()  # before clipping, over all shards; a tensor or a float
         rec.stop()
-        # The one host-device synchronisation of the step (of this loop's own code; DeepSpeed's step has its own):
-        # the step line's loss and gradient norm, read together.
+        # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together.
+        # (Of this loop's own code: DeepSpeed's step has its own.)
         values = torch.stack([step_loss, torch.as_tensor(grad_norm, dtype=torch.float32, device=device)]).tolist()
         rec.step(step, values[0], lr, values[1])
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
