@@ -33,16 +33,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
-from common.data import DataError, build_data, describe, evaluate, sample_text, token_loss_sum
 from common.comm import as_backend, ddp_collectives
-from common.dist import all_ranks, init_distributed, print0, record_collectives_in, teardown
+from common.data import DataError, build_data, describe, evaluate, sample_text, to_device, token_loss_sum
+from common.dist import init_distributed, print0, record_collectives_in, teardown
 from common.generate import generate, sample_prompt
 from common.loss import fused_linear_cross_entropy
 from common.memory import attention_kind, estimate
-from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
-    state_bytes, summary_table
-from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_model_4bit, \
-    load_tokenizer, qlora_unavailable, record_adapter_base, resolve_model_name, weights_dtype
+from common.metrics import MetricsLogger, Recorder
+from common.models import TINY_PRESETS, add_lora, count_parameters, flops_per_token, is_preset, load_model, \
+    load_model_4bit, load_tokenizer, qlora_unavailable, record_adapter_base, resolve_model_name, weights_dtype
+from common.step import clip_grad_norm
 
 EXPERIMENT = "ddp-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -57,7 +57,7 @@ class Config:
     data_columns: str | None = None  # your column names for the expected ones, e.g. prompt=question,completion=answer
     train_empty_think: bool = False  # also train the empty <think></think> block Qwen3 puts before a plain answer
     show_sample: bool = False  # before training, print the first conversation with the text that carries loss marked
-    seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny, 1024 otherwise
+    seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny and qwen3-moe-tiny, 1024 otherwise
     micro_batch_size: int = 1  # rows per forward pass, per rank
     grad_accum: int = 1  # micro-batches per optimizer step, per rank
     steps: int = 300  # optimizer steps (0 = only evaluate / export); 300: a minute or two of qwen3-tiny on 2 CPU cores
@@ -91,11 +91,9 @@ class Config:
     report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: the step metrics to <out-dir>/tensorboard too
     collective_timeout_s: float = 600.0  # a collective waiting longer ends the run and names the lost rank
     qlora: bool = False  # 4-bit NF4 base (bitsandbytes) under LoRA (rank 16 unless --lora-rank); CUDA only
-    bucket_cap_mb: float = 25.0  # MiB of gradients per all-reduce bucket; each bucket is sent as soon as all its
-        # gradients exist, overlapping the rest of backward (DDP's default: 25)
-    reduce_every_micro_batch: bool = False  # all-reduce the gradients after every micro-batch's backward instead of
-        # only the last (no no_sync()): the same step for grad_accum times the traffic, the classic misconfiguration,
-        # kept to measure it
+    bucket_cap_mb: float = 25.0  # MiB of gradients per all-reduce bucket, sent while backward goes on (DDP's default)
+    reduce_every_micro_batch: bool = False  # all-reduce after every micro-batch, not only the last (no no_sync()):
+        # the same step for grad_accum times the traffic, the classic misconfiguration, kept to measure it
 
 
 def resolve(config: Config) -> Config:
@@ -104,7 +102,7 @@ def resolve(config: Config) -> Config:
     if notice:
         print0(notice)
     if config.seq_len is None:
-        config.seq_len = 256 if config.model == "qwen3-tiny" else 1024
+        config.seq_len = 256 if config.model in TINY_PRESETS else 1024
     if config.dtype is None:
         config.dtype = "bf16" if torch.cuda.is_available() else "fp32"
     if config.qlora:
@@ -132,8 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(problem)  # before anything starts or loads
 
     # ---------------------------------------------------------------------------------------------------------
-    # Processes and device: one process per device, started by torchrun (NCCL/RCCL on GPUs, gloo on CPU).
-    # DDP needs a process group even in a plain `python train.py`: that run gets a group of one rank.
+    # One process per device, started by torchrun; DDP needs a group even in a plain `python train.py`: one rank.
     dist_info = init_distributed(config.collective_timeout_s)
     device = dist_info.device
     own_group = dist_info.backend is None
@@ -151,8 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if config.dtype == "bf16" else nullcontext
 
     # ---------------------------------------------------------------------------------------------------------
-    # Data: every row of every step is fixed by (seed, data, seq_len); see common/data.py. Every rank builds the
-    # same rows (no data is sent between ranks) and takes its own slice of each step.
+    # Data: every row of every step is fixed by (seed, data, seq_len); see common/data.py.
     tokenizer = load_tokenizer(config.model)
     try:
         data = build_data(config.data, tokenizer, config.seq_len, packing=config.packing,
@@ -171,12 +167,13 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
 
     # ---------------------------------------------------------------------------------------------------------
-    # Model: every rank builds the same replica (same seed, so the same weights as single-ft)
+    # Model
     if config.qlora:
         model = load_model_4bit(config.model, tokenizer, attention.impl, device)
     else:
+        # fp32 weights, their own master copy; a LoRA base under --dtype bf16 is frozen and stored in bf16.
         model = load_model(config.model, tokenizer, attention.impl, device=device,
-                           dtype=weights_dtype(config.dtype, config.lora_rank))  # a LoRA base in bf16 under bf16
+                           dtype=weights_dtype(config.dtype, config.lora_rank))
     if config.activation_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -185,12 +182,10 @@ def main(argv: list[str] | None = None) -> dict:
     if config.compile:
         # One compiled graph per decoder layer, not one for the whole model (as torchtitan does): compile time stays
         # bounded, and a graph break stays inside its layer. Module.compile() compiles in place, so parameter names
-        # (checkpoints, --save-hf) do not change. Before the DDP wrap: DDP's hooks are on the parameters' gradient
-        # accumulators, which backward through a compiled layer still reaches, so the buckets fill as in eager.
+        # (checkpoints, --save-hf) do not change.
         for layer in model.get_decoder().layers:
             layer.compile()
-    # --loss-chunk-tokens applies the LM head itself, on the final hidden states the wrapped model returns; the
-    # model's own head then runs on no position (logits_to_keep takes an index of the positions to keep).
+    # --loss-chunk-tokens applies the LM head itself, to the hidden states DDP's forward returns (README).
     lm_head, no_positions = model.get_output_embeddings(), torch.empty(0, dtype=torch.long, device=device)
     model.train()
     n_params = count_parameters(model.config)["total"]
@@ -203,11 +198,8 @@ def main(argv: list[str] | None = None) -> dict:
            f"of {config.seq_len} -> T_eff = {rows_per_step * config.seq_len:,} token slots per optimizer step")
 
     # ---------------------------------------------------------------------------------------------------------
-    # DistributedDataParallel. The constructor broadcasts rank 0's parameters, so the replicas start identical
-    # whatever each rank's init did. Then it registers a hook per trainable parameter (the frozen base of a LoRA
-    # model gets none and is never all-reduced): when every gradient of a bucket (~bucket_cap_mb, filled in
-    # reverse layer order, the order backward produces them) is ready, that bucket's all-reduce starts while
-    # backward continues with the earlier layers. The tied embedding / LM head is one parameter, reduced once.
+    # DistributedDataParallel: rank 0's weights broadcast to every replica, then a hook per trainable parameter
+    # starts a bucket's all-reduce as soon as backward has filled it, while backward goes on (README).
     model = DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=config.bucket_cap_mb,
         gradient_as_bucket_view=True,  # .grad are views into the buckets: no second full copy of the gradients
@@ -216,8 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
            f"step, in buckets of {config.bucket_cap_mb:g} MiB | backend {dist.get_backend()}")
 
     # ---------------------------------------------------------------------------------------------------------
-    # Optimizer: AdamW; no weight decay on norms (1-D weights). Fused kernels on GPU. Each rank keeps a full copy
-    # of the AdamW state and applies the same update to the same gradient.
+    # Optimizer: AdamW; no weight decay on norms (1-D weights). Fused kernels on GPU.
     decay = [p for p in trainable if p.ndim >= 2]
     no_decay = [p for p in trainable if p.ndim < 2]
     # A group left empty (under LoRA nothing 1-D is trained) is not created: a checkpoint's flattened optimizer
@@ -230,102 +221,72 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Training loop
-    metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
-                            warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
-                            model_config=model.module.config, lora_rank=config.lora_rank, device=device,
-                            world_size=world_size, is_main=rank == 0, report_to=config.report_to,
-                            log_every=config.log_every, steps_per_epoch=plan.steps_per_epoch, resume=config.resume)
-    comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
-    stopwatch = Stopwatch(device)
     eval_losses = []
     sample_messages = sample_prompt(data)  # --sample-every: the turns before the first held-out answer
-    # The step count is the whole data position: step k always consumes the same rows. Collective: every rank
-    # reads its state (DCP wrote the replicated tensors once).
+    # The step count is the whole data position: step k always consumes the same rows.
     start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
     if config.resume:
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
-    # Model-state bytes are counted once, on the second step, after its backward and before its update: the
-    # gradients exist, and so does AdamW's state, created by the first update.
-    state_step = min(start_step + 1, config.steps - 1)
-    measured_state = None
+    # Step clock, comm_ms, the step line, metrics.jsonl, summary.json; the garbage collector on a schedule from here.
+    rec = Recorder(EXPERIMENT, config, device, model.module.config, data, rows_per_step, world_size=world_size,
+                   rank=rank, steps_per_epoch=plan.steps_per_epoch, start_step=start_step, script_dir=SCRIPT_DIR,
+                   n_parameters=n_params, n_trainable=n_trainable, flops_per_token=model_flops_per_token)
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum, rank, world_size)
-        # The denominator of the whole step, over all ranks. Every rank holds every row of the step (the row
-        # sequence is a pure function of seed, data and seq_len), so each counts the global number locally and
-        # they all agree without a collective.
-        loss_tokens = data.step_loss_tokens(step, rows_per_step)
+        loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step, all ranks
         # The same, as a device tensor: the fused loss scales its gradients by it without reading anything back.
         step_scale = torch.full((), 1.0 / max(loss_tokens, 1), device=device)
         lr = scheduler.get_last_lr()[0]
 
-        stopwatch.reset()
-        comm_timer.start(step)
+        rec.start(step)
+        # All of the step's micro-batches go to the device up front, from pinned memory on a GPU, so the copies
+        # overlap the compute queued before them instead of waiting in the loop.
+        batches = [to_device(host_batch, device) for host_batch in micro_batches]
         step_loss = torch.zeros((), device=device)
-        for index, host_batch in enumerate(micro_batches):
-            batch = {key: value.to(device, non_blocking=True) for key, value in host_batch.items()}
+        for index, (host_batch, batch) in enumerate(zip(micro_batches, batches)):
             # --attn varlen: the documents' boundaries, from the host copy of position_ids ({} otherwise).
             packed = attention.forward_kwargs(host_batch["position_ids"], device)
-            # no_sync() on all but the last micro-batch: DDP's hooks only accumulate into .grad, and the last
-            # backward all-reduces the sum once. An all-reduce per micro-batch would send the whole gradient
-            # grad_accum times per step (a ring all-reduce moves 2 (W-1)/W x its size through every rank: 2.4 GB
-            # of fp32 gradients per rank for Qwen3-0.6B on 2 ranks, each time) for exactly the same result, which
-            # is what --reduce-every-micro-batch does.
             last = index == len(micro_batches) - 1
-            with nullcontext() if last or config.reduce_every_micro_batch else model.no_sync():
-                with autocast():
-                    # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
-                    # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen
-                    # needs none).
-                    if config.loss_chunk_tokens:
-                        # Final hidden states, then the LM head on loss tokens only, chunk by chunk; the labels'
-                        # host copy picks those tokens without waiting for the device (a CUDA mask would force a
-                        # sync). Unlike single-ft, the decoder body is not called on its own: DDP's forward is
-                        # what arms its gradient hooks for the next backward (a forward that bypasses it leaves
-                        # the gradients unreduced, silently). So the whole wrapped model runs, asked for its
-                        # hidden states (the last one after the final norm; backward keeps the others anyway) and
-                        # for logits at no position at all.
-                        hidden = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                                       attention_mask=None, use_cache=False, output_hidden_states=True,
-                                       logits_to_keep=no_positions, **packed).hidden_states[-1]
-                        loss = fused_linear_cross_entropy(hidden, lm_head.weight, host_batch["labels"],
-                                                          config.loss_chunk_tokens, step_scale)
-                    else:
-                        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                                       attention_mask=None, use_cache=False, **packed).logits
-                        loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
-                # Both losses are divided by the whole step's loss tokens (all micro-batches, all ranks), not this
-                # micro-batch's: summing the gradients over micro-batches and ranks then gives exactly the gradient
-                # of the token-weighted step loss. DDP's all-reduce averages (sums, then divides by world_size), so
-                # the backward runs on world_size x loss: the average of those is the sum we want.
-                (loss * world_size).backward()
+            # no_sync() on all but the last micro-batch: its forward arms no all-reduce for the backward (README).
+            sync = nullcontext() if last or config.reduce_every_micro_batch else model.no_sync()
+            # Each micro-batch's loss is divided by the whole step's loss tokens, not its own: summing the
+            # micro-batch gradients then gives exactly the gradient of the token-weighted step loss.
+            with autocast(), sync:
+                # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
+                # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen needs none).
+                if config.loss_chunk_tokens:
+                    # Final hidden states, then the LM head and the loss on loss tokens only, chunk by chunk, their
+                    # gradients computed on the way (common/loss.py); the labels' host copy picks those tokens
+                    # without waiting for the device (a CUDA mask would force a sync).
+                    # Through DDP's forward, which arms its gradient hooks (README), asking for no logits at all.
+                    hidden = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                   attention_mask=None, use_cache=False, output_hidden_states=True,
+                                   logits_to_keep=no_positions, **packed).hidden_states[-1]
+                    loss = fused_linear_cross_entropy(hidden, lm_head.weight, host_batch["labels"],
+                                                      config.loss_chunk_tokens, step_scale)
+                else:
+                    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                   attention_mask=None, use_cache=False, **packed).logits
+                    loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
+            (loss * world_size).backward()  # DDP averages over ranks: world_size x the average is the sum
             step_loss += loss.detach()
-        if step == state_step:
-            # Every weight, its gradient (views into DDP's buckets: gradient_as_bucket_view), AdamW's state.
-            measured_state = state_bytes(model.parameters(), optimizer)
-        # After the all-reduce every rank holds the same gradient, so the local norm is the global norm and every
-        # rank clips (and then steps) identically: no collective needed here.
+        rec.state(step, model.parameters(), optimizer)  # every weight, its gradient, AdamW's state
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)
+        # The norm before clipping; the clipping itself rides on fused AdamW's step (GPU), or is done here (CPU).
+        grad_norm = clip_grad_norm(optimizer, trainable, max_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        # Each rank summed its own rows' token losses over the global count: the step loss is the sum over ranks.
-        # Only for the log line; one scalar all-reduce per step.
-        dist.all_reduce(step_loss)
+        dist.all_reduce(step_loss)  # each rank holds its rows' share of the step loss: the log line wants the sum
+        rec.stop()
         # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together.
-        step_loss_value, grad_norm_value = torch.stack([step_loss, grad_norm.float()]).tolist()
-        step_ms = stopwatch.elapsed_ms()
-        comm_ms = comm_timer.stop(step)
-
-        metrics.log_step(step + 1, step_loss_value, lr, grad_norm_value, data.step_real_tokens(step, rows_per_step),
-                         loss_tokens, step_ms, comm_ms, print_fn=print0,
-                         documents=data.step_documents(step, rows_per_step))
+        values = torch.stack([step_loss, grad_norm.float()]).tolist()
+        rec.step(step, values[0], lr, values[1])
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate(model.module, data, config.micro_batch_size, device, autocast)))
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
-            metrics.log_eval(*eval_losses[-1])
+            rec.eval(*eval_losses[-1])
         if config.sample_every and (step + 1) % config.sample_every == 0 and sample_messages:
-            # Generated on each replica: no collective; rank 0 prints.
             completion = generate(model.module, tokenizer, sample_messages, device, autocast=autocast)
             print0(f"sample step {step + 1}: {completion!r}")
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
@@ -334,44 +295,29 @@ def main(argv: list[str] | None = None) -> dict:
             print0(f"checkpoint: {saved}")
 
     # ---------------------------------------------------------------------------------------------------------
-    # Evaluation, results, export. Each rank evaluates the whole held-out split on its own replica (model.module:
-    # no DDP hooks, no collective), so eval_loss is the same on every rank and equals single-ft's computation.
+    # Evaluation, results, export; every rank on its own replica (model.module: no DDP hooks, no collective).
     eval_loss = evaluate(model.module, data, config.micro_batch_size, device, autocast)
-    metrics.log_eval(config.steps, eval_loss)
+    rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    # common/memory's prediction for one device: its peak next to the measured one (comparable on a GPU, where
+    # common/memory's prediction for this device: its peak next to the measured one (comparable on a GPU, where
     # both mean max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included),
     # its model states next to the bytes counted above.
-    # (common/memory prices fp32 or bf16 weights, not 4-bit ones: no prediction under --qlora.)
     prediction = estimate(
         model.module.config, "ddp", world_size, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
         activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank, qlora=config.qlora,
         precision=config.dtype, attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
         loss_chunk_tokens=config.loss_chunk_tokens, compile=config.compile)
-    # common/comm.py's formula for what the profiled steps measured, from the gradients in the order backward
-    # produces them (the reverse of the parameters' order). Not for a world of one, whose collectives are not
-    # modelled.
+    # common/comm.py's bytes for the profiled steps, from the gradients in backward's order (none for one rank).
     grad_bytes_backward_order = [p.numel() * p.element_size() for p in reversed(trainable)]
     formula = None if world_size == 1 else as_backend(ddp_collectives(
         grad_bytes_backward_order, bucket_cap_bytes=int(config.bucket_cap_mb * 2**20), grad_accum=config.grad_accum,
         reduce_every_micro_batch=config.reduce_every_micro_batch), dist.get_backend())
-    summary = metrics.write_summary(
-        comm_timer=comm_timer,  # comm_ms, collective counts and bytes: torch.profiler over the profiled steps
-        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(SCRIPT_DIR), config=asdict(config),
-        hardware=hardware_info(device, world_size=world_size), attention=asdict(attention),
-        model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
-                   flops_per_token=model_flops_per_token),
-        t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
+    summary = rec.finish(
+        attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
         predicted_peak_mem_gib=None if prediction is None else prediction.total_gib,
-        state_bytes_per_rank=None if measured_state is None else all_ranks(measured_state),
-        state_bytes_step=None if measured_state is None else state_step + 1,  # 1-based, as in metrics.jsonl
         predicted_state_bytes=None if prediction is None else prediction.state_bytes(),
-        collective_bytes_formula=formula,
-        packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
-        n_truncated=data.stats["n_truncated"], data=data.stats)
-    print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
-           f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
+        collective_bytes_formula=formula)
 
     if config.save_hf and rank == 0:  # the replicas are identical: rank 0 writes its own
         save_dir = Path(config.save_hf)

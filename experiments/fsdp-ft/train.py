@@ -8,13 +8,10 @@ state sharded over the ranks, each decoder layer's weights all-gathered just bef
     uv run torchrun --nproc_per_node=2 experiments/fsdp-ft/train.py --steps 3 --seq-len 128   # CPU smoke run (gloo)
     uv run torchrun --nproc_per_node=2 experiments/fsdp-ft/train.py --loss-chunk-tokens 1024 --compile  # fast path
 
-One optimizer step consumes B = micro_batch_size x grad_accum x world_size packed rows (common/data.py); rank r
-runs the r-th contiguous slice of them, as in ddp-ft. What changes is where the model lives: each rank keeps 1/W of
-every parameter (fp32: the master weights), of its gradient and of its AdamW state. Each decoder layer is one FSDP
-unit: its forward all-gathers the layer's full weights (in bf16 under --dtype bf16) and frees them afterwards; its
-backward gathers them again and reduce-scatters the gradient so that each rank receives the sum over ranks of its
-own 1/W. The optimizer then updates only the local shard. The loss is the token-weighted loss of all B rows, as in
-single-ft, which this script matches step for step.
+One optimizer step consumes B = micro_batch_size x grad_accum x world_size packed rows (common/data.py), as in
+ddp-ft. Each decoder layer is one FSDP unit: its backward gathers its weights again and reduce-scatters the gradient,
+so each rank receives the sum over ranks of its own 1/W and updates only that (README). The loss is the
+token-weighted loss of all B rows, as in single-ft, which this script matches step for step.
 
 Strategy flags: --no-reshard-after-forward, --no-reshard-after-backward (with the first: each unit gathered once per
 optimizer step, whatever --grad-accum), --cpu-offload, --reduce-every-micro-batch.
@@ -38,22 +35,21 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
-from common.data import DataError, build_data, describe, evaluate, sample_text, token_loss_sum
 from common.comm import as_backend, fsdp_collectives
-from common.dist import all_ranks, init_distributed, print0, record_collectives_in, teardown
+from common.data import DataError, build_data, describe, evaluate, sample_text, to_device, token_loss_sum
+from common.dist import init_distributed, print0, record_collectives_in, teardown
 from common.generate import generate, sample_prompt
 from common.loss import fused_linear_cross_entropy
 from common.memory import attention_kind, estimate
-from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
-    state_bytes, summary_table
-from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
-    model_config, record_adapter_base, refuse_moe, resolve_model_name, weights_dtype
+from common.metrics import MetricsLogger, Recorder
+from common.models import TINY_PRESETS, add_lora, count_parameters, flops_per_token, is_preset, load_model, \
+    load_tokenizer, model_config, record_adapter_base, refuse_moe, resolve_model_name, weights_dtype
+from common.step import clip_grad_norm
 
 EXPERIMENT = "fsdp-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -68,7 +64,7 @@ class Config:
     data_columns: str | None = None  # your column names for the expected ones, e.g. prompt=question,completion=answer
     train_empty_think: bool = False  # also train the empty <think></think> block Qwen3 puts before a plain answer
     show_sample: bool = False  # before training, print the first conversation with the text that carries loss marked
-    seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny, 1024 otherwise
+    seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny and qwen3-moe-tiny, 1024 otherwise
     micro_batch_size: int = 1  # rows per forward pass, per rank
     grad_accum: int = 1  # micro-batches per optimizer step, per rank
     steps: int = 300  # optimizer steps (0 = only evaluate / export); 300: a minute or two of qwen3-tiny on 2 CPU cores
@@ -102,19 +98,14 @@ class Config:
     report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: the step metrics to <out-dir>/tensorboard too
     collective_timeout_s: float = 600.0  # a collective waiting longer ends the run and names the lost rank
     qlora: bool = False  # refused here (README: QLoRA); use single-ft or ddp-ft --qlora
-    reshard_after_forward: bool = True  # free each layer's gathered weights after its forward and all-gather them again
-        # in backward (--no-reshard-after-forward: keep them until backward: one all-gather per layer less, but the
-        # whole gathered model alive at the end of forward)
-    reshard_after_backward: bool = True  # free the gathered weights after each micro-batch's backward
-        # (--no-reshard-after-backward, with --no-reshard-after-forward: keep them from the step's first forward to its
-        # last backward, so each unit is all-gathered once per optimizer step whatever --grad-accum; the whole gathered
-        # model stays alive through the step)
-    cpu_offload: bool = False  # keep the sharded fp32 weights, gradients and AdamW state in CPU memory; the optimizer
-        # step runs on the CPU
-    reduce_every_micro_batch: bool = False  # reduce-scatter after every micro-batch: more communication, but no
-        # full-size fp32 gradient held per rank between micro-batches
-    replicate_degree: int = 1  # HSDP: R replicas of an FSDP group of world/R ranks (shard inside a node, replicate
-        # across nodes); 1 = plain FSDP over all ranks
+    reshard_after_forward: bool = True  # free each layer's gathered weights after its forward, gather them again in
+        # backward (--no-reshard-after-forward: one all-gather per layer less, the whole gathered model alive)
+    reshard_after_backward: bool = True  # free them after each micro-batch's backward (--no-reshard-after-backward,
+        # with --no-reshard-after-forward: each unit gathered once per optimizer step, whatever --grad-accum)
+    cpu_offload: bool = False  # the sharded fp32 weights, gradients and AdamW state in CPU memory; the update on CPU
+    reduce_every_micro_batch: bool = False  # reduce-scatter after every micro-batch: more traffic, no full-size
+        # fp32 gradient per rank between micro-batches
+    replicate_degree: int = 1  # HSDP: R replicas of an FSDP group of world/R ranks (1 = plain FSDP over all ranks)
 
 
 def resolve(config: Config) -> Config:
@@ -123,7 +114,7 @@ def resolve(config: Config) -> Config:
     if notice:
         print0(notice)
     if config.seq_len is None:
-        config.seq_len = 256 if config.model == "qwen3-tiny" else 1024
+        config.seq_len = 256 if config.model in TINY_PRESETS else 1024
     if config.dtype is None:
         config.dtype = "bf16" if torch.cuda.is_available() else "fp32"
     if config.lr is None:
@@ -211,23 +202,20 @@ def main(argv: list[str] | None = None) -> dict:
                          "(a 4-bit Qwen3-4B fits one 24 GB GPU)")
 
     # ---------------------------------------------------------------------------------------------------------
-    # Processes and device: one process per device, started by torchrun (NCCL/RCCL on GPUs, gloo on CPU).
-    # FSDP needs a process group even in a plain `python train.py`: that run gets a group of one rank.
+    # One process per device, started by torchrun; FSDP needs a group even in a plain `python train.py`: one rank.
     dist_info = init_distributed(config.collective_timeout_s)
     device = dist_info.device
     own_group = dist_info.backend is None
     if own_group:
         dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
                                 rank=0, world_size=1)
-    # With --cpu-offload the shards and their gradients are CPU tensors: loading them (broadcast from rank 0) and
-    # the gradient-norm all-reduce are collectives on CPU tensors, which NCCL cannot carry.
+    # --cpu-offload: loading the CPU shards and their gradient norm are collectives on CPU tensors, not for NCCL.
     if config.cpu_offload and "cpu:" not in dist.get_backend_config():
         raise SystemExit(f"--cpu-offload needs a process group with a CPU backend, e.g. 'cpu:gloo,cuda:nccl'; this "
                          f"one is '{dist.get_backend_config()}' (common/dist.py creates it)")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    # HSDP (--replicate-degree R): a 2-D mesh, R replicas x world/R shards. fully_shard on it shards each parameter
-    # over the inner dimension only and keeps R copies: the all-gathers and reduce-scatters stay inside a shard
-    # group (a node's fast links), and only the gradient all-reduce crosses between groups (the slow link).
+    # HSDP (--replicate-degree R): a 2-D mesh, R replicas x world/R shards; only the gradient all-reduce crosses
+    # between shard groups (README).
     replicas = config.replicate_degree
     if replicas < 1 or world_size % replicas:
         raise SystemExit(f"--replicate-degree {replicas} must divide the world size {world_size}")
@@ -239,13 +227,12 @@ def main(argv: list[str] | None = None) -> dict:
     print0(f"config: {json.dumps(asdict(config))}")
     torch.manual_seed(config.seed)
     attention = setup_attention(device, config.attn, print_fn=print0)
-    # No autocast: under bf16 FSDP's MixedPrecisionPolicy (apply_fsdp) casts the gathered weights to bf16 and the
-    # layers compute in bf16, while the fp32 shards stay the master weights. fp32: everything in fp32, which is
-    # what the parity tests use.
+    # bf16 mixed precision: FSDP's MixedPrecisionPolicy (apply_fsdp) gathers the fp32 shards (the "master weights")
+    # as bf16 and the layers compute in bf16, no autocast. fp32: everything in fp32, which is what the parity tests use.
+    autocast = nullcontext
 
     # ---------------------------------------------------------------------------------------------------------
-    # Data: every row of every step is fixed by (seed, data, seq_len); see common/data.py. Every rank builds the
-    # same rows (no data is sent between ranks) and takes its own slice of each step.
+    # Data: every row of every step is fixed by (seed, data, seq_len); see common/data.py.
     tokenizer = load_tokenizer(config.model)
     try:
         data = build_data(config.data, tokenizer, config.seq_len, packing=config.packing,
@@ -264,25 +251,20 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
 
     # ---------------------------------------------------------------------------------------------------------
-    # Model: no rank ever holds the whole model on its device. Rank 0 alone builds (preset, same seed and order
-    # as single-ft, so the same weights) or reads (hub id, folder) the full model in CPU memory; the other ranks
-    # allocate nothing yet.
+    # Model: no rank ever holds the whole model on its device; rank 0 alone builds or reads it, in CPU memory.
     full_state = {}
     if rank == 0:
         full_state = build_model(config, tokenizer, attention.impl, on_meta=False).state_dict()
     # Every rank builds the same model on the meta device: shapes, no memory.
     model = build_model(config, tokenizer, attention.impl, on_meta=True)
     if config.activation_checkpointing:
-        # Before sharding: transformers wraps each layer's forward in the checkpoint, so FSDP's hooks (added
-        # next, around the whole module call) stay outside it and the recompute in backward runs on weights FSDP
-        # has already gathered for that layer's backward, instead of triggering a second round of hooks.
+        # Before sharding, so FSDP's hooks stay outside the recomputed region (README).
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if config.compile:
         # One compiled graph per decoder layer, not one for the whole model (as torchtitan does): compile time stays
         # bounded, and a graph break stays inside its layer. Module.compile() compiles in place, so parameter names
-        # (checkpoints, --save-hf) do not change. Before sharding, as torchtitan does; compilation itself waits for
-        # the first call, and FSDP's hooks around each layer's call run outside the graph (torch.compile skips them).
+        # (checkpoints, --save-hf) do not change.
         for layer in model.get_decoder().layers:
             layer.compile()
     layer_units = apply_fsdp(model, mesh, torch.bfloat16 if config.dtype == "bf16" else None,
@@ -296,17 +278,15 @@ def main(argv: list[str] | None = None) -> dict:
     del full_state
     if model.config.tie_word_embeddings:
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight, "tie lost in sharding"
-    # --loss-chunk-tokens applies the LM head itself, on the final hidden states the model returns; the model's own
-    # head then runs on no position (logits_to_keep takes an index of the positions to keep).
+    # --loss-chunk-tokens applies the LM head itself, to the hidden states the whole model returns (README).
     lm_head, no_positions = model.get_output_embeddings(), torch.empty(0, dtype=torch.long, device=device)
     if config.loss_chunk_tokens:
-        # That forward returns views (the logits of no position are a slice), and FSDP2 warns that an in-place op on a
-        # view would skip its pre-backward hook. Nothing here writes to the outputs in place.
+        # Its logits of no position are a view, which FSDP2 warns of; nothing here writes to them in place.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
     model.train()
     n_params = count_parameters(model.config)["total"]
-    trainable = [p for p in model.parameters() if p.requires_grad]  # DTensors: each rank's shard of a parameter
-    n_trainable = sum(p.numel() for p in trainable)  # a DTensor's numel is the full parameter's
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    n_trainable = sum(p.numel() for p in trainable)
     model_flops_per_token = flops_per_token(model.config, config.seq_len, config.lora_rank)
     print0(f"model: {config.model} | {n_params:,} parameters, {n_trainable:,} trainable | "
            f"{model_flops_per_token / 1e9:.3f} GFLOP/token (training) | dtype {config.dtype}")
@@ -320,8 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
            f"{config.reshard_after_forward} | backend {dist.get_backend()}")
 
     # ---------------------------------------------------------------------------------------------------------
-    # Optimizer: AdamW; no weight decay on norms (1-D weights). Fused kernels on GPU. Built on the sharded
-    # parameters, so each rank keeps and updates the AdamW state of its own shard only.
+    # Optimizer: AdamW; no weight decay on norms (1-D weights). Fused kernels on GPU.
     decay = [p for p in trainable if p.ndim >= 2]
     no_decay = [p for p in trainable if p.ndim < 2]
     # A group left empty (under LoRA nothing 1-D is trained) is not created: a checkpoint's flattened optimizer
@@ -334,123 +313,91 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Training loop
-    metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
-                            warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
-                            model_config=model.config, lora_rank=config.lora_rank, device=device, world_size=world_size,
-                            is_main=rank == 0, report_to=config.report_to,
-                            log_every=config.log_every, steps_per_epoch=plan.steps_per_epoch, resume=config.resume)
-    comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
-    stopwatch = Stopwatch(device)
     eval_losses = []
     sample_messages = sample_prompt(data)  # --sample-every: the turns before the first held-out answer
-    # The step count is the whole data position: step k always consumes the same rows. Collective: each rank
-    # reads the parts of the saved shards it owns now (DCP reshards, so the world size may differ).
+    # The step count is the whole data position: step k always consumes the same rows.
     start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
     if config.resume:
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
-    # Model-state bytes are counted once, on the second step, after its backward and before its update: the
-    # gradients exist, and so does AdamW's state, created by the first update.
-    state_step = min(start_step + 1, config.steps - 1)
-    measured_state = None
+    # Step clock, comm_ms, the step line, metrics.jsonl, summary.json; the garbage collector on a schedule from here.
+    rec = Recorder(EXPERIMENT, config, device, model.config, data, rows_per_step, world_size=world_size, rank=rank,
+                   steps_per_epoch=plan.steps_per_epoch, start_step=start_step, script_dir=SCRIPT_DIR,
+                   n_parameters=n_params, n_trainable=n_trainable, flops_per_token=model_flops_per_token)
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum, rank, world_size)
-        # The denominator of the whole step, over all ranks. Every rank holds every row of the step (the row
-        # sequence is a pure function of seed, data and seq_len), so each counts the global number locally and
-        # they all agree without a collective.
-        loss_tokens = data.step_loss_tokens(step, rows_per_step)
+        loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step, all ranks
         # The same, as a device tensor: the fused loss scales its gradients by it without reading anything back.
         step_scale = torch.full((), 1.0 / max(loss_tokens, 1), device=device)
         lr = scheduler.get_last_lr()[0]
 
-        stopwatch.reset()
-        comm_timer.start(step)
+        rec.start(step)
+        # All of the step's micro-batches go to the device up front, from pinned memory on a GPU, so the copies
+        # overlap the compute queued before them instead of waiting in the loop.
+        batches = [to_device(host_batch, device) for host_batch in micro_batches]
         step_loss = torch.zeros((), device=device)
-        for index, host_batch in enumerate(micro_batches):
-            batch = {key: value.to(device, non_blocking=True) for key, value in host_batch.items()}
+        for index, (host_batch, batch) in enumerate(zip(micro_batches, batches)):
             # --attn varlen: the documents' boundaries, from the host copy of position_ids ({} otherwise).
             packed = attention.forward_kwargs(host_batch["position_ids"], device)
-            # Reduce-scatter only in the backward of the last micro-batch. Before it, each rank accumulates its own
-            # unsharded gradients (in fp32, the reduce_dtype) and backward's only collectives are the weight
-            # all-gathers. The price is memory: a full-size fp32 gradient per rank until the step's reduce-scatter,
-            # which --reduce-every-micro-batch avoids by paying one reduce-scatter per micro-batch instead.
             last = index == len(micro_batches) - 1
+            # Reduce-scatter in the last micro-batch's backward only; before it, each rank accumulates its full-size
+            # fp32 gradient (README), which --reduce-every-micro-batch trades for a reduce-scatter per micro-batch.
             model.set_requires_gradient_sync(last or config.reduce_every_micro_batch)
-            # --no-reshard-after-backward: the weights gathered by the first micro-batch's forward stay gathered
-            # through every micro-batch; the last backward frees them, before the optimizer updates the shards.
+            # --no-reshard-after-backward: the weights stay gathered through the step; the last backward frees them.
             model.set_reshard_after_backward(last or config.reshard_after_backward)
-            # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
-            # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen needs none).
-            if config.loss_chunk_tokens:
-                # Final hidden states, then the LM head on loss tokens only, chunk by chunk; the labels' host copy
-                # picks those tokens without waiting for the device (a CUDA mask would force a sync). Unlike
-                # single-ft, the decoder body is not called on its own: the embedding and the LM head live in the
-                # root unit, which only the root's forward gathers. So the whole model runs, asked for its hidden
-                # states (the last one after the final norm; backward keeps the others anyway) and for logits at no
-                # position at all. The root stays gathered after its forward (apply_fsdp), so lm_head.weight is now
-                # the whole weight (in the gather dtype), and its gradient joins the root's reduce-scatter, like the
-                # plain path's.
-                hidden = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                               attention_mask=None, use_cache=False, output_hidden_states=True,
-                               logits_to_keep=no_positions, **packed).hidden_states[-1]
-                loss = fused_linear_cross_entropy(hidden, lm_head.weight, host_batch["labels"],
-                                                  config.loss_chunk_tokens, step_scale)
-            else:
-                logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                               attention_mask=None, use_cache=False, **packed).logits
-                loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
-            # Both losses are divided by the whole step's loss tokens (all micro-batches, all ranks), not this
-            # micro-batch's: summing the gradients over micro-batches and ranks then gives exactly the gradient of
-            # the token-weighted step loss. FSDP's reduce-scatter averages over ranks (like DDP's all-reduce), so
-            # the backward runs on world_size x loss: the average of those is the sum we want.
-            (loss * world_size).backward()
+            # Each micro-batch's loss is divided by the whole step's loss tokens, not its own: summing the
+            # micro-batch gradients then gives exactly the gradient of the token-weighted step loss.
+            with autocast():
+                # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
+                # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen needs none).
+                if config.loss_chunk_tokens:
+                    # Final hidden states, then the LM head and the loss on loss tokens only, chunk by chunk, their
+                    # gradients computed on the way (common/loss.py); the labels' host copy picks those tokens
+                    # without waiting for the device (a CUDA mask would force a sync).
+                    # The whole model runs: only the root's forward gathers the LM head, kept gathered (README).
+                    hidden = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                   attention_mask=None, use_cache=False, output_hidden_states=True,
+                                   logits_to_keep=no_positions, **packed).hidden_states[-1]
+                    loss = fused_linear_cross_entropy(hidden, lm_head.weight, host_batch["labels"],
+                                                      config.loss_chunk_tokens, step_scale)
+                else:
+                    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                   attention_mask=None, use_cache=False, **packed).logits
+                    loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
+            (loss * world_size).backward()  # the reduce-scatter averages over ranks: W x the average is the sum
             step_loss += loss.detach()
-        if step == state_step:
-            # This rank's shards (DTensor local tensors) of every weight, of its gradient, of AdamW's state.
-            measured_state = state_bytes(model.parameters(), optimizer)
-        # The gradients are sharded DTensors: clip_grad_norm_ sums the squares of each rank's shard and all-reduces
-        # them, so every rank gets the global norm and scales its own shard by the same factor.
+        rec.state(step, model.parameters(), optimizer)  # this rank's shards of every weight, gradient, AdamW state
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)
-        grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+        # The norm before clipping; the clipping itself rides on fused AdamW's step (GPU), or is done here (CPU).
+        grad_norm = clip_grad_norm(optimizer, trainable, max_norm).full_tensor()  # all-reduces the shards' norms
         optimizer.step()  # each rank updates its own shard; the next forward's all-gathers see the new weights
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        # Each rank summed its own rows' token losses over the global count: the step loss is the sum over ranks.
-        # Only for the log line; one scalar all-reduce per step.
-        dist.all_reduce(step_loss)
-        # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together
-        # (with --cpu-offload the norm of the CPU shards is a CPU tensor).
-        step_loss_value, grad_norm_value = torch.stack([step_loss, grad_norm.to(device, torch.float32)]).tolist()
-        step_ms = stopwatch.elapsed_ms()
-        comm_ms = comm_timer.stop(step)
-
-        metrics.log_step(step + 1, step_loss_value, lr, grad_norm_value, data.step_real_tokens(step, rows_per_step),
-                         loss_tokens, step_ms, comm_ms, print_fn=print0,
-                         documents=data.step_documents(step, rows_per_step))
+        dist.all_reduce(step_loss)  # each rank holds its rows' share of the step loss: the log line wants the sum
+        rec.stop()
+        # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together.
+        # (With --cpu-offload the norm of the CPU shards is a CPU tensor, moved to the device for the same read.)
+        values = torch.stack([step_loss, grad_norm.to(device, torch.float32)]).tolist()
+        rec.step(step, values[0], lr, values[1])
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
-            eval_losses.append((step + 1, evaluate(model, data, config.micro_batch_size, device, nullcontext)))
+            eval_losses.append((step + 1, evaluate(model, data, config.micro_batch_size, device, autocast)))
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
-            metrics.log_eval(*eval_losses[-1])
+            rec.eval(*eval_losses[-1])
         if config.sample_every and (step + 1) % config.sample_every == 0 and sample_messages:
-            # Generated on every rank, in step (synced_gpus): each forward gathers the sharded weights; rank 0 prints.
-            completion = generate(model, tokenizer, sample_messages, device, autocast=nullcontext,
+            completion = generate(model, tokenizer, sample_messages, device, autocast=autocast,
                                   synced_gpus=world_size > 1)
             print0(f"sample step {step + 1}: {completion!r}")
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
-            # Collective: each rank writes its own shards of the weights and of the AdamW state.
             saved = save_checkpoint(config.out_dir, step + 1, model, optimizer, scheduler, run=plan.identity,
                                     keep=config.keep_checkpoints)
             print0(f"checkpoint: {saved}")
 
     # ---------------------------------------------------------------------------------------------------------
-    # Evaluation, results, export. Every rank evaluates the whole held-out split: each forward all-gathers the
-    # layers' weights, a collective all ranks must join, so they all run the same batches and get the same
-    # eval_loss (sharding the batches would save compute but needs equal batch counts per rank).
-    eval_loss = evaluate(model, data, config.micro_batch_size, device, nullcontext)
-    metrics.log_eval(config.steps, eval_loss)
+    # Evaluation, results, export; every rank evaluates every batch, as each forward's all-gathers need all ranks.
+    eval_loss = evaluate(model, data, config.micro_batch_size, device, autocast)
+    rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    # common/memory's prediction for one device: its peak next to the measured one (comparable on a GPU, where
+    # common/memory's prediction for this device: its peak next to the measured one (comparable on a GPU, where
     # both mean max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included),
     # its model states next to the bytes counted above.
     # Under HSDP a rank holds what FSDP over its shard group would: the estimate takes the shard group's size.
@@ -461,59 +408,43 @@ def main(argv: list[str] | None = None) -> dict:
         grad_accum=1 if config.reduce_every_micro_batch else config.grad_accum,  # micro-batches of unreduced gradients
         loss_chunk_tokens=config.loss_chunk_tokens, compile=config.compile,
         reshard_after_forward=config.reshard_after_forward)
-    # common/comm.py's formula for what the profiled steps measured: each unit's parameters (global shapes), the
-    # root unit (what no layer holds) first. It is the steady state: a step right after an --eval-every evaluation
-    # finds units still gathered and gathers less. Not covered: a world of one, whose collectives are not modelled,
-    # and --cpu-offload on GPUs, where the gradient norm of the CPU shards is all-reduced by gloo beside NCCL.
+    # common/comm.py's bytes for the profiled steps, from each unit's parameters, the root first (README: what the
+    # formula leaves out: one rank, HSDP's all-reduce, --cpu-offload's norm on gloo beside NCCL).
     in_layers = {id(p) for layer in layer_units for p in layer.parameters()}
     units = [[(tuple(p.shape), p.requires_grad) for p in model.parameters() if id(p) not in in_layers]]
     units += [[(tuple(p.shape), p.requires_grad) for p in layer.parameters()] for layer in layer_units]
-    # Nor HSDP, whose all-reduce between replicas the formula does not model yet.
     covered = world_size > 1 and replicas == 1 and not (config.cpu_offload and device.type == "cuda")
     formula = None if not covered else as_backend(fsdp_collectives(
         units, world_size=world_size, grad_accum=config.grad_accum, reshard_after_forward=config.reshard_after_forward,
         reshard_after_backward=config.reshard_after_backward, reduce_every_micro_batch=config.reduce_every_micro_batch,
         gather_bytes=2 if config.dtype == "bf16" else 4),
         dist.get_backend())
-    summary = metrics.write_summary(
-        comm_timer=comm_timer,  # comm_ms, collective counts and bytes: torch.profiler over the profiled steps
-        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(SCRIPT_DIR), config=asdict(config),
-        hardware=hardware_info(device, world_size=world_size), attention=asdict(attention),
-        model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
-                   flops_per_token=model_flops_per_token),
-        t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
+    summary = rec.finish(
+        attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
         predicted_peak_mem_gib=prediction.total_gib,
-        state_bytes_per_rank=None if measured_state is None else all_ranks(measured_state),
-        state_bytes_step=None if measured_state is None else state_step + 1,  # 1-based, as in metrics.jsonl
         predicted_state_bytes=prediction.state_bytes(),
         # With --cpu-offload common/memory predicts the sharded states in host memory, none on the device.
         predicted_cpu_bytes=int(prediction.cpu_bytes),
         predicted_note="fsdp-offload: common.memory predicts the model states in host memory (predicted_cpu_bytes); "
                        "predicted_state_bytes is what stays on the device" if config.cpu_offload else None,
-        collective_bytes_formula=formula,
-        packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
-        n_truncated=data.stats["n_truncated"], data=data.stats)
-    print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
-           f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
+        collective_bytes_formula=formula)
 
     if config.save_hf:
         # Collective: every rank sends its shards, rank 0 receives the full tensors, one at a time, into CPU memory.
         full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:
-            # A plain (unsharded) CPU copy holding the trained weights; from here on exactly single-ft's export.
-            model = build_model(config, tokenizer, attention.impl, on_meta=True)
-            model.to_empty(device="cpu")
-            # to_empty gives each module its own new tensor, so a plain (non-FSDP) model loses the tie of the
-            # embedding and the LM head there: tie them again, or the export would hold two separate matrices.
-            model.tie_weights()
-            model.load_state_dict(full_state)
-            save_dir = Path(config.save_hf)
-            if config.lora_rank and config.merge_lora:
-                model = model.merge_and_unload()
-            model.save_pretrained(save_dir)  # safetensors; a peft model writes only its adapter
-            tokenizer.save_pretrained(save_dir)
-            record_adapter_base(save_dir, config.model, config.seed)  # a LoRA adapter's base, loadable from anywhere
-            print0(f"saved {'adapter' if config.lora_rank and not config.merge_lora else 'model'} to {save_dir}")
+    if config.save_hf and rank == 0:
+        # A plain CPU copy of the trained weights, from here on single-ft's export; to_empty untied the LM head.
+        model = build_model(config, tokenizer, attention.impl, on_meta=True)
+        model.to_empty(device="cpu")
+        model.tie_weights()
+        model.load_state_dict(full_state)
+        save_dir = Path(config.save_hf)
+        if config.lora_rank and config.merge_lora:
+            model = model.merge_and_unload()
+        model.save_pretrained(save_dir)  # safetensors; a peft model writes only its adapter
+        tokenizer.save_pretrained(save_dir)
+        record_adapter_base(save_dir, config.model, config.seed)  # a LoRA adapter's base, loadable from anywhere
+        print0(f"saved {'adapter' if config.lora_rank and not config.merge_lora else 'model'} to {save_dir}")
     teardown()
     if own_group:
         dist.destroy_process_group()

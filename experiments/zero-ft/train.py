@@ -7,14 +7,11 @@
     uv run torchrun --nproc_per_node=2 experiments/zero-ft/train.py --zero-stage 2 --loss-chunk-tokens 1024 --compile
 
 ZeRO keeps data parallelism (every rank runs the whole model on its own rows) but stops replicating the training
-state: stage 1 shards the optimizer state (AdamW's two moments, and in bf16 the fp32 master weights) over the ranks,
-stage 2 also the gradients (each rank receives only the sum of its own slice), stage 3 also the parameters (each
-layer is all-gathered just before its forward and backward, then freed). The printed `peak memory per rank` line and
-`peak_mem_gib_per_rank` in summary.json put the stages side by side with fsdp-ft.
+state: stage 1 shards the optimizer state over the ranks, stage 2 also the gradients, stage 3 also the parameters
+(each layer all-gathered just before its forward and backward, then freed). README: what each rank holds.
 
-One optimizer step consumes B = micro_batch_size x grad_accum x world_size packed rows (common/data.py) and is the
-same computation as single-ft on that B: the loss is token-weighted over all ranks and micro-batches, and DeepSpeed's
-own loss/gradient scaling is undone (see the training loop). tests/test_zero_ft.py holds every stage to single-ft.
+One optimizer step consumes B = micro_batch_size x grad_accum x world_size packed rows (common/data.py), the same
+computation as single-ft on that B, DeepSpeed's own loss scaling undone; tests/test_zero_ft.py holds every stage to it.
 
 Strategy flags: --zero-stage, --cpu-offload. --compile is refused at stage 3 (README.md says why).
 """
@@ -38,27 +35,24 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
 
+from common.attention import setup_attention
+from common.checkpoint import load_deepspeed_checkpoint, save_deepspeed_checkpoint
+from common.comm import as_backend, zero_collectives
+from common.data import DataError, build_data, describe, evaluate, sample_text, to_device, token_loss_sum
+from common.dist import act_as_launcher_if_alone, init_distributed, print0, record_collectives_in, teardown
+from common.generate import generate, sample_prompt
+from common.loss import fused_linear_cross_entropy
+from common.memory import STRATEGIES, attention_kind, estimate
+from common.metrics import MetricsLogger, Recorder, deepspeed_state_bytes, memory_label, peak_memory_gib
+from common.models import TINY_PRESETS, add_lora, count_parameters, flops_per_token, is_preset, load_model, \
+    load_tokenizer, record_adapter_base, resolve_model_name
+
 # DeepSpeed picks its "accelerator" when it is imported; without a CUDA/ROCm GPU, name the CPU one instead of letting it
 # probe (and warn). Must happen before `import deepspeed`.
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed  # noqa: E402
-from deepspeed.runtime.bf16_optimizer import BF16_Optimizer  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
-
-from common.attention import setup_attention  # noqa: E402
-from common.checkpoint import load_deepspeed_checkpoint, save_deepspeed_checkpoint  # noqa: E402
-from common.data import DataError, build_data, describe, evaluate, sample_text, token_loss_sum  # noqa: E402
-from common.comm import as_backend, zero_collectives  # noqa: E402
-from common.dist import act_as_launcher_if_alone, all_ranks, init_distributed, print0, \
-    record_collectives_in, teardown  # noqa: E402
-from common.generate import generate, sample_prompt  # noqa: E402
-from common.loss import fused_linear_cross_entropy  # noqa: E402
-from common.memory import STRATEGIES, attention_kind, estimate  # noqa: E402
-from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
-    memory_label, peak_memory_gib, state_bytes, storage_bytes, summary_table  # noqa: E402
-from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
-    record_adapter_base, resolve_model_name  # noqa: E402
 
 EXPERIMENT = "zero-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -74,7 +68,7 @@ class Config:
     data_columns: str | None = None  # your column names for the expected ones, e.g. prompt=question,completion=answer
     train_empty_think: bool = False  # also train the empty <think></think> block Qwen3 puts before a plain answer
     show_sample: bool = False  # before training, print the first conversation with the text that carries loss marked
-    seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny, 1024 otherwise
+    seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny and qwen3-moe-tiny, 1024 otherwise
     micro_batch_size: int = 1  # rows per forward pass per rank
     grad_accum: int = 1  # micro-batches per optimizer step per rank
     steps: int = 300  # optimizer steps (0 = only evaluate / export); 300: a minute or two of qwen3-tiny on 2 CPU cores
@@ -87,8 +81,7 @@ class Config:
     dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 weights, fp32 master weights (GPU default); fp32 (CPU)
     activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of storing activations
     loss_chunk_tokens: int = 0  # N > 0: the LM head and loss on loss tokens only, N at a time (common/loss.py)
-    compile: bool = False  # torch.compile each decoder layer (GPU speed; on CPU it only costs compile time); ZeRO
-        # stages 1 and 2 only (README)
+    compile: bool = False  # torch.compile each decoder layer (GPU speed; on CPU it only costs compile time)
     packing: bool = True  # pack conversations into rows (--no-packing: one padded conversation per row)
     lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
     lora_alpha: float | None = None  # LoRA scaling numerator; default 2 x rank
@@ -120,7 +113,7 @@ def resolve(config: Config) -> Config:
     if notice:
         print0(notice)
     if config.seq_len is None:
-        config.seq_len = 256 if config.model == "qwen3-tiny" else 1024
+        config.seq_len = 256 if config.model in TINY_PRESETS else 1024
     if config.dtype is None:
         config.dtype = "bf16" if torch.cuda.is_available() else "fp32"
     if config.lr is None:
@@ -131,9 +124,8 @@ def resolve(config: Config) -> Config:
     if config.zero_stage not in (1, 2, 3):
         raise SystemExit(f"--zero-stage must be 1, 2 or 3, got {config.zero_stage} (stage 0 is plain DDP: see ddp-ft)")
     if config.compile and config.zero_stage == 3:
-        raise SystemExit("--compile needs --zero-stage 1 or 2: ZeRO-3 gathers each projection's weight in hooks "
-                         "that torch.compile must leave out of its graphs, so a compiled decoder layer falls apart "
-                         "into small graphs between the gathers instead of one (see README.md)")
+        raise SystemExit("--compile needs --zero-stage 1 or 2: ZeRO-3 gathers each projection's weight in hooks that "
+                         "break a compiled decoder layer into small graphs between the gathers (see README.md)")
     return config
 
 
@@ -152,35 +144,25 @@ def deepspeed_config(config: Config, world_size: int) -> dict:
         "train_micro_batch_size_per_gpu": config.micro_batch_size,
         "gradient_accumulation_steps": config.grad_accum,
         "train_batch_size": config.micro_batch_size * config.grad_accum * world_size,
-        # ZeRO-Offload (--cpu-offload): the fp32 master partition, its gradient and AdamW's state in host memory, the
-        # update on the CPU. Pinned host memory speeds up the copies to and from a GPU; there is none to pin for on
-        # a CPU-only machine.
+        # ZeRO-Offload (--cpu-offload): the fp32 master partition, its gradient and AdamW's state in host memory.
         "zero_optimization": {"stage": config.zero_stage, **({"offload_optimizer": {
             "device": "cpu", "pin_memory": torch.cuda.is_available()}} if config.cpu_offload else {})},
-        # With offload DeepSpeed insists on its own DeepSpeedCPUAdam unless told otherwise. Its C++ kernel (a build
-        # step, and another order of operations) computes AdamW too, but not single-ft's arithmetic; torch's AdamW
-        # on the host partition keeps the parity with single-ft, at the price of a slower update.
+        # Not DeepSpeedCPUAdam under offload: torch's AdamW keeps single-ft's arithmetic, at a slower update.
         "zero_force_ds_cpu_optimizer": False,
-        # Clipping happens inside engine.step(), on the sharded gradients. DeepSpeed clips at 1.0 unless told
-        # otherwise, whatever --max-grad-norm says; 0 turns it off (the norm is computed and logged either way).
+        # engine.step() clips the sharded gradients itself (README), at 1.0 unless told; 0 turns it off.
         "gradient_clipping": config.max_grad_norm,
-        # bf16: the module's weights and activations are bf16 and the optimizer keeps the fp32 master weights and
-        # AdamW state (common.memory.DEEPSPEED_BF16). Unlike single-ft's autocast, every op, norms included, sees bf16
-        # weights, so bf16 runs track single-ft to about 1%, as bf16 always does.
+        # bf16: bf16 weights and activations in the module, fp32 master weights and AdamW state in the optimizer.
         "bf16": {"enabled": config.dtype == "bf16"},
         # fp16 off = no loss scaling at all (a static scale of 1.0); neither fp32 nor bf16 needs one.
         "fp16": {"enabled": False},
-        # With bf16 DeepSpeed would accumulate micro-batch gradients and reduce them across ranks in bf16; single-ft
-        # accumulates in fp32, so do both in fp32 (fp32 is already what happens in an fp32 run).
+        # Accumulate and reduce the gradients in fp32, as single-ft accumulates them (bf16 would be the default).
         "data_types": {"grad_accum_dtype": "fp32"},
         "communication_data_type": "fp32",
-        # The gradient reduction averages over ranks ("mean", the only op ZeRO-3 supports) with no pre-division and
-        # no rescaling; the training loop cancels that mean exactly (see there).
+        # The reduction averages over ranks (the only op ZeRO-3 supports), no pre-division: the loop cancels the mean.
         "gradient_allreduce_op": "mean",
         "prescale_gradients": False,
         "gradient_predivide_factor": 1.0,
-        # DeepSpeed only "tests" its own optimizers with ZeRO; torch.optim.AdamW is the optimizer single-ft uses, and
-        # ZeRO hands it the flat fp32 shards, on which its element-wise update is the same arithmetic.
+        # torch's AdamW, single-ft's, on ZeRO's flat fp32 shards: the same element-wise update.
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,  # we print our own step line
         "wall_clock_breakdown": False,
@@ -192,62 +174,15 @@ def full_shape(param: torch.nn.Parameter) -> torch.Size:
     return getattr(param, "ds_shape", param.shape)
 
 
-def deepspeed_state_bytes(engine) -> dict[str, int]:
-    """The model-state bytes this rank holds inside DeepSpeed after a step's last backward, before its update, in
-    common.metrics.state_bytes' kinds (each storage counted once) plus `buffers`. Where each kind lives then:
-    - weights: what the module holds. Stages 1 and 2: every parameter whole, as views of one flat buffer per
-      parameter group (plus frozen parameters as they are). Stage 3: each parameter's partition (`ds_tensor`, views
-      of one flat buffer), and whole copies of the "persistent" parameters (at most
-      stage3_param_persistence_threshold elements), which stay gathered on every rank; the others are empty
-      placeholders between uses.
-    - grads: the reduced gradients DeepSpeed keeps for this rank. Stages 1 and 2: `averaged_gradients`, views of one
-      buffer holding the whole gradient of every parameter that overlaps the rank's partition (stage 1 too: it
-      accumulated full gradients in param.grad until this last backward, then reduced and released them); with
-      --cpu-offload the fp32 partition's .grad in host memory. Stage 3: one flat buffer of every gradient's
-      partition. Any param.grad still held is counted too. Stage 1 with bf16 weights is another optimizer
-      (DeepSpeed picks its BF16_Optimizer for fp32 gradient accumulation): it keeps the whole fp32 gradient, one flat
-      buffer per parameter group.
-    - master: DeepSpeed's fp32 partition of the weights, which AdamW updates and the module's weights are copied
-      from: a separate copy even in an fp32 run (host memory with --cpu-offload).
-    - optimizer: the torch optimizer's state on that partition (AdamW's moments and step counters).
-    - buffers: the gradient-reduction bucket (reduce_bucket_size elements) where one is allocated at this point:
-      stage 3 keeps one for the whole run; stages 1 and 2 allocate theirs at each backward and have released it.
-    """
-    zero = engine.optimizer
-    params = list(engine.module.parameters())
-    if engine.zero_optimization_stage() == 3:
-        weights = params + [p.ds_tensor for p in params]
-        master = list(zero.fp32_partitioned_groups_flat)
-        grads = [zero.grad_partitions_flat_buffer]
-    elif isinstance(zero, BF16_Optimizer):
-        weights = params
-        master = list(zero.fp32_groups_flat_partition)
-        grads = list(zero.fp32_groups_gradients_flat)
-    else:
-        weights = params
-        master = list(zero.single_partition_of_fp32_groups)
-        grads = [g for group in zero.averaged_gradients.values() if group is not None for g in group]
-    grads += [p.grad for p in params] + [p.grad for p in master]
-    buffers = [buffer for bucket in getattr(zero, "ipg_buckets", {}).values()
-               for buffer in (bucket.buffer if isinstance(bucket.buffer, list) else [bucket.buffer])]
-    return dict(weights=storage_bytes(weights), grads=storage_bytes(grads),
-                optimizer=state_bytes((), zero.optimizer)["optimizer"], master=storage_bytes(master),
-                buffers=storage_bytes(buffers))
-
-
-
 def main(argv: list[str] | None = None) -> dict:
     config = parse_config(Config, argv)  # a flag mistake stops with one line (common/cli.py)
     MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
 
     # ---------------------------------------------------------------------------------------------------------
-    # Processes and devices: one per GPU (or CPU process) under torchrun. DeepSpeed needs a process group and the
-    # launcher's variables even for one process, so a plain `python train.py` plays a launcher with a world of one.
+    # One process per device under torchrun; DeepSpeed needs a launcher even for one process: we play a world of one.
     act_as_launcher_if_alone()
     dist_info = init_distributed(config.collective_timeout_s)
-    # On the CPU accelerator DeepSpeed's communication layer would first build, with g++, a shared-memory all-reduce op
-    # (about a minute on 2 cores, once per machine) that only its inference tensor parallelism calls
-    # (inference_all_reduce); training's collectives are gloo's either way. Marked unavailable, it is not built.
+    # CPU: no g++ build of DeepSpeed's shared-memory all-reduce (a minute), which only its inference calls (README).
     if dist_info.device.type == "cpu":
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     # DeepSpeed's communication layer wraps the group just created (zero.Init, used before the engine exists, needs it).
@@ -262,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
     autocast = nullcontext
 
     # ---------------------------------------------------------------------------------------------------------
-    # Data: every rank builds the same rows; rank r takes its own slice of each step's B rows.
+    # Data: every row of every step is fixed by (seed, data, seq_len); see common/data.py.
     tokenizer = load_tokenizer(config.model)
     try:
         data = build_data(config.data, tokenizer, config.seq_len, packing=config.packing,
@@ -281,12 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
 
     # ---------------------------------------------------------------------------------------------------------
-    # Model. Stages 1 and 2 keep the whole model on every rank: it is built as in single-ft. Stage 3 must never hold
-    # it whole on a device (that is the point of sharding the parameters):
-    # - a checkpoint (hub id, local folder) is loaded inside deepspeed.zero.Init, switched on by a live
-    #   HfDeepSpeedConfig: transformers partitions each layer as soon as it is created, then fills in its shard.
-    # - a preset is random-init, and zero.Init would draw its random numbers in another order than single-ft; so it is
-    #   built whole in host memory from the same seed and partitioned onto the devices below, one tensor at a time.
+    # Model: whole on every rank at stages 1 and 2; stage 3 partitions a checkpoint as it loads (zero.Init, switched on
+    # by a live HfDeepSpeedConfig) and a preset after building it in host memory with single-ft's seed (README).
     ds_config = deepspeed_config(config, world_size)
     zero3_checkpoint = config.zero_stage == 3 and not is_preset(config.model)
     zero3_preset = config.zero_stage == 3 and is_preset(config.model)
@@ -301,14 +232,11 @@ def main(argv: list[str] | None = None) -> dict:
     if config.compile:
         # One compiled graph per decoder layer, not one for the whole model (as torchtitan does): compile time stays
         # bounded, and a graph break stays inside its layer. Module.compile() compiles in place, so parameter names
-        # (checkpoints, --save-hf) do not change. Stages 1 and 2 put no hook inside a layer (their gradient hooks
-        # are on the parameters' accumulators, outside the graph): one graph per layer, as in single-ft.
+        # (checkpoints, --save-hf) do not change.
         for layer in model.get_decoder().layers:
             layer.compile()
     if config.zero_stage == 3 and config.dtype == "bf16":
-        # For stages 1 and 2 the engine casts the parameters to bf16 (buffers such as RoPE's stay fp32); under ZeRO-3
-        # it expects them in bf16 already, as zero.Init builds them. So cast what zero.Init did not build: a preset,
-        # peft's adapters (ZeRO-3 parameters carry a ds_id).
+        # ZeRO-3 expects bf16 parameters, as zero.Init builds them: cast what it did not (a preset, peft's adapters).
         for param in model.parameters():
             if not hasattr(param, "ds_id"):
                 param.data = param.data.to(torch.bfloat16)
@@ -327,11 +255,8 @@ def main(argv: list[str] | None = None) -> dict:
            f"{config.seq_len} -> T_eff = {rows_per_step * config.seq_len:,} token slots per optimizer step")
 
     # ---------------------------------------------------------------------------------------------------------
-    # Optimizer: single-ft's AdamW and schedule, handed to DeepSpeed. ZeRO replaces each param group's parameters by
-    # this rank's flat fp32 shard, so every rank's AdamW only updates (and only holds state for) its 1/world_size.
-    # DeepSpeed's own Adam (FusedAdam on GPU, DeepSpeedCPUAdam on CPU) computes the same update with its own kernels,
-    # in another order (so with other rounding), and needs a C++/CUDA build; torch's AdamW is what single-ft runs, so
-    # the two scripts differ only by what ZeRO does.
+    # Optimizer: single-ft's AdamW and schedule, handed to DeepSpeed, which gives each group this rank's flat fp32
+    # shard: every rank's AdamW updates (and holds state for) its 1/world_size. Not DeepSpeed's own Adam (README).
     decay = [p for p in trainable if len(full_shape(p)) >= 2]
     no_decay = [p for p in trainable if len(full_shape(p)) < 2]
     # With --cpu-offload it updates host tensors: the fused kernel is for the GPU ones.
@@ -344,30 +269,22 @@ def main(argv: list[str] | None = None) -> dict:
         model=model, optimizer=optimizer, config=ds_config,
         lr_scheduler=lambda wrapped: torch.optim.lr_scheduler.LambdaLR(
             wrapped, lambda step: lr_factor(step, config.warmup_steps, config.steps)))
-    # --loss-chunk-tokens applies the LM head itself, on the final hidden states the model returns; the model's own
-    # head then runs on no position (logits_to_keep takes an index of the positions to keep).
+    # --loss-chunk-tokens applies the LM head itself, to the hidden states the engine's forward returns (README).
     lm_head, no_positions = model.get_output_embeddings(), torch.empty(0, dtype=torch.long, device=device)
     gather_head = config.loss_chunk_tokens > 0 and config.zero_stage == 3
 
     # ---------------------------------------------------------------------------------------------------------
     # Training loop
-    metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
-                            warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
-                            model_config=model.config, lora_rank=config.lora_rank, device=device, world_size=world_size,
-                            is_main=dist_info.is_main, report_to=config.report_to,
-                            log_every=config.log_every, steps_per_epoch=plan.steps_per_epoch, resume=config.resume)
-    comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
-    stopwatch = Stopwatch(device)
     eval_losses = []
     sample_messages = sample_prompt(data)  # --sample-every: the turns before the first held-out answer
     # The step count is the whole data position: step k always consumes the same rows.
     start_step = load_deepspeed_checkpoint(config.resume, engine) if config.resume else 0
     if config.resume:
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
-    # Model-state bytes are counted once, on the second step, after its last backward and before its update: the
-    # gradients exist, and so does AdamW's state, created by the first update.
-    state_step = min(start_step + 1, config.steps - 1)
-    measured_state = None
+    # Step clock, comm_ms, the step line, metrics.jsonl, summary.json; the garbage collector on a schedule from here.
+    rec = Recorder(EXPERIMENT, config, device, model.config, data, rows_per_step, world_size=world_size, rank=rank,
+                   steps_per_epoch=plan.steps_per_epoch, start_step=start_step, script_dir=SCRIPT_DIR,
+                   n_parameters=n_params, n_trainable=n_trainable, flops_per_token=model_flops_per_token)
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum, rank, world_size)
         loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the whole step's, all ranks: counted locally
@@ -375,97 +292,73 @@ def main(argv: list[str] | None = None) -> dict:
         step_scale = torch.full((), 1.0 / max(loss_tokens, 1), device=device)
         lr = scheduler.get_last_lr()[0]
 
-        stopwatch.reset()
-        comm_timer.start(step)
+        rec.start(step)
+        # All of the step's micro-batches go to the device up front, from pinned memory on a GPU, so the copies
+        # overlap the compute queued before them instead of waiting in the loop.
+        batches = [to_device(host_batch, device) for host_batch in micro_batches]
         step_loss = torch.zeros((), device=device)
-        for index, host_batch in enumerate(micro_batches):
-            batch = {key: value.to(device, non_blocking=True) for key, value in host_batch.items()}
+        for index, (host_batch, batch) in enumerate(zip(micro_batches, batches)):
             # --attn varlen: the documents' boundaries, from the host copy of position_ids ({} otherwise).
             packed = attention.forward_kwargs(host_batch["position_ids"], device)
+            # Each micro-batch's loss is divided by the whole step's loss tokens, not its own: summing the
+            # micro-batch gradients then gives exactly the gradient of the token-weighted step loss.
             with autocast():
                 # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
-                # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen needs
-                # none). Under ZeRO-3 the engine's hooks all-gather each layer's parameters just before it runs.
+                # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen needs none).
                 if config.loss_chunk_tokens:
-                    # Unlike single-ft, the decoder body is not called on its own: the engine's forward hooks its
-                    # outputs for DeepSpeed's backward and, under ZeRO-3, gathers the embedding. So the whole model
-                    # runs, asked for its hidden states (the last one after the final norm; backward keeps the others
-                    # anyway) and for logits at no position.
+                    # Through the engine's forward, which hooks its outputs for DeepSpeed's backward (README).
                     hidden = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                     attention_mask=None, use_cache=False, output_hidden_states=True,
                                     logits_to_keep=no_positions, **packed).hidden_states[-1]
                 else:
                     logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                     attention_mask=None, use_cache=False, **packed).logits
-            # ZeRO-3 gathers a weight only around the forward and backward of the modules that own it; the fused
-            # loss uses the LM head's weight outside them (after the model's forward), so it is gathered here, from
-            # the loss until the end of backward (where the loss hands its weight gradient to ZeRO-3's hook, like
-            # the plain path's), and partitioned again on leaving.
+            # ZeRO-3: the fused loss uses the LM head's weight outside its module, so it is gathered here (README).
             with deepspeed.zero.GatheredParameters([lm_head.weight], enabled=gather_head):
-                # Both losses are divided by the whole step's loss tokens, not this micro-batch's: summing the
-                # micro-batch gradients of all ranks then gives exactly the gradient of the token-weighted step loss.
                 if config.loss_chunk_tokens:
-                    # The LM head and the loss on loss tokens only, chunk by chunk, their gradients computed on the
-                    # way; the labels' host copy picks those tokens without waiting for the device.
+                    # The LM head and the loss on loss tokens only, chunk by chunk (common/loss.py).
                     loss = fused_linear_cross_entropy(hidden, lm_head.weight, host_batch["labels"],
                                                       config.loss_chunk_tokens, step_scale)
                 else:
                     loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
-                # DeepSpeed assumes a per-micro-batch mean loss: engine.backward divides it by grad_accum, and the
-                # gradient reduction over ranks (in every stage) divides the sum by world_size. Our loss is already
-                # a share of the global step loss, so the gradients must simply be summed: scale_wrt_gas=False skips
-                # the first division and the factor world_size cancels the second (exact for a power-of-2 world).
+                # engine.backward divides by grad_accum and the reduction by world_size: both undone (README).
                 engine.backward(loss * world_size, scale_wrt_gas=False)
-            if step == state_step and index == len(micro_batches) - 1:
-                measured_state = deepspeed_state_bytes(engine)  # the update runs in the engine.step() below
-            # At the last micro-batch (the accumulation boundary): reduce, clip, AdamW on the shards, LR schedule;
-            # before it, only counts micro-batches.
+            if index == len(micro_batches) - 1:  # the update runs in this micro-batch's engine.step()
+                rec.state(step, count=lambda: deepspeed_state_bytes(engine))  # weights, grads, master, AdamW's state
+            # At the last micro-batch (the accumulation boundary): reduce, clip, AdamW on the shards, LR schedule.
             engine.step()
             step_loss += loss.detach()
-        # Each rank holds the loss of its own rows over the global denominator: their sum is the step loss.
-        dist.all_reduce(step_loss)
+        dist.all_reduce(step_loss)  # each rank holds its rows' share of the step loss: the log line wants the sum
         grad_norm = engine.get_global_grad_norm()  # before clipping, over all shards; a tensor or a float
-        # The one host-device synchronisation of the step (of this loop's own code; DeepSpeed's step has its own):
-        # the step line's loss and gradient norm, read together.
-        step_loss_value, grad_norm_value = torch.stack(
-            [step_loss, torch.as_tensor(grad_norm, dtype=torch.float32, device=device)]).tolist()
-        step_ms = stopwatch.elapsed_ms()
-        comm_ms = comm_timer.stop(step)
-
-        metrics.log_step(step + 1, step_loss_value, lr, grad_norm_value, data.step_real_tokens(step, rows_per_step),
-                         loss_tokens, step_ms, comm_ms, print_fn=print0,
-                         documents=data.step_documents(step, rows_per_step))
+        rec.stop()
+        # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together.
+        # (Of this loop's own code: DeepSpeed's step has its own.)
+        values = torch.stack([step_loss, torch.as_tensor(grad_norm, dtype=torch.float32, device=device)]).tolist()
+        rec.step(step, values[0], lr, values[1])
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate(engine, data, config.micro_batch_size, device, autocast)))
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
-            metrics.log_eval(*eval_losses[-1])
+            rec.eval(*eval_losses[-1])
         if config.sample_every and (step + 1) % config.sample_every == 0 and sample_messages:
-            # Generated on every rank, in step (synced_gpus): at stage 3 each forward gathers the weights; rank 0 prints.
             completion = generate(engine.module, tokenizer, sample_messages, device, autocast=autocast,
                                   synced_gpus=config.zero_stage == 3 and world_size > 1)
             print0(f"sample step {step + 1}: {completion!r}")
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
-            # DeepSpeed's own sharded format (its optimizer objects are opaque to torch.distributed.checkpoint),
-            # published atomically by common/checkpoint.py: written to step-<k>.tmp/, renamed once all ranks are done.
+            # DeepSpeed's own sharded format (its optimizer objects are opaque to torch.distributed.checkpoint).
             saved = save_deepspeed_checkpoint(config.out_dir, step + 1, engine, run=plan.identity,
                                               keep=config.keep_checkpoints)
             print0(f"checkpoint: {saved}")
 
     # ---------------------------------------------------------------------------------------------------------
-    # Evaluation, results, export. Every rank evaluates the whole held-out split: under ZeRO-3 each forward is a
-    # collective (all ranks gather the same layers), so they cannot split it without also splitting the gathers.
+    # Evaluation, results, export; every rank evaluates every batch, as ZeRO-3's gathers need all ranks.
     eval_loss = evaluate(engine, data, config.micro_batch_size, device, autocast)
-    metrics.log_eval(config.steps, eval_loss)
+    rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    # The point of this experiment: what each rank held at its peak. Gathered so that rank 0 can print and store it,
-    # next to common/memory's prediction for one device (comparable on a GPU, where both mean max_memory_reserved;
-    # on CPU the measure is the whole process, interpreter and libraries included).
+    # The point of this experiment: what each rank held at its peak, beside common/memory's prediction for a device.
     peak_mem_gib_per_rank = [None] * world_size
     dist.all_gather_object(peak_mem_gib_per_rank, peak_memory_gib(device))
-    # common/memory names ZeRO-Offload runs "zero-<stage>-offload" and predicts the offloaded states in host
-    # memory (cpu_bytes), the device's share in predicted_state_bytes; where it has no such strategy, the prediction
-    # is that of the same stage without offload. summary.json says which.
+    # ZeRO-Offload: "zero-<stage>-offload" where common/memory has it, else the stage without offload (the note says).
     strategy = f"zero-{config.zero_stage}" + ("-offload" if config.cpu_offload else "")
     predicted_note = None
     if strategy not in STRATEGIES:
@@ -481,12 +374,8 @@ def main(argv: list[str] | None = None) -> dict:
         precision=config.dtype, attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
         loss_chunk_tokens=config.loss_chunk_tokens, compile=config.compile)
     predicted_peak_mem_gib = prediction.total_gib
-    # common/comm.py's formula for what the profiled steps measured. Gradients are reduced in the optimizer's group
-    # order at the boundary (stage 1) or as backward produces them (stages 2 and 3: the reverse of the parameters'
-    # order). ZeRO-Offload runs the same collectives (checked for stage 2). Not covered: a world of one, whose
-    # collectives are not modelled; LoRA, and offload with stages 1 and 3, whose paths through DeepSpeed are not
-    # checked against a measurement; and what zero_collectives leaves out (ZeRO-3 models larger than one prefetch
-    # bucket, ZeRO-1 under bf16).
+    # common/comm.py's bytes for the profiled steps: gradients reduced in group order (stage 1) or backward's (2, 3);
+    # README: what it leaves out (one rank, LoRA, offload at stages 1 and 3, ...).
     groups = [group for group in (decay, no_decay) if group]
     reduction_order = [p for group in groups for p in group] if config.zero_stage == 1 else list(reversed(trainable))
     formula = None
@@ -500,24 +389,13 @@ def main(argv: list[str] | None = None) -> dict:
     print0(f"peak memory per rank ({memory_label(device)}), ZeRO stage {config.zero_stage}: "
            + ", ".join(f"rank {r} {gib:.2f} GiB" for r, gib in enumerate(peak_mem_gib_per_rank))
            + f" | predicted by common/memory: {predicted_peak_mem_gib:.2f} GiB per device")
-    summary = metrics.write_summary(
-        comm_timer=comm_timer,  # comm_ms, collective counts and bytes: torch.profiler over the profiled steps
-        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(SCRIPT_DIR), config=asdict(config),
-        hardware=hardware_info(device, world_size=world_size), attention=asdict(attention),
-        model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
-                   flops_per_token=model_flops_per_token),
-        t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
-        packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
-        n_truncated=data.stats["n_truncated"], data=data.stats, zero_stage=config.zero_stage,
+    summary = rec.finish(
+        attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses, zero_stage=config.zero_stage,
         peak_mem_gib_per_rank=peak_mem_gib_per_rank, predicted_peak_mem_gib=predicted_peak_mem_gib,
-        state_bytes_per_rank=None if measured_state is None else all_ranks(measured_state),
-        state_bytes_step=None if measured_state is None else state_step + 1,  # 1-based, as in metrics.jsonl
         predicted_state_bytes=prediction.state_bytes(),
         predicted_cpu_bytes=int(prediction.cpu_bytes), predicted_note=predicted_note,
         collective_bytes_formula=formula,
         deepspeed=dict(version=deepspeed.__version__, config=ds_config))
-    print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
-           f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
 
     if config.save_hf:
         del hf_deepspeed_config  # transformers needed it only to build the model; a whole copy must not be partitioned
