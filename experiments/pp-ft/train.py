@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -59,13 +58,14 @@ from transformers.masking_utils import create_causal_mask
 from common.attention import VARLEN, document_kwargs, setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.comm import as_backend, pipeline_collectives
-from common.data import IGNORE_INDEX, DataError, build_data, describe, sample_text, token_loss_sum
+from common.data import IGNORE_INDEX, DataError, build_data, describe, sample_text, to_device, token_loss_sum
 from common.dist import all_ranks, init_distributed, print0, record_collectives_in, teardown
 from common.memory import PROJECT_BF16, PROJECT_FP32, attention_kind, estimate_stages, predict_peak_gib
-from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
-    memory_label, peak_memory_gib, state_bytes, summary_table, synchronize
+from common.metrics import MetricsLogger, Recorder
 from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
     record_adapter_base, resolve_model_name, weights_dtype
+from common.pipeline_trace import PipelineTrace
+from common.step import clip_grad_norm
 
 EXPERIMENT = "pp-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -281,129 +281,6 @@ def sum_tied_gradients(embedding: nn.Parameter | None, lm_head: nn.Parameter | N
         lm_head.grad.copy_(total)
     elif embedding is not None or lm_head is not None:
         dist.all_reduce((embedding if embedding is not None else lm_head).grad, group=group)
-
-
-def clip_grad_norm_across_stages(params_for_norm: list[nn.Parameter], params: list[nn.Parameter],
-                                 max_norm: float, pp_group) -> torch.Tensor:
-    """The whole model's gradient norm from the stages' parts (sum of squares over the ranks of one pipeline), then
-    clip every rank's grads.
-
-    `params_for_norm` leaves out the LM head copy: after sum_tied_gradients it equals the embedding's gradient, which
-    the first stage already counts once, as the unsplit model does. Same maths as torch.nn.utils.clip_grad_norm_.
-    The sum runs over `pp_group` only: data-parallel replicas hold the same (already all-reduced) gradients, and
-    summing them too would count the model once per replica.
-    """
-    local_norm = torch.nn.utils.get_total_norm([p.grad for p in params_for_norm if p.grad is not None])
-    squared = local_norm.pow(2)
-    dist.all_reduce(squared, group=pp_group)
-    total_norm = squared.sqrt()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
-    return total_norm
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The bubble: time a rank computes inside the schedule, against the schedule's wall time
-
-
-class BusyTimer:
-    """Times every compute action of this rank's stages inside the schedule, and remembers which one it was.
-
-    An action is a forward ("F"), a backward ("B": the full backward, or its input-gradient half under ZBV), a
-    weight-gradient backward ("W", ZBV's other half) or a loss call ("loss"), each of one stage and one micro-batch.
-    The schedule's wall time minus the actions' total is the rank's idle time: waiting for a neighbour's activation
-    or gradient (the bubble), plus any transfer that does not overlap with compute. The same actions, with their
-    start and end times, are the step's timeline (`schedule_trace` in summary.json).
-
-    Clocks: on CPU time.perf_counter, which is CLOCK_MONOTONIC on Linux, one clock for all the processes of a
-    machine, so the ranks' times are directly comparable. On a GPU, CUDA events on the compute stream (a wait on a
-    receive, queued before the event, is then not counted as busy), measured from an event each rank records when
-    the step starts; `start_step(aligned=True)` puts a barrier before it so that the ranks' origins coincide (to
-    the barrier's exit skew, microseconds on one machine) and the traced step's timelines can be drawn together.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.origin = None  # CUDA: the event this step's times are measured from
-        self.actions: list[tuple] = []  # (kind, stage, microbatch, start mark, end mark) of the current step
-
-    def wrap(self, function, kind: str, stage: int, microbatch_of=lambda args: args[0]):
-        """`function` timed; `microbatch_of(args)` says which micro-batch a call is (the schedules pass the stage
-        methods the micro-batch index as their first argument)."""
-        def timed(*args, **kwargs):
-            start = self._mark()
-            result = function(*args, **kwargs)
-            self.actions.append((kind, stage, microbatch_of(args), start, self._mark()))
-            return result
-        return timed
-
-    def _mark(self):
-        if self.device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def start_step(self, aligned: bool = False) -> None:
-        """Forget anything timed outside the schedule; on a GPU, record this step's origin (after a barrier if
-        `aligned`, for a step whose timelines are compared across ranks)."""
-        if aligned and self.device.type == "cuda":
-            dist.barrier()
-            torch.cuda.synchronize(self.device)
-        self.actions = []
-        self.origin = self._mark() if self.device.type == "cuda" else None
-
-    def take_actions(self) -> list[dict]:
-        """This step's actions, start and end in milliseconds (CPU: on the machine's monotonic clock; GPU: since
-        the step's origin). The device must be synchronised first."""
-        if self.device.type == "cuda":
-            to_ms = self.origin.elapsed_time
-        else:
-            def to_ms(mark: float) -> float:
-                return mark * 1000.0
-        actions = [dict(stage=stage, microbatch=microbatch, kind=kind, start_ms=to_ms(start), end_ms=to_ms(end))
-                   for kind, stage, microbatch, start, end in self.actions]
-        self.actions = []
-        return actions
-
-
-def busy_ms(actions: list[dict]) -> float:
-    return sum(action["end_ms"] - action["start_ms"] for action in actions)
-
-
-def schedule_trace(step: int, actions_per_rank: list[list[dict]], schedule_ms_per_rank: list[float],
-                   device: torch.device) -> dict:
-    """Every rank's actions of one step as one timeline, times relative to the earliest start over all ranks, with
-    that step's busy time and schedule wall time per rank (the bubble of this one step)."""
-    origin = min((a["start_ms"] for actions in actions_per_rank for a in actions), default=0.0)
-    actions = [dict(rank=rank, **{**action, "start_ms": action["start_ms"] - origin,
-                                   "end_ms": action["end_ms"] - origin})
-               for rank, rank_actions in enumerate(actions_per_rank)
-               for action in sorted(rank_actions, key=lambda a: a["start_ms"])]
-    return dict(step=step, clock="cuda events" if device.type == "cuda" else "perf_counter", actions=actions,
-                busy_ms_per_rank=[busy_ms(rank_actions) for rank_actions in actions_per_rank],
-                schedule_ms_per_rank=schedule_ms_per_rank)
-
-
-def bubble_textbook(schedule: str, n_ranks: int, n_microbatches: int, stages_per_rank: int) -> tuple[float, str]:
-    """The idle share of a step if every stage took the same time and communication were free.
-
-    GPipe and 1F1B: (p-1)/(m+p-1). Each rank idles for p-1 micro-batch slots while the pipeline fills and drains,
-    out of m+p-1 slots. GPipe (Huang et al. 2019, arXiv:1811.06965: bubble overhead O((K-1)/(M+K-1)) for K stages and
-    M micro-batches); 1F1B has the same bubble but keeps at most p micro-batches in flight (Narayanan et al. 2021,
-    arXiv:2104.04473, section 2.2.1: bubble/ideal = (p-1)/m, i.e. (p-1)/(m+p-1) of the total).
-    Interleaved 1F1B with v stages per rank: each slot is v times shorter, so (p-1)/(v*m+p-1) (ibid. section 2.2.2:
-    bubble/ideal = (p-1)/(v*m)).
-    ZBV: 0 when a forward, an input-gradient backward and a weight-gradient backward take the same time and
-    m >= 2p (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", arXiv:2401.10241, section 6); real stages
-    are not that even, so some bubble remains.
-    """
-    p, m, v = n_ranks, n_microbatches, stages_per_rank
-    if schedule in ("gpipe", "1f1b"):
-        return (p - 1) / (m + p - 1), "(p-1)/(m+p-1)"
-    if schedule == "interleaved-1f1b":
-        return (p - 1) / (v * m + p - 1), "(p-1)/(v*m+p-1)"
-    return 0.0, "0 if T_F = T_B = T_W (zero bubble)"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -674,9 +551,9 @@ def main(argv: list[str] | None = None) -> dict:
         parts = (["embedding"] if s == 0 else []) + [block] + (["norm + LM head"] if s == n_stages - 1 else [])
         print0(f"stage {s} on rank {stage_rank[s]}: {', '.join(parts)}")
     print0(f"parameters held per rank: {', '.join(f'rank {r}: {n:,}' for r, n in enumerate(held))}")
-    textbook, formula = bubble_textbook(config.schedule, pp_size, config.grad_accum, config.stages_per_rank)
+    trace = PipelineTrace(device, config, pp_size)  # the bubble per rank and one step's timeline (summary.json)
     print0(f"pipeline: {config.schedule}, p = {pp_size} ranks x v = {config.stages_per_rank} stages each, "
-           f"m = {config.grad_accum} micro-batches | textbook bubble {formula} = {textbook:.1%}"
+           f"m = {config.grad_accum} micro-batches | textbook bubble {trace.formula} = {trace.textbook:.1%}"
            + (f" | {replicas} data-parallel replicas of it (mesh {replicas} x {pp_size}), each stage's gradients "
               f"all-reduced over its {replicas} copies" if replicas > 1 else ""))
     print0(f"batch: B = {config.micro_batch_size} x {config.grad_accum}"
@@ -700,7 +577,6 @@ def main(argv: list[str] | None = None) -> dict:
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor, step_loss_tokens: int) -> torch.Tensor:
         return token_loss_sum(logits, labels) / step_loss_tokens * replicas
 
-    busy = BusyTimer(device)
     pipeline_stages = []
     for s, stage_module in stages.items():
         if replicas > 1:
@@ -719,21 +595,14 @@ def main(argv: list[str] | None = None) -> dict:
                                                    device_ids=[device.index] if device.type == "cuda" else None)
         # Stage indices and peer ranks are numbered inside this rank's pipeline (pp_group).
         stage = PipelineStage(stage_module, stage_index=s, num_stages=n_stages, device=device, group=pp_group)
-        # Instance attributes shadow the methods the schedule calls, so every compute action is timed, with its
-        # stage and micro-batch. backward_one_chunk is the full backward, or under ZBV its input-gradient half.
-        for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")):
-            setattr(stage, name, busy.wrap(getattr(stage, name), kind, s))
+        trace.time_stage(stage, s)  # every forward and backward of this stage timed: the bubble
         pipeline_stages.append(stage)
-    # loss_fn gets micro-batch i's labels, the very tensor passed in target_mbs: its identity says which i it is.
-    # (The first step's shape inference also calls it once, on stand-in labels: no micro-batch, None.)
-    microbatch_of_labels: dict[int, int] = {}  # id(labels tensor) -> micro-batch index, refilled every step
-    timed_loss_fn = busy.wrap(loss_fn, "loss", n_stages - 1,
-                              microbatch_of=lambda args: microbatch_of_labels.get(id(args[1])))
     schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
                       "zbv": ScheduleZBVZeroBubble}[config.schedule]
     try:
         schedule = schedule_class(pipeline_stages if config.stages_per_rank > 1 else pipeline_stages[0],
-                                  n_microbatches=config.grad_accum, loss_fn=timed_loss_fn, scale_grads=False)
+                                  n_microbatches=config.grad_accum, loss_fn=trace.time_loss(loss_fn, n_stages - 1),
+                                  scale_grads=False)
     except ValueError as error:
         raise SystemExit(f"--schedule {config.schedule} with {n_stages} stages and --grad-accum {config.grad_accum}: "
                          f"{error} (more micro-batches also shrink the bubble)") from None
@@ -752,59 +621,41 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Training loop
-    metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
-                            warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
-                            model_config=model_config, lora_rank=config.lora_rank, device=device, world_size=world_size,
-                            is_main=dist.get_rank() == 0, report_to=config.report_to,
-                            log_every=config.log_every, steps_per_epoch=plan.steps_per_epoch)
-    comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
-    stopwatch = Stopwatch(device)
     eval_losses = []
-    bubble_records = []  # (busy_ms, pipeline_ms) of this rank per step
     start_step = load_checkpoint(config.resume, module, optimizer, scheduler) if config.resume else 0
     if config.resume:
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
-    # The step drawn as a timeline (schedule_trace): the last measured step that torch.profiler did not slow down.
-    unprofiled = [s for s in range(start_step, config.steps) if s not in comm_timer.window]
-    trace_step = max([s for s in unprofiled if s - start_step >= metrics.warmup_steps] or unprofiled
-                     or [config.steps - 1])
-    traced_actions = traced_schedule_ms = None
-    # Model-state bytes are counted on the second step, after its backward and before its update: the gradients
-    # exist, and so does AdamW's state, created by the first update.
-    state_step = min(start_step + 1, config.steps - 1)
-    measured_state = None
+    # Step clock, comm_ms, the step line, metrics.jsonl, summary.json; the garbage collector on a schedule from here.
+    rec = Recorder(EXPERIMENT, config, device, model_config, data, rows_per_step, world_size=world_size,
+                   rank=dist.get_rank(), steps_per_epoch=plan.steps_per_epoch, start_step=start_step,
+                   script_dir=SCRIPT_DIR, n_parameters=n_params, n_trainable=n_trainable,
+                   flops_per_token=model_flops_per_token)
+    rec.model.update(parameters_held_per_rank=held, trainable_parameters_per_rank=trainable_held)
     for step in range(start_step, config.steps):
-        micro_batches = [{key: value.to(device, non_blocking=True) for key, value in batch.items()}
-                         for batch in data.micro_batches(step, config.micro_batch_size, config.grad_accum, replica,
-                                                         replicas)]
+        micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum, replica, replicas)
         loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step, all replicas
-        labels = [batch["labels"] for batch in micro_batches] if n_stages - 1 in stages else None
-        microbatch_of_labels.clear()
-        microbatch_of_labels.update({id(tensor): i for i, tensor in enumerate(labels or [])})
         lr = scheduler.get_last_lr()[0]
 
-        busy.start_step(aligned=step == trace_step)
-        stopwatch.reset()
-        comm_timer.start(step)
+        rec.start(step)
+        # All of the step's micro-batches go to the device up front, from pinned memory on a GPU.
+        batches = [to_device(host_batch, device) for host_batch in micro_batches]
+        labels = [batch["labels"] for batch in batches] if n_stages - 1 in stages else None
+        trace.start(step, labels)
         micro_losses = []
-        pipeline_start = time.perf_counter()
-        schedule.step(arg_mbs=[(batch["input_ids"],) for batch in micro_batches] if 0 in stages else None,
-                      kwarg_mbs=[{"position_ids": batch["position_ids"]} for batch in micro_batches],
+        schedule.step(arg_mbs=[(batch["input_ids"],) for batch in batches] if 0 in stages else None,
+                      kwarg_mbs=[{"position_ids": batch["position_ids"]} for batch in batches],
                       target_mbs=labels, losses=micro_losses, loss_kwargs={"step_loss_tokens": loss_tokens},
                       return_outputs=False)
-        synchronize(device)
-        actions = busy.take_actions()
-        bubble_records.append((busy_ms(actions), (time.perf_counter() - pipeline_start) * 1000.0))
-        if step == trace_step:
-            traced_actions, traced_schedule_ms = actions, bubble_records[-1][1]
+        trace.stop(step)
         # With replicas, DDP has all-reduced every stage's gradients during the last backward (inside the schedule).
         # The tied weight's gradient next (both sums are linear, so their order does not matter), then the norm: the
         # norm must see the summed gradient.
         sum_tied_gradients(embedding, lm_head, tie_group)
-        grad_norm = clip_grad_norm_across_stages(params_for_norm, params, config.max_grad_norm, pp_group)
-        if step == state_step:
-            # Every parameter this rank holds (frozen ones and the LM head copy included), its gradients, AdamW's state.
-            measured_state = state_bytes(module.parameters(), optimizer)
+        # Every rank's parameters (frozen ones and the LM head copy included), its gradients, AdamW's state.
+        rec.state(step, module.parameters(), optimizer)
+        max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
+        # The whole model's norm: the squares of every stage of this pipeline, the LM head copy counted once.
+        grad_norm = clip_grad_norm(optimizer, params, max_norm, group=pp_group, norm_parameters=params_for_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -815,51 +666,26 @@ def main(argv: list[str] | None = None) -> dict:
         if replicas > 1:
             dist.all_reduce(step_loss, group=dp_group)
         dist.broadcast(step_loss, group=pp_group, group_src=last_rank)
+        rec.stop()
         # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together.
-        step_loss_value, grad_norm_value = torch.stack([step_loss, grad_norm.float()]).tolist()
-        step_ms = stopwatch.elapsed_ms()
-        comm_ms = comm_timer.stop(step)
-
-        metrics.log_step(step + 1, step_loss_value, lr, grad_norm_value, data.step_real_tokens(step, rows_per_step),
-                         loss_tokens, step_ms, comm_ms, print_fn=print0,
-                         documents=data.step_documents(step, rows_per_step))
+        values = torch.stack([step_loss, grad_norm.float()]).tolist()
+        rec.step(step, values[0], lr, values[1])
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate_pipeline(stages, stage_rank, data, config.micro_batch_size, device,
                                                             pp_group)))
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
-            metrics.log_eval(*eval_losses[-1])
+            rec.eval(*eval_losses[-1])
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             saved = save_checkpoint(config.out_dir, step + 1, module, optimizer, scheduler, run=plan.identity)
             print0(f"checkpoint: {saved}")
 
     # ---------------------------------------------------------------------------------------------------------
-    # The bubble: per rank, busy = compute inside the schedule, idle = the rest of the schedule's wall time. Steps
-    # that ran under torch.profiler are left out, as from the speed averages (unless no other step was measured).
-    numbered = list(zip(bubble_records, range(start_step + 1, config.steps + 1)))  # 1-based, as comm_timer's
-    measured = numbered[metrics.warmup_steps:] or numbered
-    measured = [r for r, k in measured if k not in comm_timer.profiled] or [r for r, _ in measured]
-    mean_busy_ms = sum(b for b, _ in measured) / len(measured) if measured else 0.0
-    mean_pipeline_ms = sum(t for _, t in measured) / len(measured) if measured else 0.0
-    per_rank = all_ranks((mean_busy_ms, mean_pipeline_ms))
-    bubble_per_rank = [(t - b) / t if t > 0 else None for b, t in per_rank]
-    measured_fractions = [f for f in bubble_per_rank if f is not None]
-    bubble_fraction = sum(measured_fractions) / len(measured_fractions) if measured_fractions else None
-    for r, ((b, t), fraction) in enumerate(zip(per_rank, bubble_per_rank)):
-        if fraction is not None:
-            print0(f"bubble rank {r}: busy {b:,.0f} ms, idle {t - b:,.0f} ms of {t:,.0f} ms in the schedule "
-                   f"-> {fraction:.1%}")
-    if bubble_fraction is not None:
-        print0(f"bubble: measured {bubble_fraction:.1%} (mean over ranks) | textbook {formula} = {textbook:.1%}")
-    # One step's compute actions of every rank, on one time axis (see BusyTimer for the clocks).
-    traced = all_ranks((traced_actions, traced_schedule_ms))
-    trace = (schedule_trace(trace_step + 1, [actions for actions, _ in traced], [ms for _, ms in traced], device)
-             if traced_actions is not None else None)
-
-    # ---------------------------------------------------------------------------------------------------------
-    # What each rank holds and sends, measured, next to what common/memory and common/comm.py predict.
-    state_bytes_per_rank = all_ranks(measured_state)
-    predicted_state = predicted_state_bytes_per_rank(model_config, stage_rank, config, replicas)
-    collective_bytes_per_rank = all_ranks(comm_timer.collective_bytes_per_step())
+    # Evaluation, results, export
+    pipeline_measures = trace.finish(rec)  # the bubble per rank, one step's timeline, every rank's peak memory
+    eval_loss = evaluate_pipeline(stages, stage_rank, data, config.micro_batch_size, device, pp_group)
+    rec.eval(config.steps, eval_loss)
+    print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
+           if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
     # common/comm.py models one pipeline; with replicas DDP's bucketed gradient all-reduce comes on top, not modelled.
     collective_formula_per_rank = None if replicas > 1 else [
         as_backend(pipeline_collectives(stage_rank, r, microbatches=config.grad_accum,
@@ -867,27 +693,8 @@ def main(argv: list[str] | None = None) -> dict:
                                         hidden=model_config.hidden_size, vocab=model_config.vocab_size,
                                         tied_gradients=tied_trainable), dist.get_backend())
         for r in range(world_size)]
-
-    # ---------------------------------------------------------------------------------------------------------
-    # Evaluation, results, export
-    # Stages hold different layers and, under 1F1B, a different number of micro-batches' activations (the first
-    # stage the most): the step line shows rank 0's memory, so every rank's peak is gathered here.
-    peak_mem_gib_per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(peak_mem_gib_per_rank, peak_memory_gib(device))
-    print0(f"peak memory per rank ({memory_label(device)}): "
-           + ", ".join(f"rank {r} {gib:.2f} GiB" for r, gib in enumerate(peak_mem_gib_per_rank)))
-    eval_loss = evaluate_pipeline(stages, stage_rank, data, config.micro_batch_size, device, pp_group)
-    metrics.log_eval(config.steps, eval_loss)
-    print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
-           if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    summary = metrics.write_summary(
-        comm_timer=comm_timer,  # comm_ms, collective counts and bytes: torch.profiler over the profiled steps
-        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(SCRIPT_DIR), config=asdict(config),
-        hardware=hardware_info(device, world_size=world_size), attention=asdict(attention),
-        model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
-                   flops_per_token=model_flops_per_token, parameters_held_per_rank=held,
-                   trainable_parameters_per_rank=trainable_held),
-        t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
+    summary = rec.finish(
+        attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
         # common/memory's prediction for the fullest stage, next to the measured peaks (comparable on a GPU). It
         # models 1F1B with one stage per rank and an even split (p - s micro-batches in flight on stage s); GPipe
         # keeps all m in flight, and --split or interleaving move memory between ranks.
@@ -896,21 +703,12 @@ def main(argv: list[str] | None = None) -> dict:
             activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank, dtype=config.dtype,
             attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
             compile=config.compile),
-        packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
-        n_truncated=data.stats["n_truncated"], data=data.stats, peak_mem_gib_per_rank=peak_mem_gib_per_rank,
         pipeline=dict(schedule=config.schedule, ranks=pp_size, stages_per_rank=config.stages_per_rank,
                       microbatches=config.grad_accum, stage_layers=[[r.start, r.stop] for r in layers],
                       stage_rank=stage_rank, replicas=replicas),
-        bubble_fraction=bubble_fraction, bubble_fraction_per_rank=bubble_per_rank,
-        busy_ms_per_rank=[b for b, _ in per_rank], schedule_ms_per_rank=[t for _, t in per_rank],
-        bubble_fraction_textbook=textbook, bubble_formula=formula, schedule_trace=trace,
-        state_bytes_per_rank=state_bytes_per_rank,
-        state_bytes_step=state_step + 1 if measured_state is not None else None,  # 1-based, as in metrics.jsonl
-        predicted_state_bytes_per_rank=predicted_state,
-        collective_bytes_per_step_per_rank=collective_bytes_per_rank,
+        **pipeline_measures,
+        predicted_state_bytes_per_rank=predicted_state_bytes_per_rank(model_config, stage_rank, config, replicas),
         collective_bytes_formula_per_rank=collective_formula_per_rank)
-    print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
-           f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
 
     if config.save_hf and config.lora_rank and not config.merge_lora:
         save_lora_adapter(Path(config.save_hf), module, lora_config, base_model_class, tokenizer)
