@@ -1,36 +1,20 @@
 """pp-ft: fine-tune a Qwen3 decoder with pipeline parallelism (torch.distributed.pipelining), stages built by hand.
 
-    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8                       # 2 stages, 1F1B
-    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8 --schedule interleaved-1f1b  # 4 stages
-    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8 --schedule zbv        # zero-bubble V
-    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --model Qwen/Qwen3-0.6B-Base --grad-accum 16 --split 18
-    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8 --lora-rank 16 --save-hf runs/lora  # LoRA adapter
-    uv run torchrun --nproc_per_node=4 experiments/pp-ft/train.py --grad-accum 8 --stages 2         # 2 stages x 2 replicas
+    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8                     # 2 stages, 1F1B
+    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8 --schedule interleaved-1f1b
+    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8 --schedule zbv      # zero-bubble V
+    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --model Qwen/Qwen3-0.6B-Base --grad-accum 16
+    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8 --lora-rank 16 --save-hf runs/lora
+    uv run torchrun --nproc_per_node=4 experiments/pp-ft/train.py --grad-accum 8 --stages 2       # 2 stages x 2 replicas
     uv run python experiments/pp-ft/train.py --grad-accum 4                    # one process: a one-stage pipeline
-    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --schedule 1f1b --grad-accum 4 --steps 5 --seq-len 128  # CPU smoke run
+    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 4 --steps 5 --seq-len 128  # CPU smoke
 
-Each rank holds one contiguous block of decoder layers (a "stage"); the first stage also holds the token embedding,
-the last one the final norm and the LM head. A step's B rows are cut into `--grad-accum` micro-batches (m) that flow
-through the stages: activations go forward rank to rank, their gradients come back, and the schedule decides the
-order (GPipe: all forwards, then all backwards; 1F1B: one forward, one backward in the steady state, so at most p
-micro-batches are alive per stage; interleaved 1F1B: v smaller stages per rank; ZBV: backward split into its input
-and weight halves, stages placed in a V). While it waits for its first activation or its last gradient a rank is
-idle: the bubble, measured here per rank and compared with the textbook fraction (see `bubble_textbook`).
-
-With fewer stages than ranks (--stages S, S / v ranks per pipeline), the ranks form a 2-D mesh ("dp", "pp"): world /
-(S / v) replicas of the whole pipeline, each on its own share of the rows, and each stage's gradients all-reduced
-over the replicas that hold that stage (DistributedDataParallel on the stage, over the mesh's "dp" dimension).
-
-One optimizer step consumes B = micro_batch_size x grad_accum x replicas rows (common/data.py), the same rows as
-single-ft's on that B, and computes the same step: the loss is token-weighted (see `loss_fn`), the tied
-embedding / LM head gets the sum of its two gradients (see `sum_tied_gradients`), and the gradient norm is the norm
-of the whole model's gradient (see `clip_grad_norm_across_stages`). With --lora-rank the adapters are single-ft's
-(peft is applied to the whole model before it is cut into stages), and the frozen embedding / LM head need no
-gradient sum. tests/test_pp_ft.py holds every schedule to single-ft, per step and per parameter.
-
-Besides single-ft's results, summary.json holds what a pipeline post draws and compares: the bubble per rank, one
-step's schedule as a timeline per rank (`schedule_trace`, see `BusyTimer`), the model-state bytes each rank holds
-next to common/memory's prediction, and the collectives' calls and bytes per rank next to common/comm.py's formula.
+Each rank holds one contiguous block of decoder layers (a "stage"; the first also the embedding, the last the norm and
+the LM head). A step's B = micro_batch_size x grad_accum x replicas rows are cut into m = --grad-accum micro-batches
+that flow through the stages in the order the schedule decides (GPipe, 1F1B, interleaved 1F1B, ZBV); a rank waiting
+for its neighbours is idle: the bubble, measured per rank (common/pipeline_trace.py). The step equals single-ft's on
+the same B (tests/test_pp_ft.py): see `loss_fn`, `sum_tied_gradients` and the norm over the stages; the README
+explains the stages, the replicas (--stages) and what summary.json holds per rank.
 """
 
 from __future__ import annotations
@@ -60,7 +44,7 @@ from common.checkpoint import load_checkpoint, save_checkpoint
 from common.comm import as_backend, pipeline_collectives
 from common.data import IGNORE_INDEX, DataError, build_data, describe, sample_text, to_device, token_loss_sum
 from common.dist import all_ranks, init_distributed, print0, record_collectives_in, teardown
-from common.memory import PROJECT_BF16, PROJECT_FP32, attention_kind, estimate_stages, predict_peak_gib
+from common.memory import attention_kind, estimate_stages_per_rank, predict_peak_gib
 from common.metrics import MetricsLogger, Recorder
 from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
     record_adapter_base, resolve_model_name, weights_dtype
@@ -93,14 +77,13 @@ class Config:
     seed: int = 0  # one seed for init, data order and held-out split
     dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 compute, fp32 master weights (GPU default); fp32 (CPU)
     activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of storing activations
+    loss_chunk_tokens: int = 0  # not built here: 0 only (the README says why)
+    compile: bool = False  # torch.compile each decoder layer (GPU speed; on CPU it only costs compile time)
     packing: bool = True  # pack conversations into rows (--no-packing: one padded conversation per row)
     lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
     lora_alpha: float | None = None  # LoRA scaling numerator; default 2 x rank
     merge_lora: bool = False  # with --save-hf and LoRA: write the merged full model instead of the adapter
     attn: Literal["auto", "sdpa", "eager", "flash", "varlen"] = "auto"  # attention kernel (common/attention.py)
-    compile: bool = False  # torch.compile each decoder layer of this rank's stages (GPU speed; on CPU it only costs
-        # compile time)
-    loss_chunk_tokens: int = 0  # not built here: 0 only (the README says why)
     eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
     eval_every: int = 0  # also evaluate every N steps (0 = only at the end)
     log_every: int = 1  # print every N-th step line (the first and the last always); metrics.jsonl keeps every step
@@ -219,9 +202,8 @@ class Qwen3Stage(nn.Module):
         self.rotary_emb = model.model.rotary_emb  # buffers only (inv_freq), no weights
         if is_last:
             self.model.norm = model.model.norm
-            # Qwen3 (0.6B-4B) ties the LM head to the embedding. The first and the last stage live on different ranks,
-            # so the last one gets its own copy, kept identical by summing both copies' gradients before every step
-            # (under LoRA both copies stay frozen, as the tied weight is in single-ft).
+            # Qwen3 (0.6B-4B) ties the LM head to the embedding, which lives on another rank: the last stage gets its
+            # own copy, kept identical by summing both copies' gradients before every step (sum_tied_gradients).
             self.lm_head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
             self.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone(),
                                                requires_grad=model.lm_head.weight.requires_grad)
@@ -234,9 +216,7 @@ class Qwen3Stage(nn.Module):
             mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
                                       past_key_values=None, position_ids=position_ids)
             position_embeddings = self.rotary_emb(hidden, position_ids)
-            # --attn varlen: the documents' boundaries, once per stage call for all its layers. The schedule hands
-            # position_ids over on the device, so reading the boundaries is a host sync (single-ft reads them from
-            # the batch's host copy, without one).
+            # --attn varlen: the documents' boundaries, once per stage call (a host sync: position_ids are on device).
             packed = document_kwargs(position_ids, position_ids.device) \
                 if self.config._attn_implementation == VARLEN else {}
             for layer in self.model.layers.values():
@@ -248,8 +228,7 @@ class Qwen3Stage(nn.Module):
 
 
 def rank_container(stages: list[Qwen3Stage]) -> nn.Module:
-    """This rank's stages as one module with Qwen3ForCausalLM's parameter names, for the optimizer, checkpoints and
-    export."""
+    """This rank's stages as one module with Qwen3ForCausalLM's parameter names (optimizer, checkpoints, export)."""
     if len(stages) == 1:
         return stages[0]
     container = nn.Module()
@@ -290,12 +269,8 @@ def sum_tied_gradients(embedding: nn.Parameter | None, lm_head: nn.Parameter | N
 @torch.no_grad()
 def evaluate_pipeline(stages: dict[int, Qwen3Stage], stage_rank: list[int], data, micro_batch_size: int,
                       device: torch.device, pp_group) -> float | None:
-    """Token-weighted loss over the held-out split, forward only, one micro-batch at a time through all stages.
-
-    Plain send/recv rather than schedule.eval(): a forward-only pass has no backward to overlap with, and in this
-    PyTorch version schedule.eval() fails when two adjacent stages share a rank (ZBV's V), in get_local_bwd_output.
-    Ranks are numbered inside `pp_group`, this rank's pipeline; data-parallel replicas each run the whole split.
-    """
+    """Token-weighted loss over the held-out split, one micro-batch at a time through all stages (ranks numbered in
+    `pp_group`). Plain send/recv: a forward has no backward to overlap with, and schedule.eval() fails on ZBV's V."""
     batches = data.eval_batches(micro_batch_size)
     if not batches:
         return None
@@ -334,13 +309,8 @@ def evaluate_pipeline(stages: dict[int, Qwen3Stage], stage_rank: list[int], data
 
 
 def save_hf_sharded(save_dir: Path, module: nn.Module, model_config, tokenizer, pp_group, writes: bool) -> None:
-    """Write an HF sharded checkpoint: each rank of a pipeline writes its stages' weights as one safetensors shard,
-    under their original names; its first rank writes the index that maps every name to its shard, the config and
-    the tokenizer. Only the pipeline with `writes` (replica 0) writes: the replicas hold the same weights.
-
-    No rank ever holds the whole model. The LM head copy is not written: the config says the head is tied, so
-    from_pretrained rebuilds it from model.embed_tokens.weight (the copies are identical, see sum_tied_gradients).
-    """
+    """An HF sharded checkpoint: each rank of the pipeline with `writes` writes its stages' weights as one shard, its
+    first rank the index, config and tokenizer; no rank holds the whole model. The LM head copy is left out: tied."""
     if not writes:
         dist.barrier()
         return
@@ -365,9 +335,8 @@ def save_hf_sharded(save_dir: Path, module: nn.Module, model_config, tokenizer, 
 
 
 def merge_lora_adapters(module: nn.Module) -> None:
-    """peft's merge_and_unload on this rank's stages only: W += (alpha / r) B A in every adapted projection, then the
-    projection is the plain nn.Linear again, so the stages' names are Qwen3ForCausalLM's and save_hf_sharded writes
-    them as for full fine-tuning. Each rank merges its own layers; nothing is gathered."""
+    """peft's merge_and_unload on this rank's stages only: every adapted projection becomes its plain nn.Linear with
+    W += (alpha / r) B A, so save_hf_sharded writes them as for full fine-tuning."""
     from peft.tuners.lora import LoraLayer
 
     for name, child in list(module.named_modules()):
@@ -378,10 +347,8 @@ def merge_lora_adapters(module: nn.Module) -> None:
 
 
 def save_lora_adapter(save_dir: Path, module: nn.Module, lora_config, base_model_class: type, tokenizer) -> None:
-    """Write what PeftModel.save_pretrained writes: adapter_model.safetensors (peft's names,
-    base_model.model.<name in Qwen3ForCausalLM> without the adapter name) and adapter_config.json, so that
-    PeftModel.from_pretrained(base_model, save_dir) loads it. The stages hold the adapters; they are small
-    (rank x (inputs + outputs) per projection), so rank 0 gathers them all and writes one file."""
+    """What PeftModel.save_pretrained writes (adapter_model.safetensors in peft's names, adapter_config.json): the
+    adapters are small, so rank 0 gathers every stage's and writes one file."""
     adapters = {f"base_model.model.{name.replace('.default.', '.')}": tensor.detach().cpu().contiguous()
                 for name, tensor in module.state_dict().items() if ".lora_" in name}
     gathered = all_ranks(adapters)
@@ -396,41 +363,12 @@ def save_lora_adapter(save_dir: Path, module: nn.Module, lora_config, base_model
     dist.barrier()
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Predictions to set beside the measurements
-
-
-def predicted_state_bytes_per_rank(model_config, stage_rank: list[int], config: Config,
-                                   replicas: int = 1) -> list[dict] | None:
-    """common/memory's model-state bytes of every rank: the sum of its stages' estimates (weights, gradients,
-    AdamW's moments, master copy), in (global) rank order, in state_bytes' keys; each replica's ranks hold the same.
-
-    estimate_stages splits the layers over the stages as pipeline_layout's even split does (the remainder to the
-    first stages) and gives the last stage its own copy of the tied LM head, as Qwen3Stage does, so the sum holds
-    for every placement (loop or V). Two known differences from the measured bytes: AdamW also keeps a 4-byte fp32
-    step counter per trainable parameter tensor (optimizer), and a one-stage pipeline (one process, gpipe or 1f1b)
-    holds an LM head copy that the model, seeing the first and the last stage on one device, does not count. A
-    --split layout is not modelled: None.
-    """
-    if config.split:
-        return None
-    estimates = estimate_stages(model_config, "pp", len(stage_rank), seq_len=config.seq_len,
-                                micro_batch_size=config.micro_batch_size, lora_rank=config.lora_rank,
-                                precision=PROJECT_BF16 if config.dtype == "bf16" else PROJECT_FP32)
-    per_rank = [dict(weights=0, grads=0, optimizer=0, master=0) for _ in range(max(stage_rank) + 1)]
-    for estimate, rank in zip(estimates, stage_rank):
-        for key, value in estimate.state_bytes().items():
-            per_rank[rank][key] += value
-    return per_rank * replicas  # global rank = replica x pipeline ranks + rank in the pipeline
-
-
 def main(argv: list[str] | None = None) -> dict:
     config = parse_config(Config, argv)  # a flag mistake stops with one line (common/cli.py)
     MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
 
     # ---------------------------------------------------------------------------------------------------------
-    # Processes and devices: one process per device (torchrun). A plain `python train.py` gets a one-rank group, so
-    # the same pipeline code runs as a one-stage pipeline (a HashStore: no port, no other process).
+    # Processes and devices: one per device (torchrun); a plain `python train.py` gets a one-rank group (a HashStore).
     dist_info = init_distributed(config.collective_timeout_s)
     device = dist_info.device
     config = resolve(config)
@@ -439,9 +377,8 @@ def main(argv: list[str] | None = None) -> dict:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1)
     world_size = dist.get_world_size()
-    # The mesh ("dp", "pp"): pp_size ranks per pipeline (its stages, v per rank), world / pp_size replicas of it.
-    # Row-major, so the ranks of one pipeline are consecutive (one node's GPUs when p <= GPUs per node: the
-    # activations stay on its links) and only the replicas' gradient all-reduce crosses between rows.
+    # The mesh ("dp", "pp"): pp_size ranks per pipeline, world / pp_size replicas of it; row-major, so the ranks of
+    # one pipeline are consecutive (one node's links carry the activations).
     v = config.stages_per_rank
     if config.stages is None:
         config.stages = world_size * v
@@ -466,14 +403,12 @@ def main(argv: list[str] | None = None) -> dict:
     print0(f"config: {json.dumps(asdict(config))}")
     torch.manual_seed(config.seed)
     attention = setup_attention(device, config.attn, print_fn=print0)
-    # bf16 mixed precision: weights, gradients and AdamW state stay fp32 (the "master weights"); autocast inside each
-    # stage's forward runs the matrix multiplies in bf16. fp32: everything in fp32, which is what the parity tests use.
+    # bf16: fp32 master weights, autocast inside each stage's forward (Qwen3Stage); fp32: what the parity tests use.
     autocast_dtype = torch.bfloat16 if config.dtype == "bf16" else None
 
     # ---------------------------------------------------------------------------------------------------------
-    # Data: every rank builds the same rows; the first stage reads input_ids, the last labels, all of them
-    # position_ids (for the masks and rotary embeddings). Each replica takes its own slice of every step's rows
-    # (its "dp" coordinate, never the global rank); the ranks of one pipeline read the same slice.
+    # Data: every rank builds the same rows; each replica reads its "dp" slice of every step's rows (never by
+    # global rank): the first stage takes input_ids, the last labels, all of them position_ids.
     tokenizer = load_tokenizer(config.model)
     try:
         data = build_data(config.data, tokenizer, config.seq_len, packing=config.packing,
@@ -492,19 +427,16 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
 
     # ---------------------------------------------------------------------------------------------------------
-    # Model, then this rank's stages. Every rank builds the whole model on the CPU under the same seed (so the
-    # weights equal single-ft's) and keeps only its stages; the rest is freed. A 4B model briefly takes 16 GB of host
-    # memory per rank this way; building on the meta device and loading only this stage's tensors avoids it.
+    # Model, then this rank's stages: every rank builds the whole model on the CPU under the same seed (single-ft's
+    # weights) and keeps only its stages (the README's Limits: host memory).
     model = load_model(config.model, tokenizer, attention.impl, device="cpu",
                        dtype=weights_dtype(config.dtype, config.lora_rank))  # a LoRA base in bf16 under bf16
     if config.activation_checkpointing:
-        # Sets a flag on every decoder layer, which then recomputes itself in backward wherever it is called from.
+        # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     lora_config = None
     if config.lora_rank:
-        # single-ft's adapters, injected into the whole model before it is cut: the same modules in the same order
-        # under the same seed, so every adapter starts equal to single-ft's. peft freezes everything else (the
-        # embedding, its LM head copy below, the norms). The stages are cut from the plain model peft wraps.
+        # single-ft's adapters, injected before the model is cut; the stages are cut from the plain model peft wraps.
         model = add_lora(model, config.lora_rank, config.lora_alpha)
         lora_config, model = model.peft_config["default"], model.get_base_model()
     base_model_class = type(model)
@@ -524,9 +456,8 @@ def main(argv: list[str] | None = None) -> dict:
     module = rank_container(list(stages.values()))
     module.train()
     first_rank, last_rank = stage_rank[0], stage_rank[-1]
-    # The tied weight's two copies get their gradients summed (sum_tied_gradients), unless they are frozen (LoRA).
-    # The two ranks holding them form a group, one per replica (global ranks from the mesh); every rank takes part in
-    # creating all of them (a collective).
+    # The tied weight's two copies get their gradients summed (sum_tied_gradients), unless frozen (LoRA), over a group
+    # of the two ranks holding them, one per replica (creating them is a collective: every rank takes part).
     tied_trainable = not config.lora_rank
     tie_group = None
     if tied_trainable and first_rank != last_rank:
@@ -565,31 +496,16 @@ def main(argv: list[str] | None = None) -> dict:
                f"--nproc_per_node=2 (or more) to spread them")
 
     # ---------------------------------------------------------------------------------------------------------
-    # Pipeline schedule.
-    # loss_fn runs on the last stage once per micro-batch. Dividing each micro-batch's token-loss sum by the loss
-    # tokens of the whole step (common/data.py's step_loss_tokens, which every rank computes locally) makes the sum
-    # of the m micro-batch losses, and of their gradients, exactly the token-weighted step loss and its gradient.
-    # The schedules would also divide the gradients by m (scale_grads=True, made for a loss_fn that returns a
-    # per-micro-batch mean); scale_grads=False turns that off, so nothing needs undoing.
-    # With replicas, each one's micro-batches are its share of the step's rows and the denominator is still the whole
-    # step's (all replicas): the gradient we want is the sum over replicas. DDP averages (all-reduce, / replicas), so
-    # the loss is scaled by `replicas` to make that average the sum, as ddp-ft does (exact for a power of two).
+    # Pipeline schedule. loss_fn runs on the last stage once per micro-batch: divided by the whole step's loss tokens,
+    # the m losses add up to the step's (scale_grads=False: no division by m); x replicas undoes DDP's average (README).
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor, step_loss_tokens: int) -> torch.Tensor:
         return token_loss_sum(logits, labels) / step_loss_tokens * replicas
 
     pipeline_stages = []
     for s, stage_module in stages.items():
         if replicas > 1:
-            # Data parallelism per stage: DDP over the mesh's "dp" dimension, i.e. the replicas' copies of this stage.
-            # PipelineStage knows DDP: it runs every forward and every backward but the step's last one under
-            # no_sync(), so the gradients accumulate locally and DDP's bucketed all-reduce runs once per step,
-            # overlapping the last backward. The Qwen3Stage itself (its parameter names) stays what the optimizer,
-            # checkpoints and export see. No buffer needs broadcasting (RoPE's inv_freq never changes).
-            # find_unused_parameters=True although every parameter is used: it turns off DDP's one-time rebuild of its
-            # buckets after the first step, which under PipelineStage counts a gradient-ready event per parameter and
-            # micro-batch and stops step 2 (torch 2.15: "rebuilt parameter indices size is not same as original model
-            # parameters size ... 23 versus ... 46" with 2 micro-batches). The price: one walk of the autograd graph
-            # per step, from the last micro-batch's output.
+            # DDP over the replicas' copies of this stage, all-reducing once per step in the last backward (no_sync
+            # before it); find_unused_parameters=True stops its bucket rebuild, which breaks step 2 here (README).
             stage_module = DistributedDataParallel(stage_module, process_group=dp_group, broadcast_buffers=False,
                                                    find_unused_parameters=True, gradient_as_bucket_view=True,
                                                    device_ids=[device.index] if device.type == "cuda" else None)
@@ -609,10 +525,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Optimizer: AdamW over this rank's parameters only; no weight decay on norms (1-D weights). Fused kernels on GPU.
-    # A group left empty (under LoRA nothing 1-D is trained) is not created: the checkpoints' flattened optimizer
-    # state cannot be loaded back into a group without parameters (torch 2.15, _unflatten_optim_state_dict).
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
+    # A group left empty (under LoRA nothing 1-D is trained) is not created: a checkpoint's flattened optimizer
+    # state cannot be loaded back into a group without parameters.
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW([group for group in groups if group["params"]], lr=config.lr,
                                   fused=device.type == "cuda")
@@ -647,9 +563,7 @@ def main(argv: list[str] | None = None) -> dict:
                       target_mbs=labels, losses=micro_losses, loss_kwargs={"step_loss_tokens": loss_tokens},
                       return_outputs=False)
         trace.stop(step)
-        # With replicas, DDP has all-reduced every stage's gradients during the last backward (inside the schedule).
-        # The tied weight's gradient next (both sums are linear, so their order does not matter), then the norm: the
-        # norm must see the summed gradient.
+        # DDP has summed the replicas' gradients inside the schedule; the tied weight's copies next, then the norm.
         sum_tied_gradients(embedding, lm_head, tie_group)
         # Every rank's parameters (frozen ones and the LM head copy included), its gradients, AdamW's state.
         rec.state(step, module.parameters(), optimizer)
@@ -659,8 +573,7 @@ def main(argv: list[str] | None = None) -> dict:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        # Only the last stage has the loss; rank 0 prints it, so it is broadcast (a tiny collective, every step).
-        # With replicas, each last stage holds its replica's share (scaled by `replicas`, see loss_fn): summed first.
+        # Only the last stage has the loss (with replicas, each its share, x replicas): summed, then sent to rank 0.
         step_loss = torch.stack(micro_losses).sum().detach() / replicas if micro_losses \
             else torch.zeros((), device=device)
         if replicas > 1:
@@ -695,9 +608,7 @@ def main(argv: list[str] | None = None) -> dict:
         for r in range(world_size)]
     summary = rec.finish(
         attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
-        # common/memory's prediction for the fullest stage, next to the measured peaks (comparable on a GPU). It
-        # models 1F1B with one stage per rank and an even split (p - s micro-batches in flight on stage s); GPipe
-        # keeps all m in flight, and --split or interleaving move memory between ranks.
+        # common/memory's prediction for the fullest stage under 1F1B with an even split, one stage per rank.
         predicted_peak_mem_gib=predict_peak_gib(
             model_config, "pp", pp_size, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
             activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank, dtype=config.dtype,
@@ -707,7 +618,9 @@ def main(argv: list[str] | None = None) -> dict:
                       microbatches=config.grad_accum, stage_layers=[[r.start, r.stop] for r in layers],
                       stage_rank=stage_rank, replicas=replicas),
         **pipeline_measures,
-        predicted_state_bytes_per_rank=predicted_state_bytes_per_rank(model_config, stage_rank, config, replicas),
+        predicted_state_bytes_per_rank=None if config.split else estimate_stages_per_rank(
+            model_config, stage_rank, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
+            lora_rank=config.lora_rank, dtype=config.dtype, replicas=replicas),
         collective_bytes_formula_per_rank=collective_formula_per_rank)
 
     if config.save_hf and config.lora_rank and not config.merge_lora:
