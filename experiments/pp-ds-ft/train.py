@@ -1,11 +1,11 @@
 """pp-ds-ft: fine-tune a Qwen3 decoder with DeepSpeed's pipeline engine (PipelineModule, 1F1B TrainSchedule).
 
-    uv run torchrun --nproc_per_node=2 experiments/pp-ds-ft/train.py --grad-accum 8                 # 2 stages, 2 GPUs or 2 CPU processes
-    uv run torchrun --nproc_per_node=2 experiments/pp-ds-ft/train.py --model Qwen/Qwen3-0.6B-Base --grad-accum 16 --activation-checkpointing
-    uv run torchrun --nproc_per_node=4 experiments/pp-ds-ft/train.py --grad-accum 8 --zero-stage 1   # 2 stages x 2 data-parallel replicas
-    uv run torchrun --nproc_per_node=2 experiments/pp-ds-ft/train.py --grad-accum 8 --lora-rank 16 --save-hf runs/lora  # LoRA adapter
+    uv run torchrun --nproc_per_node=2 experiments/pp-ds-ft/train.py --grad-accum 8                 # 2 stages
+    uv run torchrun --nproc_per_node=2 experiments/pp-ds-ft/train.py --model Qwen/Qwen3-0.6B-Base --grad-accum 16
+    uv run torchrun --nproc_per_node=4 experiments/pp-ds-ft/train.py --grad-accum 8 --zero-stage 1   # 2 x 2 replicas
+    uv run torchrun --nproc_per_node=2 experiments/pp-ds-ft/train.py --grad-accum 8 --lora-rank 16 --save-hf runs/lora
     uv run python experiments/pp-ds-ft/train.py --grad-accum 4                 # one process: a one-stage pipeline
-    uv run torchrun --nproc_per_node=2 experiments/pp-ds-ft/train.py --grad-accum 4 --steps 5 --seq-len 128  # CPU smoke run
+    uv run torchrun --nproc_per_node=2 experiments/pp-ds-ft/train.py --grad-accum 4 --steps 5 --seq-len 128  # CPU smoke
 
 The same pipeline as pp-ft, built the DeepSpeed way: the model is written as a flat list of layers (embedding,
 decoder layers, final norm, LM head) whose outputs feed the next one's input, and PipelineModule cuts that list into
@@ -55,10 +55,10 @@ from common.data import IGNORE_INDEX, DataError, build_data, describe, sample_te
 from common.dist import act_as_launcher_if_alone, all_ranks, init_distributed, print0, \
     record_collectives_in, teardown  # noqa: E402
 from common.memory import DEEPSPEED_BF16, attention_kind, predict_peak_gib  # noqa: E402
-from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
-    memory_label, peak_memory_gib, summary_table  # noqa: E402
+from common.metrics import MetricsLogger, Recorder  # noqa: E402
 from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
     record_adapter_base, resolve_model_name  # noqa: E402
+from common.pipeline_trace import per_rank_measures  # noqa: E402
 
 EXPERIMENT = "pp-ds-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -485,17 +485,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Training loop
-    metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
-                            warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
-                            model_config=model_config, lora_rank=config.lora_rank, device=device, world_size=world_size,
-                            is_main=dist_info.is_main, report_to=config.report_to,
-                            log_every=config.log_every, steps_per_epoch=plan.steps_per_epoch)
-    comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
-    stopwatch = Stopwatch(device)
     eval_losses = []
     start_step = load_deepspeed_checkpoint(config.resume, engine) if config.resume else 0
     if config.resume:
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
+    # Step clock, comm_ms, the step line, metrics.jsonl, summary.json; the garbage collector on a schedule from here.
+    # The engine owns the step: no state bytes are taken inside it (rec.state is not called).
+    rec = Recorder(EXPERIMENT, config, device, model_config, data, rows_per_step, world_size=world_size,
+                   rank=dist.get_rank(), steps_per_epoch=plan.steps_per_epoch, start_step=start_step,
+                   script_dir=SCRIPT_DIR, n_parameters=n_params, n_trainable=n_trainable,
+                   flops_per_token=model_flops_per_token)
+    rec.model.update(parameters_held_per_rank=held)
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum, replica,
                                            data_parallel_size)
@@ -503,25 +503,19 @@ def main(argv: list[str] | None = None) -> dict:
         loss_weight = config.grad_accum * data_parallel_size / loss_tokens  # see loss_fn
         lr = scheduler.get_last_lr()[0]
 
-        stopwatch.reset()
-        comm_timer.start(step)
+        rec.start(step)
         # One call runs the whole 1F1B schedule: forwards and backwards of the m micro-batches, the tied-gradient
         # all-reduce, the data-parallel gradient reduction, clipping, AdamW, the LR schedule. It returns the step loss,
         # already broadcast from the last stage to every rank.
         step_loss = engine.train_batch(iter([micro_batch_for_engine(batch, loss_weight) for batch in micro_batches]))
         grad_norm = engine.get_global_grad_norm() if config.zero_stage == 1 else stage_norm["value"]
-        step_loss_value = float(step_loss)
-        step_ms = stopwatch.elapsed_ms()
-        comm_ms = comm_timer.stop(step)
-
-        metrics.log_step(step + 1, step_loss_value, lr, float(grad_norm), data.step_real_tokens(step, rows_per_step),
-                         loss_tokens, step_ms, comm_ms, print_fn=print0,
-                         documents=data.step_documents(step, rows_per_step))
+        rec.stop()
+        rec.step(step, float(step_loss), lr, float(grad_norm))  # the step's host read
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate_pipeline(engine, data, config.micro_batch_size,
                                                             tokenizer.pad_token_id)))
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
-            metrics.log_eval(*eval_losses[-1])
+            rec.eval(*eval_losses[-1])
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             # DeepSpeed's own sharded format (its optimizer objects are opaque to torch.distributed.checkpoint),
             # published atomically by common/checkpoint.py: written to step-<k>.tmp/, renamed once all ranks are done.
@@ -529,14 +523,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Evaluation, results, export
-    # Stages hold different layers and, under 1F1B, a different number of micro-batches' activations (the first
-    # stage the most): the step line shows rank 0's memory, so every rank's peak is gathered here.
-    peak_mem_gib_per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(peak_mem_gib_per_rank, peak_memory_gib(device))
-    print0(f"peak memory per rank ({memory_label(device)}): "
-           + ", ".join(f"rank {r} {gib:.2f} GiB" for r, gib in enumerate(peak_mem_gib_per_rank)))
+    pipeline_measures = per_rank_measures(rec)  # every rank's peak memory and collectives (stages differ)
     eval_loss = evaluate_pipeline(engine, data, config.micro_batch_size, tokenizer.pad_token_id)
-    metrics.log_eval(config.steps, eval_loss)
+    rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
     # The collectives each rank ran per profiled step, next to common/comm.py's formula for DeepSpeed's pipeline
@@ -549,13 +538,8 @@ def main(argv: list[str] | None = None) -> dict:
             stage_trainable=trainable, tied_gradients=not config.lora_rank, zero_stage=config.zero_stage,
             optimizer_groups=len(optimizer.param_groups)), dist.get_backend())
         for stage, trainable in stage_and_trainable] if data_parallel_size == 1 and config.dtype == "fp32" else None
-    summary = metrics.write_summary(
-        comm_timer=comm_timer,  # comm_ms, collective counts and bytes: torch.profiler over the profiled steps
-        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(SCRIPT_DIR), config=asdict(config),
-        hardware=hardware_info(device, world_size=world_size), attention=asdict(attention),
-        model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
-                   flops_per_token=model_flops_per_token, parameters_held_per_rank=held),
-        t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
+    summary = rec.finish(
+        attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
         # common/memory's prediction for the fullest stage (1F1B, even split), next to the measured peaks
         # (comparable on a GPU). DeepSpeed's bf16 mode keeps bf16 weights and an fp32 master copy: DEEPSPEED_BF16.
         # (A ZeRO-1 shard over data-parallel replicas is not modelled for "pp".)
@@ -565,15 +549,10 @@ def main(argv: list[str] | None = None) -> dict:
             precision=DEEPSPEED_BF16 if config.dtype == "bf16" else None,
             attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
             compile=config.compile),
-        packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
-        n_truncated=data.stats["n_truncated"], data=data.stats, peak_mem_gib_per_rank=peak_mem_gib_per_rank,
         pipeline=dict(schedule="deepspeed-1f1b", stages=config.stages, data_parallel=data_parallel_size,
                       microbatches=config.grad_accum, stage_starts=[int(start) for start in parts]),
         deepspeed=dict(version=deepspeed.__version__, config=ds_config),
-        collective_bytes_per_step_per_rank=all_ranks(comm_timer.collective_bytes_per_step()),
-        collective_bytes_formula_per_rank=collective_formula_per_rank)
-    print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
-           f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
+        **pipeline_measures, collective_bytes_formula_per_rank=collective_formula_per_rank)
 
     if config.save_hf and config.lora_rank and not config.merge_lora:
         save_lora_adapter(Path(config.save_hf), engine, lora_config, base_model_class, tokenizer)

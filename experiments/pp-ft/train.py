@@ -5,7 +5,7 @@
     uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8 --schedule zbv      # zero-bubble V
     uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --model Qwen/Qwen3-0.6B-Base --grad-accum 16
     uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8 --lora-rank 16 --save-hf runs/lora
-    uv run torchrun --nproc_per_node=4 experiments/pp-ft/train.py --grad-accum 8 --stages 2       # 2 stages x 2 replicas
+    uv run torchrun --nproc_per_node=4 experiments/pp-ft/train.py --grad-accum 8 --stages 2   # 2 stages x 2 replicas
     uv run python experiments/pp-ft/train.py --grad-accum 4                    # one process: a one-stage pipeline
     uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 4 --steps 5 --seq-len 128  # CPU smoke
 
