@@ -553,7 +553,8 @@ def main(argv: list[str] | None = None) -> dict:
         lr = scheduler.get_last_lr()[0]
 
         rec.start(step)
-        # All of the step's micro-batches go to the device up front, from pinned memory on a GPU.
+        # All of the step's micro-batches go to the device up front, from pinned memory on a GPU, so the copies
+        # overlap the compute queued before them instead of waiting in the loop.
         batches = [to_device(host_batch, device) for host_batch in micro_batches]
         labels = [batch["labels"] for batch in batches] if n_stages - 1 in stages else None
         trace.start(step, labels)
