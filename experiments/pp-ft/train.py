@@ -1,8 +1,7 @@
 """pp-ft: fine-tune a Qwen3 decoder with pipeline parallelism (torch.distributed.pipelining), stages built by hand.
 
     uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8                     # 2 stages, 1F1B
-    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8 --schedule interleaved-1f1b
-    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8 --schedule zbv      # zero-bubble V
+    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8 --schedule zbv  # or interleaved-1f1b
     uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --model Qwen/Qwen3-0.6B-Base --grad-accum 16
     uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8 --lora-rank 16 --save-hf runs/lora
     uv run torchrun --nproc_per_node=4 experiments/pp-ft/train.py --grad-accum 8 --stages 2   # 2 stages x 2 replicas
@@ -46,8 +45,8 @@ from common.data import IGNORE_INDEX, DataError, build_data, describe, sample_te
 from common.dist import all_ranks, init_distributed, print0, record_collectives_in, teardown
 from common.memory import attention_kind, estimate_stages_per_rank, predict_peak_gib
 from common.metrics import MetricsLogger, Recorder
-from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
-    record_adapter_base, resolve_model_name, weights_dtype
+from common.models import TINY_PRESETS, add_lora, count_parameters, flops_per_token, is_preset, load_model, \
+    load_tokenizer, record_adapter_base, resolve_model_name, weights_dtype
 from common.pipeline_trace import PipelineTrace
 from common.step import clip_grad_norm
 
@@ -64,10 +63,9 @@ class Config:
     data_columns: str | None = None  # your column names for the expected ones, e.g. prompt=question,completion=answer
     train_empty_think: bool = False  # also train the empty <think></think> block Qwen3 puts before a plain answer
     show_sample: bool = False  # before training, print the first conversation with the text that carries loss marked
-    seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny, 1024 otherwise
+    seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny and qwen3-moe-tiny, 1024 otherwise
     micro_batch_size: int = 1  # rows per forward pass
-    grad_accum: int | None = None  # micro-batches per optimizer step = the pipeline's micro-batches m (1F1B needs m >=
-        # ranks per pipeline; larger m, smaller bubble); default: one per stage
+    grad_accum: int | None = None  # micro-batches per optimizer step: the pipeline's m; default one per stage
     steps: int = 300  # optimizer steps (0 = only evaluate / export); 300: a minute or two of qwen3-tiny on 2 CPU cores
     epochs: float | None = None  # instead of --steps: passes over the training rows (e.g. 2, 0.5), rounded up to steps
     lr: float | None = None  # peak learning rate; default 1e-3 for presets, 2e-5 for pretrained models (1e-4 with LoRA)
@@ -113,7 +111,7 @@ def resolve(config: Config) -> Config:
     if notice:
         print0(notice)
     if config.seq_len is None:
-        config.seq_len = 256 if config.model == "qwen3-tiny" else 1024
+        config.seq_len = 256 if config.model in TINY_PRESETS else 1024
     if config.dtype is None:
         config.dtype = "bf16" if torch.cuda.is_available() else "fp32"
     if config.lr is None:
@@ -395,10 +393,8 @@ def main(argv: list[str] | None = None) -> dict:
     # `rank` is this rank's place in its pipeline (what stage_rank below refers to); `replica` which rows it reads.
     rank, replica = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     if replicas > 1 and config.schedule == "zbv":
-        raise SystemExit("--schedule zbv does not combine with data-parallel replicas here: DDP reduces a stage's "
-                         "gradients from autograd hooks that ZBV's separate weight-gradient pass (torch.autograd.grad) "
-                         "does not fire, so the steps come out wrong without an error; use 1f1b, gpipe or "
-                         "interleaved-1f1b")
+        raise SystemExit("--schedule zbv does not combine with data-parallel replicas here: its weight-gradient pass "
+                         "does not fire DDP's hooks (the steps come out wrong); use 1f1b, gpipe or interleaved-1f1b")
     record_collectives_in(config.out_dir)  # CUDA: where NCCL's flight recorder dumps on a timeout
     print0(f"config: {json.dumps(asdict(config))}")
     torch.manual_seed(config.seed)
@@ -467,8 +463,8 @@ def main(argv: list[str] | None = None) -> dict:
     lm_head = stages[n_stages - 1].lm_head.weight if tied_trainable and n_stages - 1 in stages else None
 
     n_params = count_parameters(model_config)["total"]
-    params = [p for p in module.parameters() if p.requires_grad]  # all of them, or the LoRA adapters
-    params_for_norm = [p for p in params if p is not lm_head]
+    trainable = [p for p in module.parameters() if p.requires_grad]  # all of them, or the LoRA adapters
+    params_for_norm = [p for p in trainable if p is not lm_head]
     # Per rank of one pipeline (replica 0 = global ranks 0 .. pp_size - 1; the other replicas hold the same).
     held, trainable_held = map(list, zip(*all_ranks((sum(p.numel() for p in module.parameters()),
                                                      sum(p.numel() for p in params_for_norm)))[:pp_size]))
@@ -487,10 +483,8 @@ def main(argv: list[str] | None = None) -> dict:
            f"m = {config.grad_accum} micro-batches | textbook bubble {trace.formula} = {trace.textbook:.1%}"
            + (f" | {replicas} data-parallel replicas of it (mesh {replicas} x {pp_size}), each stage's gradients "
               f"all-reduced over its {replicas} copies" if replicas > 1 else ""))
-    print0(f"batch: B = {config.micro_batch_size} x {config.grad_accum}"
-           + (f" x {replicas} replicas" if replicas > 1 else "")
-           + f" = {rows_per_step} rows of {config.seq_len} -> T_eff = {rows_per_step * config.seq_len:,} token slots "
-           f"per optimizer step")
+    print0(f"batch: B = {config.micro_batch_size} x {config.grad_accum} x {replicas} replica(s) = {rows_per_step} rows "
+           f"of {config.seq_len} -> T_eff = {rows_per_step * config.seq_len:,} token slots per optimizer step")
     if world_size == 1:
         print0(f"one process: all {n_stages} stage(s) on one rank, no parallelism; run under torchrun "
                f"--nproc_per_node=2 (or more) to spread them")
@@ -524,9 +518,9 @@ def main(argv: list[str] | None = None) -> dict:
                          f"{error} (more micro-batches also shrink the bubble)") from None
 
     # ---------------------------------------------------------------------------------------------------------
-    # Optimizer: AdamW over this rank's parameters only; no weight decay on norms (1-D weights). Fused kernels on GPU.
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
+    # Optimizer: AdamW; no weight decay on norms (1-D weights). Fused kernels on GPU. This rank's parameters only.
+    decay = [p for p in trainable if p.ndim >= 2]
+    no_decay = [p for p in trainable if p.ndim < 2]
     # A group left empty (under LoRA nothing 1-D is trained) is not created: a checkpoint's flattened optimizer
     # state cannot be loaded back into a group without parameters.
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -566,11 +560,10 @@ def main(argv: list[str] | None = None) -> dict:
         trace.stop(step)
         # DDP has summed the replicas' gradients inside the schedule; the tied weight's copies next, then the norm.
         sum_tied_gradients(embedding, lm_head, tie_group)
-        # Every rank's parameters (frozen ones and the LM head copy included), its gradients, AdamW's state.
-        rec.state(step, module.parameters(), optimizer)
+        rec.state(step, module.parameters(), optimizer)  # every weight (LM head copy too), its gradient, AdamW's state
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
         # The whole model's norm: the squares of every stage of this pipeline, the LM head copy counted once.
-        grad_norm = clip_grad_norm(optimizer, params, max_norm, group=pp_group, norm_parameters=params_for_norm)
+        grad_norm = clip_grad_norm(optimizer, trainable, max_norm, group=pp_group, norm_parameters=params_for_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
