@@ -411,3 +411,13 @@ def ep_collectives(*, rows_sent: list[int], rows_received: list[int], hidden: in
     _add(result, "all_reduce", 1, 4)
     _add(result, "all_reduce", 1, 4 * logged_values)
     return result
+
+
+def ep_collectives_mean(forwards_per_step: list[list[tuple[list[int], int]]], backend: str, **shape) -> dict:
+    """ep_collectives averaged over profiled steps, in the backend's names: each step given as its forwards' (rows
+    sent to each rank, rows received), as ep-ft's expert blocks record them; `shape` is ep_collectives' other
+    arguments."""
+    steps = [ep_collectives(rows_sent=[sum(send) for send, _ in forwards], rows_received=[got for _, got in forwards],
+                            **shape) for forwards in forwards_per_step]
+    return as_backend({kind: {key: sum(step[kind][key] for step in steps) / len(steps) for key in ("calls", "bytes")}
+                       for kind in steps[0]}, backend)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import gc
 
 import torch
+import torch.distributed
 from torch.distributed.tensor import DTensor
 
 GC_EVERY_STEPS = 20  # young-generation collections every this many optimizer steps (torchtitan's default is 50)
@@ -64,14 +65,24 @@ def folds_clipping(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def clip_grad_norm(optimizer: torch.optim.Optimizer, parameters: list[torch.Tensor],
-                   max_norm: float) -> torch.Tensor:
+                   max_norm: float, group=None, norm_parameters: list[torch.Tensor] | None = None) -> torch.Tensor:
     """The global L2 norm of the gradients before clipping (what clip_grad_norm_ returns), with the gradients
     clipped to `max_norm` (inf: not at all) by the next `optimizer.step()` when the optimizer can fold it in
-    (`folds_clipping`), else here, in place, as clip_grad_norm_ does."""
-    grads = [p.grad for p in parameters if p.grad is not None]
+    (`folds_clipping`), else here, in place, as clip_grad_norm_ does.
+
+    A model split over ranks (pipeline stages): `group` sums the squared norms of all its ranks, and
+    `norm_parameters` (default: `parameters`) are the ones the norm counts, e.g. without a tied weight's copy.
+    DTensor gradients (tensor parallel) are normed per mesh (_clip_sharded_grad_norm)."""
+    grads = [p.grad for p in (parameters if norm_parameters is None else norm_parameters) if p.grad is not None]
     if any(isinstance(grad, DTensor) for grad in grads):
+        if group is not None or norm_parameters is not None:
+            raise ValueError("clip_grad_norm: DTensor gradients are normed per mesh, without group or norm_parameters")
         return _clip_sharded_grad_norm(parameters, max_norm)
     norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if group is not None:
+        squared = norm.square()
+        torch.distributed.all_reduce(squared, group=group)
+        norm = squared.sqrt()
     if folds_clipping(optimizer):
         # clip_grad_norm_ multiplies by min(1, max_norm / (norm + 1e-6)); the fused step divides by grad_scale.
         optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0).to(torch.float32)

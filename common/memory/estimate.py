@@ -114,7 +114,8 @@ from common.memory.activations import TENSOR_PARALLEL_TERMS, layer_activation_te
     outside_layers_bytes_per_token
 from common.memory.states import DEEPSPEED_ALLREDUCE_BUCKET_ELEMENTS, DEEPSPEED_REDUCE_BUCKET_ELEMENTS, \
     DEEPSPEED_STRATEGIES, FP32_BYTES, FSDP_STRATEGIES, GIB, MESH_STRATEGIES, \
-    MOE_STRATEGIES, OFFLOADED_STATES, QLORA, QLORA_STRATEGIES, STRATEGIES, UNIT_SHARDED, USABLE_FRACTION, \
+    MOE_STRATEGIES, OFFLOADED_STATES, PROJECT_BF16, PROJECT_FP32, QLORA, QLORA_STRATEGIES, STRATEGIES, UNIT_SHARDED, \
+    USABLE_FRACTION, \
     ZERO3_STRATEGIES, BytesPerParam, ModelShape, largest_trainable_parameter, model_shape, model_state_bytes, \
     resolve_precision, zero3_gathered_elements, zero3_persistent_parameters
 
@@ -341,6 +342,26 @@ def estimate_stages(config_like, strategy: str, world_size: int = 1, *, seq_len:
                             reshard_after_forward)
             for piece in device_slices(shape, strategy, world_size, lora_rank, tensor_parallel, qlora)]
 
+
+
+def estimate_stages_per_rank(config_like, stage_rank: list[int], *, seq_len: int, micro_batch_size: int,
+                             lora_rank: int = 0, dtype: str = "bf16", replicas: int = 1) -> list[dict]:
+    """pp-ft's model-state bytes of every rank: the sum of its stages' estimates (weights, gradients, AdamW's moments,
+    master copy), in global rank order (stage s on rank stage_rank[s]; each replica's ranks hold the same), in
+    common.metrics.state_bytes' keys.
+
+    estimate_stages splits the layers as pp-ft's even split does (the remainder to the first stages) and gives the
+    last stage its own copy of the tied LM head, as pp-ft's stages do, so the sum holds for every placement (loop or
+    V). Two known differences from the measured bytes: AdamW also keeps a 4-byte fp32 step counter per trainable
+    tensor (optimizer), and a one-stage pipeline holds an LM head copy that the model, seeing the first and the last
+    stage on one device, does not count. A --split layout is not modelled (pp-ft records None)."""
+    estimates = estimate_stages(config_like, "pp", len(stage_rank), seq_len=seq_len, micro_batch_size=micro_batch_size,
+                                lora_rank=lora_rank, precision=PROJECT_BF16 if dtype == "bf16" else PROJECT_FP32)
+    per_rank = [dict(weights=0, grads=0, optimizer=0, master=0) for _ in range(max(stage_rank) + 1)]
+    for estimate_, rank in zip(estimates, stage_rank):
+        for key, value in estimate_.state_bytes().items():
+            per_rank[rank][key] += value
+    return per_rank * replicas  # global rank = replica x pipeline ranks + rank in the pipeline
 
 def uses_autocast(strategy: str, precision: BytesPerParam) -> bool:
     """Autocast runs wherever the kept weights are wider than the compute dtype, except under FSDP/ZeRO-3, whose

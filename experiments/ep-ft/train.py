@@ -6,20 +6,10 @@ experts, the rest of the model is replicated, and tokens travel to their experts
     uv run torchrun --nproc_per_node=2 experiments/ep-ft/train.py --model Qwen/Qwen3-30B-A3B-Base  # see README
 
 One optimizer step consumes B = micro_batch_size x grad_accum x world_size packed rows, rank r runs the r-th slice,
-as in ddp-ft. In every sparse layer the router and everything around the experts run on the rank's own tokens
-(data parallel); each token's k chosen experts live on some rank, so each layer's expert block does:
-
-    dispatch   sort the (token, expert) pairs by expert; all-to-all the counts, then the tokens (each rank sends
-               every other rank the rows for its experts: variable sizes, known only after routing)
-    compute    the rank's own experts on the rows it received, one grouped matrix product per projection
-    combine    all-to-all the results back the same way, weight by the router's probabilities, sum per token
-
-Backward runs the same two all-to-alls in reverse (autograd through torch.distributed.nn.functional). An expert's
-gradient is complete on its owner, since every token routed to it passed through it there: it is never reduced.
-The replicated (dense) gradients are summed over the ranks once per step, as ddp-ft does. Expert weights are
-DTensors sharded on dim 0 of a 1-D "ep" mesh, so torch.distributed.checkpoint saves and resumes them like FSDP2's.
-No token is dropped (no capacity factor): with fp32 every step equals single-ft's on the same B and micro-batch
-size, the router's load-balancing loss included (tests/test_ep_ft.py).
+as in ddp-ft. Each sparse layer's expert block (ExpertParallelExperts) dispatches its (token, expert) rows to the
+experts' ranks (all-to-all), runs the rank's experts on what it received and sends the results back (all-to-all).
+An expert's gradient is complete on its owner; the dense ones are summed once per step. With fp32 every step equals
+single-ft's on the same B and micro-batch size, aux loss included (tests/test_ep_ft.py); the README tells the rest.
 
 Strategy flags: --dense-bucket-mb (size of the all-reduce buckets of the dense gradients).
 """
@@ -46,14 +36,13 @@ from torch.distributed.tensor import DTensor, Shard
 
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
-from common.comm import as_backend, ep_collectives
-from common.data import DataError, build_data, describe, evaluate, sample_text, token_loss_sum
+from common.comm import ep_collectives_mean
+from common.data import DataError, build_data, describe, evaluate, sample_text, to_device, token_loss_sum
 from common.dist import all_ranks, init_distributed, print0, record_collectives_in, teardown
 from common.generate import generate, sample_prompt
 from common.loss import fused_linear_cross_entropy
 from common.memory import attention_kind, estimate
-from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
-    state_bytes, summary_table
+from common.metrics import MetricsLogger, Recorder
 from common.models import TINY_PRESETS, count_parameters, flops_per_token, is_moe, is_preset, load_model, \
     load_tokenizer, model_config, share_export
 from common.moe import RouterStats, load_summary, split_load
@@ -297,20 +286,23 @@ def main(argv: list[str] | None = None) -> dict:
                            allow_moe=True)
     if not is_moe(model.config):
         raise SystemExit(dense_refusal(config.model))
-    n_params = count_parameters(model.config)["total"]
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("ep",))
     ep_layers = shard_experts(model, mesh)
-    moe = RouterStats(model, model.config.num_experts, model.config.num_experts_per_tok)
-    aux_coef = model.config.router_aux_loss_coef
     if config.activation_checkpointing:
         # The recomputed forward runs the layer's all-to-alls again, in backward, on every rank in the same order.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if config.compile:
-        # Per decoder layer; the expert block's host read of the split sizes is a graph break inside it.
+        # One compiled graph per decoder layer, not one for the whole model (as torchtitan does): compile time stays
+        # bounded, and a graph break stays inside its layer (the expert block's host read of the split sizes is one).
         for layer in model.get_decoder().layers:
             layer.compile()
+    # --loss-chunk-tokens runs the decoder body (no LM head) and applies the head itself.
     decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
+    # A mixture of experts: hooks on the routers give each forward's load-balancing loss and expert load.
+    moe = RouterStats(model, model.config.num_experts, model.config.num_experts_per_tok)
+    aux_coef = model.config.router_aux_loss_coef
     model.train()
+    n_params = count_parameters(model.config)["total"]
     experts = [p for module in ep_layers for p in module.parameters()]
     expert_ids = {id(p) for p in experts}
     dense = [p for p in model.parameters() if id(p) not in expert_ids]
@@ -340,24 +332,19 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Training loop
-    metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
-                            warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
-                            model_config=model.config, device=device, world_size=world_size,
-                            is_main=rank == 0, report_to=config.report_to,
-                            log_every=config.log_every, steps_per_epoch=plan.steps_per_epoch, resume=config.resume)
-    comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
-    stopwatch = Stopwatch(device)
     eval_losses = []
-    sample_messages = sample_prompt(data)
-    # DCP reads every rank's expert shards and the replicated tensors (rank 0 wrote those once).
+    sample_messages = sample_prompt(data)  # --sample-every: the turns before the first held-out answer
+    # The step count is the whole data position: step k always consumes the same rows. DCP reads the shards.
     start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
     if config.resume:
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
-    state_step = min(start_step + 1, config.steps - 1)
-    measured_state = None
+    # Step clock, comm_ms, the step line, metrics.jsonl, summary.json; the garbage collector on a schedule from here.
+    rec = Recorder(EXPERIMENT, config, device, model.config, data, rows_per_step, world_size=world_size, rank=rank,
+                   steps_per_epoch=plan.steps_per_epoch, start_step=start_step, script_dir=SCRIPT_DIR,
+                   n_parameters=n_params, n_trainable=n_params, flops_per_token=model_flops_per_token)
+    rec.model.update(expert_parameters_per_rank=local_expert_params)
     profiled_forwards = []  # per profiled step: its step_forwards
     rows_sent = [0] * world_size  # (token, expert) rows this rank dispatched to each rank over the training steps
-    max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum, rank, world_size)
         loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the whole step's, on every rank (as ddp-ft)
@@ -365,20 +352,28 @@ def main(argv: list[str] | None = None) -> dict:
         step_scale = torch.full((), 1.0 / max(loss_tokens, 1), device=device)
         lr = scheduler.get_last_lr()[0]
 
-        stopwatch.reset()
-        comm_timer.start(step)
+        rec.start(step)
+        # All of the step's micro-batches go to the device up front, from pinned memory on a GPU, so the copies
+        # overlap the compute queued before them instead of waiting in the loop.
+        batches = [to_device(host_batch, device) for host_batch in micro_batches]
         step_forwards = []  # (rows sent to each rank, rows received) of each training forward's expert blocks
         step_loss = torch.zeros((), device=device)
         step_aux = torch.zeros((), device=device)
-        for host_batch in micro_batches:
-            batch = {key: value.to(device, non_blocking=True) for key, value in host_batch.items()}
+        for host_batch, batch in zip(micro_batches, batches):
+            # --attn varlen: the documents' boundaries, from the host copy of position_ids ({} otherwise).
             packed = attention.forward_kwargs(host_batch["position_ids"], device)
             moe.begin()
             for module in ep_layers:  # what ran since the last forward (evaluation, recomputation) is not counted
                 module.forwards.clear()
+            # Each micro-batch's loss is divided by the whole step's loss tokens, not its own: summing the
+            # micro-batch gradients then gives exactly the gradient of the token-weighted step loss.
             with autocast():
-                # Packed rows: attention_mask=None + restarted position_ids + use_cache=False, as in single-ft.
+                # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
+                # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen needs none).
                 if config.loss_chunk_tokens:
+                    # Final hidden states, then the LM head and the loss on loss tokens only, chunk by chunk, their
+                    # gradients computed on the way (common/loss.py); the labels' host copy picks those tokens
+                    # without waiting for the device (a CUDA mask would force a sync).
                     hidden = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                      attention_mask=None, use_cache=False, **packed).last_hidden_state
                     loss = fused_linear_cross_entropy(hidden, lm_head.weight, host_batch["labels"],
@@ -387,24 +382,21 @@ def main(argv: list[str] | None = None) -> dict:
                     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                    attention_mask=None, use_cache=False, **packed).logits
                     loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
-            # The token loss over the whole step's loss tokens (all ranks), plus this micro-batch's share of the
-            # mean load-balancing loss over all the step's micro-batches. Summed over ranks, the gradients are the
-            # gradient of single-ft's step loss: so the dense gradients are summed (not averaged) below, and the
-            # experts' ones, which the all-to-all's backward already summed from every rank's tokens, are final.
+            # This micro-batch's share of the mean aux loss over all the step's micro-batches, all ranks: summed over
+            # ranks, the gradients are single-ft's (the dense ones summed below, the experts' already by all-to-all).
             aux = moe.end() / micro_batches_per_step
             step_forwards += [rows for module in ep_layers for rows in module.forwards]
             loss = loss + aux_coef * aux
+            step_aux += aux.detach()
             loss.backward()
             step_loss += loss.detach()
-            step_aux += aux.detach()
         # The dense gradients: one sum over the ranks per step (after the last micro-batch, as ddp-ft's no_sync).
         all_reduce_dense([p.grad for p in dense if p.grad is not None], dist.group.WORLD,
                          int(config.dense_bucket_mb * 2**20))
-        if step == state_step:
-            measured_state = state_bytes(model.parameters(), optimizer)  # dense whole, experts their shard
+        rec.state(step, model.parameters(), optimizer)  # dense whole, experts their shard, AdamW's state
+        max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
         # The global gradient norm: the dense part is the same on every rank; the experts' squares are summed over
-        # the ranks that own them. Then every gradient is scaled as clip_grad_norm_ would (it cannot take plain
-        # tensors and DTensors in one list).
+        # the ranks that own them. Then every gradient is scaled as clip_grad_norm_ would (README: why not here).
         expert_grads = [p.grad.to_local() for p in experts if p.grad is not None]
         dense_grads = [p.grad for p in dense if p.grad is not None]
         expert_sq = torch.nn.utils.get_total_norm(expert_grads).square() if expert_grads else \
@@ -417,26 +409,23 @@ def main(argv: list[str] | None = None) -> dict:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        # For the log line: the step's loss, aux loss and expert load, summed over the ranks in one call.
+        # The step's loss, aux loss and expert load, summed over the ranks in one call.
         load = moe.take_load()
         logged = torch.cat([torch.stack([step_loss, step_aux]), load.flatten()])
         dist.all_reduce(logged)
-        values = torch.cat([grad_norm.reshape(1).float(), logged]).tolist()
-        grad_norm_value, step_loss_value, aux_value = values[:3]
-        step_ms = stopwatch.elapsed_ms()
-        comm_ms = comm_timer.stop(step)
+        rec.stop()
+        # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together.
+        # (A mixture of experts adds its aux loss and the expert load to the same read.)
+        values = torch.cat([logged[:1], grad_norm.reshape(1).float(), logged[1:]]).tolist()
+        extra = dict(aux_loss=values[2], expert_tokens=split_load(values[3:], load.shape[1]))
+        rec.step(step, values[0], lr, values[1], extra=extra)
         rows_sent = [a + sum(send[r] for send, _ in step_forwards) for r, a in enumerate(rows_sent)]
-        if comm_timer.profiled and comm_timer.profiled[-1] == step + 1:  # the rows this step's forwards moved
+        if rec.comm.profiled and rec.comm.profiled[-1] == step + 1:  # the rows this step's forwards moved
             profiled_forwards.append(step_forwards)
-
-        metrics.log_step(step + 1, step_loss_value, lr, grad_norm_value, data.step_real_tokens(step, rows_per_step),
-                         loss_tokens, step_ms, comm_ms, print_fn=print0,
-                         extra=dict(aux_loss=aux_value, expert_tokens=split_load(values[3:], load.shape[1])),
-                         documents=data.step_documents(step, rows_per_step))
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate(model, data, config.micro_batch_size, device, autocast)))
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
-            metrics.log_eval(*eval_losses[-1])
+            rec.eval(*eval_losses[-1])
         if config.sample_every and (step + 1) % config.sample_every == 0 and sample_messages:
             # Every rank generates the same text: each forward's all-to-alls need all of them.
             completion = generate(model, tokenizer, sample_messages, device, autocast=autocast)
@@ -449,7 +438,7 @@ def main(argv: list[str] | None = None) -> dict:
     # ---------------------------------------------------------------------------------------------------------
     # Evaluation, results, export. Every rank evaluates the whole held-out split (the experts need every rank).
     eval_loss = evaluate(model, data, config.micro_batch_size, device, autocast)
-    metrics.log_eval(config.steps, eval_loss)
+    rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
     prediction = estimate(model.config, "ep", world_size, seq_len=config.seq_len,
@@ -459,37 +448,20 @@ def main(argv: list[str] | None = None) -> dict:
                           loss_chunk_tokens=config.loss_chunk_tokens, compile=config.compile)
     # common/comm.py's formula for the profiled steps, from the rows they actually moved (routing decides them).
     # Not with activation checkpointing, whose recomputed forwards exchange the rows a second time in backward.
-    formula = None
-    if profiled_forwards and world_size > 1 and not config.activation_checkpointing:
-        steps = [ep_collectives(rows_sent=[sum(send) for send, _ in forwards],
-                                rows_received=[got for _, got in forwards],
-                                hidden=model.config.hidden_size, experts=model.config.num_experts,
-                                element_bytes=2 if config.dtype == "bf16" else 4,
-                                dense_grad_bytes=[p.numel() * p.element_size() for p in dense],
-                                bucket_bytes=int(config.dense_bucket_mb * 2**20),
-                                logged_values=2 + len(ep_layers) * model.config.num_experts)
-                 for forwards in profiled_forwards]
-        formula = as_backend({kind: {key: sum(step[kind][key] for step in steps) / len(steps)
-                                     for key in ("calls", "bytes")} for kind in steps[0]}, dist.get_backend())
-    summary = metrics.write_summary(
-        comm_timer=comm_timer,  # comm_ms, collective counts and bytes (the all-to-alls): torch.profiler
-        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(SCRIPT_DIR), config=asdict(config),
-        hardware=hardware_info(device, world_size=world_size), attention=asdict(attention),
-        model=dict(name=config.model, parameters=n_params, trainable_parameters=n_params,
-                   flops_per_token=model_flops_per_token, expert_parameters_per_rank=local_expert_params),
-        t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
+    formula = ep_collectives_mean(
+        profiled_forwards, dist.get_backend(), hidden=model.config.hidden_size, experts=model.config.num_experts,
+        element_bytes=2 if config.dtype == "bf16" else 4, bucket_bytes=int(config.dense_bucket_mb * 2**20),
+        dense_grad_bytes=[p.numel() * p.element_size() for p in dense],
+        logged_values=2 + len(ep_layers) * model.config.num_experts,
+    ) if profiled_forwards and world_size > 1 and not config.activation_checkpointing else None
+    summary = rec.finish(
+        attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
         predicted_peak_mem_gib=prediction.total_gib,
-        state_bytes_per_rank=None if measured_state is None else all_ranks(measured_state),
-        state_bytes_step=None if measured_state is None else state_step + 1,
         predicted_state_bytes=prediction.state_bytes(),
         collective_bytes_formula=formula,
         # (token, expert) rows rank 0..W-1 dispatched to each rank over the training steps (its own in column r)
         dispatched_rows=all_ranks(rows_sent),
-        packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
-        n_truncated=data.stats["n_truncated"], data=data.stats,
-        expert_load=load_summary(metrics.records))
-    print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
-           f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
+        expert_load=load_summary(rec.records))  # a mixture of experts: tokens per expert, imbalance
 
     if config.save_hf:
         # The whole model on rank 0: each expert weight gathered from its shards (a collective: every rank calls).

@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict:
         rec.state(step, model.parameters(), optimizer)  # this rank's shards of every weight, gradient, AdamW state
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
         # The norm before clipping; the clipping itself rides on fused AdamW's step (GPU), or is done here (CPU).
-        grad_norm = clip_grad_norm(optimizer, trainable, max_norm).full_tensor()  # all-reduces the shards' norms
+        grad_norm = clip_grad_norm(optimizer, trainable, max_norm)  # the shards' norms summed over the mesh
         optimizer.step()  # each rank updates its own shard; the next forward's all-gathers see the new weights
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)

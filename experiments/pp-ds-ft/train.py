@@ -1,24 +1,17 @@
 """pp-ds-ft: fine-tune a Qwen3 decoder with DeepSpeed's pipeline engine (PipelineModule, 1F1B TrainSchedule).
 
-    uv run torchrun --nproc_per_node=2 experiments/pp-ds-ft/train.py --grad-accum 8                 # 2 stages, 2 GPUs or 2 CPU processes
-    uv run torchrun --nproc_per_node=2 experiments/pp-ds-ft/train.py --model Qwen/Qwen3-0.6B-Base --grad-accum 16 --activation-checkpointing
-    uv run torchrun --nproc_per_node=4 experiments/pp-ds-ft/train.py --grad-accum 8 --zero-stage 1   # 2 stages x 2 data-parallel replicas
-    uv run torchrun --nproc_per_node=2 experiments/pp-ds-ft/train.py --grad-accum 8 --lora-rank 16 --save-hf runs/lora  # LoRA adapter
+    uv run torchrun --nproc_per_node=2 experiments/pp-ds-ft/train.py --grad-accum 8                 # 2 stages
+    uv run torchrun --nproc_per_node=2 experiments/pp-ds-ft/train.py --model Qwen/Qwen3-0.6B-Base --grad-accum 16
+    uv run torchrun --nproc_per_node=4 experiments/pp-ds-ft/train.py --grad-accum 8 --zero-stage 1   # 2 x 2 replicas
+    uv run torchrun --nproc_per_node=2 experiments/pp-ds-ft/train.py --grad-accum 8 --lora-rank 16 --save-hf runs/lora
     uv run python experiments/pp-ds-ft/train.py --grad-accum 4                 # one process: a one-stage pipeline
-    uv run torchrun --nproc_per_node=2 experiments/pp-ds-ft/train.py --grad-accum 4 --steps 5 --seq-len 128  # CPU smoke run
+    uv run torchrun --nproc_per_node=2 experiments/pp-ds-ft/train.py --grad-accum 4 --steps 5 --seq-len 128  # CPU smoke
 
-The same pipeline as pp-ft, built the DeepSpeed way: the model is written as a flat list of layers (embedding,
-decoder layers, final norm, LM head) whose outputs feed the next one's input, and PipelineModule cuts that list into
-`--stages` contiguous stages, one per rank (balanced on the number of decoder layers). The tied embedding / LM head
-is a TiedLayerSpec: each end stage builds its own copy, and DeepSpeed all-reduces the two copies' gradients before the
-optimizer step (ReduceTiedGrads in its schedule). The engine runs its 1F1B TrainSchedule over `--grad-accum`
-micro-batches. With more ranks than stages, the rest is data parallelism (`--zero-stage 1` then shards the optimizer).
-
-One optimizer step consumes B = micro_batch_size x grad_accum x data-parallel replicas rows (common/data.py),
-the same rows as single-ft's on that B, and computes the same step: the token-weighted loss, with DeepSpeed's own
-averaging undone (see `loss_fn`). With --lora-rank, peft injects single-ft's adapters into the whole model before
-the layer specs take its pieces, so each stage builds its layers with their adapters. tests/test_pp_ft.py holds it
-to single-ft per step, with and without LoRA, and its collectives to common/comm.py's formula.
+The same pipeline as pp-ft, built the DeepSpeed way: the model as a flat list of layer specs (embedding, decoder
+layers, final norm, LM head; the tied embedding / LM head a TiedLayerSpec at both ends) that PipelineModule cuts into
+`--stages` stages, and an engine whose train_batch() runs the whole 1F1B step. More ranks than stages: data
+parallelism (`--zero-stage 1` shards the optimizer). The step equals single-ft's on B = micro_batch_size x grad_accum
+x replicas rows (see `loss_fn`; tests/test_pp_ft.py); the README explains every DeepSpeed setting that matters.
 """
 
 from __future__ import annotations
@@ -55,10 +48,11 @@ from common.data import IGNORE_INDEX, DataError, build_data, describe, sample_te
 from common.dist import act_as_launcher_if_alone, all_ranks, init_distributed, print0, \
     record_collectives_in, teardown  # noqa: E402
 from common.memory import DEEPSPEED_BF16, attention_kind, predict_peak_gib  # noqa: E402
-from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
-    memory_label, peak_memory_gib, summary_table  # noqa: E402
+from common.metrics import MetricsLogger, Recorder  # noqa: E402
 from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
     record_adapter_base, resolve_model_name, share_export  # noqa: E402
+from common.pipeline_trace import per_rank_measures  # noqa: E402
+from common.step import clip_grad_norm  # noqa: E402
 
 EXPERIMENT = "pp-ds-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -76,8 +70,7 @@ class Config:
     show_sample: bool = False  # before training, print the first conversation with the text that carries loss marked
     seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny, 1024 otherwise
     micro_batch_size: int = 1  # rows per forward pass
-    grad_accum: int = 1  # micro-batches per optimizer step = the pipeline's micro-batches (more of them, smaller
-        # bubble)
+    grad_accum: int = 1  # micro-batches per optimizer step: the pipeline's m (more of them, a smaller bubble)
     steps: int = 300  # optimizer steps (0 = only evaluate / export); 300: a minute or two of qwen3-tiny on 2 CPU cores
     epochs: float | None = None  # instead of --steps: passes over the training rows (e.g. 2, 0.5), rounded up to steps
     lr: float | None = None  # peak learning rate; default 1e-3 for presets, 2e-5 for pretrained models (1e-4 with LoRA)
@@ -87,14 +80,13 @@ class Config:
     seed: int = 0  # one seed for init, data order and held-out split
     dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 weights, fp32 master weights (GPU default); fp32 (CPU)
     activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of storing activations
+    loss_chunk_tokens: int = 0  # not built here: 0 only (the README says why)
+    compile: bool = False  # torch.compile each decoder layer (GPU speed; on CPU it only costs compile time)
     packing: bool = True  # pack conversations into rows (--no-packing: one padded conversation per row)
     lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
     lora_alpha: float | None = None  # LoRA scaling numerator; default 2 x rank
     merge_lora: bool = False  # with --save-hf and LoRA: write the merged full model instead of the adapter
     attn: Literal["auto", "sdpa", "eager", "flash", "varlen"] = "auto"  # attention kernel (common/attention.py)
-    compile: bool = False  # torch.compile each decoder layer of this rank's stages (GPU speed; on CPU it only costs
-        # compile time)
-    loss_chunk_tokens: int = 0  # not built here: 0 only (the README says why)
     eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
     eval_every: int = 0  # also evaluate every N steps (0 = only at the end)
     log_every: int = 1  # print every N-th step line (the first and the last always); metrics.jsonl keeps every step
@@ -110,8 +102,7 @@ class Config:
     report_to: Literal["none", "tensorboard"] = "none"  # tensorboard: the step metrics to <out-dir>/tensorboard too
     collective_timeout_s: float = 600.0  # a collective waiting longer ends the run and names the lost rank
     # Pipeline
-    stages: int | None = None  # pipeline stages; default: the world size (a pure pipeline); the rest of the ranks is
-        # data parallelism
+    stages: int | None = None  # pipeline stages; default: the world size; fewer: the other ranks are data parallel
     zero_stage: int | None = None  # 1 shards the optimizer state over the data-parallel replicas (ZeRO-2/3 do not
         # combine with the pipeline); default 1 with bf16 (see resolve), 0 with fp32
 
@@ -139,9 +130,7 @@ def resolve(config: Config, world_size: int) -> Config:
     if config.stages < 1 or world_size % config.stages:
         raise SystemExit(f"--stages {config.stages} must divide the number of processes ({world_size}): "
                          f"run torchrun --nproc_per_node=<a multiple of {config.stages}>")
-    # DeepSpeed (0.19) accumulates the micro-batches' gradients of a bf16 model in fp32, as single-ft does, only in its
-    # ZeRO-1 bf16 optimizer (BF16_Optimizer); stage 0 would accumulate in bf16. With a single data-parallel replica,
-    # ZeRO-1 has nothing to shard and is just that optimizer: fp32 master weights, fp32 gradient accumulation.
+    # bf16 accumulates gradients in fp32 (as single-ft) only in DeepSpeed's ZeRO-1 BF16_Optimizer (README).
     if config.zero_stage is None:
         config.zero_stage = 1 if config.dtype == "bf16" else 0
     if config.zero_stage not in (0, 1):
@@ -162,23 +151,17 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
 
 
 def deepspeed_config(config: Config, data_parallel_size: int) -> dict:
-    """The DeepSpeed config. Every key that changes the numbers is written out, defaults included, so that nothing
-    silently differs from single-ft; the rest (bucket sizes, overlap) only moves time and memory."""
+    """The DeepSpeed config. Every key that changes the numbers is written out, defaults included (README)."""
     return {
         "train_micro_batch_size_per_gpu": config.micro_batch_size,
         # The pipeline engine runs exactly this many micro-batches per train_batch() call: the pipeline's m.
         "gradient_accumulation_steps": config.grad_accum,
         "train_batch_size": config.micro_batch_size * config.grad_accum * data_parallel_size,
         "zero_optimization": {"stage": config.zero_stage},
-        # DeepSpeed clips at 1.0 unless told otherwise, whatever --max-grad-norm says; 0 turns it off. Its ZeRO-1 and
-        # bf16 optimizers compute the norm over all stages (counting the tied copy once). Its fp32 ZeRO-0 path does
-        # not: runtime/utils.clip_grad_norm_ keeps a parameter only where mpu.get_model_parallel_rank() == 0, and
-        # under a pipeline that rank is the stage index, so only the first stage's gradients enter the norm (and none
-        # is logged). There DeepSpeed's clipping is off and clip_grad_norm_across_stages does it (see main).
+        # DeepSpeed clips at 1.0 unless told; its fp32 ZeRO-0 path takes the first stage's norm only, so there we
+        # clip instead (see main; README).
         "gradient_clipping": config.max_grad_norm if config.zero_stage == 1 else 0.0,
-        # bf16: the module's weights, activations and gradients are bf16 and the optimizer keeps the fp32 master
-        # weights and AdamW state. Unlike single-ft's autocast, the residual stream and the norms also run in bf16,
-        # so bf16 runs track single-ft to about 1%, as bf16 always does.
+        # bf16: a bf16 module, fp32 master weights and AdamW state in the optimizer (no autocast: about 1% off).
         "bf16": {"enabled": config.dtype == "bf16"},
         # fp16 off = no loss scaling at all (a static scale of 1.0); neither fp32 nor bf16 needs one.
         "fp16": {"enabled": False},
@@ -190,11 +173,7 @@ def deepspeed_config(config: Config, data_parallel_size: int) -> dict:
         "gradient_predivide_factor": 1.0,
         # torch.optim.AdamW is single-ft's optimizer; DeepSpeed only "tests" its own with ZeRO.
         "zero_allow_untested_optimizer": True,
-        # Activation checkpointing with DeepSpeed's non-reentrant checkpoint (saved-tensor hooks, as PyTorch's
-        # use_reentrant=False that the other experiments use). Its default, the reentrant CheckpointFunction, returns
-        # an output without autograd graph when no input requires a gradient: under LoRA the first stage's input is
-        # the frozen embedding's output, so none of its checkpointed layers would record a graph, and its backward
-        # stops with "element 0 of tensors does not require grad".
+        # Non-reentrant activation checkpointing: the reentrant default records no graph under LoRA (README).
         "pipeline": {"use_reentrant": False},
         "steps_per_print": 2**31 - 1,  # we print our own step line
         "wall_clock_breakdown": False,
@@ -203,12 +182,8 @@ def deepspeed_config(config: Config, data_parallel_size: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The model as a list of pipe layers. DeepSpeed feeds each layer's output to the next as one object, a tensor or a
-# tuple of tensors, and sends it between stages as is. So position_ids travel with the hidden states, and each decoder
-# layer rebuilds from them what HF's Qwen3Model.forward builds once: the rotary cos/sin and the causal mask. With
-# attention_mask=None, create_causal_mask finds the restarts of the packed position_ids and makes the mask
-# block-diagonal, as in single-ft, so packed conversations never see each other. Rebuilding costs O(seq_len^2)
-# comparisons per layer against the layer's O(seq_len x hidden^2) multiply-adds: negligible, and nothing extra to send.
+# The model as a list of pipe layers: each one's output, (hidden states, position_ids), is the next one's input and
+# is sent between stages as is; each decoder layer rebuilds the rotary cos/sin and the block-diagonal mask from it.
 
 
 class EmbeddingPipe(nn.Module):
@@ -238,9 +213,7 @@ class DecoderLayerPipe(nn.Module):
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, position_ids = inputs
-        # With --attn varlen the mask is None and the varlen attention finds the documents from position_ids itself
-        # (a host sync per layer on a GPU: DeepSpeed sends only fixed-shape tensors between stages, and the
-        # boundaries' count varies from row to row).
+        # --attn varlen: no mask; the attention finds the documents from position_ids (a host sync per layer).
         mask = create_causal_mask(config=self.model_config, inputs_embeds=hidden, attention_mask=None,
                                   past_key_values=None, position_ids=position_ids)
         position_embeddings = self.rotary_emb(hidden, position_ids)
@@ -299,13 +272,9 @@ def micro_batch_for_engine(batch: dict[str, torch.Tensor], loss_weight: float):
 def loss_fn(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Token-loss sum of one micro-batch times a weight that makes DeepSpeed's averaging come out token-weighted.
 
-    DeepSpeed assumes each micro-batch returns a mean loss: it divides the loss by gradient_accumulation_steps before
-    backward (and for the reported loss), and averages gradients and losses over the data-parallel replicas. We want
-    sum(token losses of the step) / loss tokens of the step (common/data.py). With
-        weight = grad_accum x data_parallel_size / step_loss_tokens,
-    the engine's / grad_accum and / data_parallel_size cancel the factors (exactly for powers of two, to a rounding
-    otherwise), leaving each micro-batch's share sum / step_loss_tokens; summed over micro-batches and replicas, that
-    is the token-weighted loss and its gradient.
+    DeepSpeed divides each micro-batch's loss by gradient_accumulation_steps and averages over the data-parallel
+    replicas. With weight = grad_accum x data_parallel_size / step_loss_tokens those divisions cancel, and the sum over
+    micro-batches and replicas is the token-weighted step loss and its gradient (exact for powers of two).
     """
     labels, loss_weight = labels
     return token_loss_sum(logits, labels) * loss_weight
@@ -339,36 +308,16 @@ def evaluate_pipeline(engine, data, micro_batch_size: int, pad_token_id: int) ->
     return float(loss)
 
 
-def clip_grad_norm_across_stages(engine, max_norm: float) -> torch.Tensor:
-    """The whole model's gradient norm from the stages' parts (sum of squares over this replica's stages), then clip.
-
-    The tied LM head copy is left out of the norm (DeepSpeed marks it ds_pipe_replicated): after the tied-gradient
-    all-reduce it equals the embedding's gradient, which the first stage already counts once, as single-ft does.
-    Same maths as torch.nn.utils.clip_grad_norm_.
-    """
-    params = [p for p in engine.module.parameters() if p.grad is not None]
-    counted = [p.grad for p in params if not getattr(p, "ds_pipe_replicated", False)]
-    squared = torch.nn.utils.get_total_norm(counted).pow(2)
-    dist.all_reduce(squared, group=engine.grid.get_model_parallel_group())  # the stages of this replica
-    total_norm = squared.sqrt()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
-    return total_norm
-
-
 def main(argv: list[str] | None = None) -> dict:
     config = parse_config(Config, argv)  # a flag mistake stops with one line (common/cli.py)
     MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
 
     # ---------------------------------------------------------------------------------------------------------
-    # Processes and devices: one per stage (and per data-parallel replica) under torchrun. DeepSpeed needs a process
-    # group and the launcher's variables even for one process, so a plain `python train.py` plays a launcher with a
-    # world of one (a one-stage pipeline).
+    # Processes and devices: one per stage and replica (torchrun); a plain `python train.py` plays a launcher with a
+    # world of one, since DeepSpeed needs a process group and the launcher's variables even for one process.
     act_as_launcher_if_alone()
     dist_info = init_distributed(config.collective_timeout_s)
-    # On the CPU accelerator DeepSpeed's communication layer would first build, with g++, a shared-memory all-reduce op
-    # (about a minute on 2 cores, once per machine) that only its inference tensor parallelism calls
-    # (inference_all_reduce); training's collectives are gloo's either way. Marked unavailable, it is not built.
+    # On CPU, DeepSpeed would first build (g++, a minute) a shared-memory all-reduce only inference uses: not built.
     if dist_info.device.type == "cpu":
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     # DeepSpeed's communication layer wraps the group just created.
@@ -382,8 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
     # No autocast: with bf16, DeepSpeed itself holds the module in bf16 (and the fp32 master copy in the optimizer).
 
     # ---------------------------------------------------------------------------------------------------------
-    # Data: every rank builds the same rows. The ranks of one pipeline (one data-parallel replica) load the same
-    # micro-batches; replica d takes its own slice of each step's B rows.
+    # Data: every rank builds the same rows; replica d (all the ranks of its pipeline) takes the d-th slice of a step.
     tokenizer = load_tokenizer(config.model)
     try:
         data = build_data(config.data, tokenizer, config.seq_len, packing=config.packing,
@@ -403,34 +351,27 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
 
     # ---------------------------------------------------------------------------------------------------------
-    # Model: built whole on the CPU under single-ft's seed, then PipelineModule builds only this stage's layers from
-    # it (partition "type:DecoderLayerPipe": the same number of decoder layers per stage; the embedding joins the first
-    # stage, the norm and LM head the last) and moves them to the device; the rest is freed with `model`.
+    # Model: built whole on the CPU under single-ft's seed; PipelineModule builds only this stage's layers from it
+    # (the same number of decoder layers per stage) and moves them to the device; the rest is freed with `model`.
     model = load_model(config.model, tokenizer, attention.impl, dtype=torch.float32, device="cpu")
     lora_config = None
     if config.lora_rank:
-        # single-ft's adapters, injected into the whole model before the layer specs take its pieces: the same
-        # modules in the same order under the same seed, so every adapter starts equal to single-ft's. peft freezes
-        # the rest: the tied embedding / LM head too, whose gradient all-reduce DeepSpeed then skips (it reduces a
-        # tied weight only where it has a gradient, PipelineEngine._exec_reduce_tied_grads).
+        # single-ft's adapters, injected before the layer specs take the model's pieces; the tied weight is frozen.
         model = add_lora(model, config.lora_rank, config.lora_alpha)  # DeepSpeed's bf16 mode casts it to bf16
         lora_config, model = model.peft_config["default"], model.get_base_model()
     base_model_class = type(model)
     model_config = model.config
-    # Built under no_grad: the constructor broadcasts the first stage's tied weight into the last stage's copy, in
-    # place, and autograd would otherwise record that broadcast on the parameter (and warn in every backward).
+    # no_grad: the constructor broadcasts the tied weight into the last stage's copy in place, unrecorded by autograd.
     with torch.no_grad():
         pipe = PipelineModule(
             layers=pipe_layers(model), num_stages=config.stages, loss_fn=loss_fn,
             partition_method="type:DecoderLayerPipe",
-            # Recompute every decoder layer in backward (see "use_reentrant" above); embedding, norm and head
-            # are not in checkpointable_layers, so they keep their activations.
+            # Recompute every decoder layer in backward; embedding, norm and head keep their activations.
             activation_checkpoint_interval=1 if config.activation_checkpointing else 0,
             checkpointable_layers=["DecoderLayerPipe"])
     del model
     if config.compile:
-        # One compiled graph per decoder layer, as in single-ft; in place, so the parameter names do not change. The
-        # pipe wrapper around it (mask, rotary embedding, the tuple DeepSpeed sends between stages) stays eager.
+        # One compiled graph per decoder layer, as in single-ft; in place, so the parameter names do not change.
         for module in pipe.modules():
             if isinstance(module, DecoderLayerPipe):
                 module.layer.compile()
@@ -473,30 +414,29 @@ def main(argv: list[str] | None = None) -> dict:
     replica = engine.grid.data_parallel_id
     for weight, _ in engine.module.get_tied_weights_and_groups():
         if not weight.requires_grad:
-            # Under LoRA the tied embedding / LM head is frozen. DeepSpeed's bf16 path reads `weight._hp_grad` of every
-            # tied weight before reducing it (PipelineEngine._exec_reduce_tied_grads), an attribute its BF16_Optimizer
-            # sets only on the parameters it trains; None is what that code skips as "no gradient".
+            # DeepSpeed's bf16 path reads every tied weight's _hp_grad, set only on trained ones: None = no gradient.
             weight._hp_grad = None
     stage_norm = {}  # the fp32 ZeRO-0 path's gradient norm, from the hook below
     if config.zero_stage == 0:
-        # DeepSpeed hands our AdamW the gradients after the tied-weight and data-parallel reductions and calls its
-        # step(); a step pre-hook is the one place in between, so the clipping goes there (see deepspeed_config).
-        optimizer.register_step_pre_hook(
-            lambda *_: stage_norm.update(value=clip_grad_norm_across_stages(engine, config.max_grad_norm)))
+        # Our AdamW's step pre-hook runs after DeepSpeed's reductions: single-ft's clipping there, the norm summed over
+        # this replica's stages, the LM head copy (ds_pipe_replicated, the embedding's gradient) left out.
+        counted = [p for p in params if not getattr(p, "ds_pipe_replicated", False)]
+        max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
+        optimizer.register_step_pre_hook(lambda *_: stage_norm.update(value=clip_grad_norm(
+            optimizer, params, max_norm, group=engine.grid.get_model_parallel_group(), norm_parameters=counted)))
 
     # ---------------------------------------------------------------------------------------------------------
     # Training loop
-    metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
-                            warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
-                            model_config=model_config, lora_rank=config.lora_rank, device=device, world_size=world_size,
-                            is_main=dist_info.is_main, report_to=config.report_to,
-                            log_every=config.log_every, steps_per_epoch=plan.steps_per_epoch, resume=config.resume)
-    comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
-    stopwatch = Stopwatch(device)
     eval_losses = []
     start_step = load_deepspeed_checkpoint(config.resume, engine) if config.resume else 0
     if config.resume:
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
+    # Step clock, comm_ms, the step line, metrics.jsonl, summary.json; the garbage collector on a schedule from here.
+    rec = Recorder(EXPERIMENT, config, device, model_config, data, rows_per_step, world_size=world_size,
+                   rank=dist.get_rank(), steps_per_epoch=plan.steps_per_epoch, start_step=start_step,
+                   script_dir=SCRIPT_DIR, n_parameters=n_params, n_trainable=n_trainable,
+                   flops_per_token=model_flops_per_token)
+    rec.model.update(parameters_held_per_rank=held)
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum, replica,
                                            data_parallel_size)
@@ -504,42 +444,29 @@ def main(argv: list[str] | None = None) -> dict:
         loss_weight = config.grad_accum * data_parallel_size / loss_tokens  # see loss_fn
         lr = scheduler.get_last_lr()[0]
 
-        stopwatch.reset()
-        comm_timer.start(step)
-        # One call runs the whole 1F1B schedule: forwards and backwards of the m micro-batches, the tied-gradient
-        # all-reduce, the data-parallel gradient reduction, clipping, AdamW, the LR schedule. It returns the step loss,
+        rec.start(step)
+        # One call runs the whole 1F1B step (reductions, clipping, AdamW, the LR schedule) and returns the step loss,
         # already broadcast from the last stage to every rank.
         step_loss = engine.train_batch(iter([micro_batch_for_engine(batch, loss_weight) for batch in micro_batches]))
         grad_norm = engine.get_global_grad_norm() if config.zero_stage == 1 else stage_norm["value"]
-        step_loss_value = float(step_loss)
-        step_ms = stopwatch.elapsed_ms()
-        comm_ms = comm_timer.stop(step)
-
-        metrics.log_step(step + 1, step_loss_value, lr, float(grad_norm), data.step_real_tokens(step, rows_per_step),
-                         loss_tokens, step_ms, comm_ms, print_fn=print0,
-                         documents=data.step_documents(step, rows_per_step))
+        rec.stop()
+        rec.step(step, float(step_loss), lr, float(grad_norm))  # the step's host read
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate_pipeline(engine, data, config.micro_batch_size,
                                                             tokenizer.pad_token_id)))
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
-            metrics.log_eval(*eval_losses[-1])
+            rec.eval(*eval_losses[-1])
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
-            # DeepSpeed's own sharded format (its optimizer objects are opaque to torch.distributed.checkpoint),
-            # published atomically by common/checkpoint.py: written to step-<k>.tmp/, renamed once all ranks are done.
+            # DeepSpeed's own sharded format (its optimizer is opaque to DCP), published atomically (common/checkpoint).
             saved = save_deepspeed_checkpoint(config.out_dir, step + 1, engine, run=plan.identity,
                                               keep=config.keep_checkpoints)
             print0(f"checkpoint: {saved}")
 
     # ---------------------------------------------------------------------------------------------------------
     # Evaluation, results, export
-    # Stages hold different layers and, under 1F1B, a different number of micro-batches' activations (the first
-    # stage the most): the step line shows rank 0's memory, so every rank's peak is gathered here.
-    peak_mem_gib_per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(peak_mem_gib_per_rank, peak_memory_gib(device))
-    print0(f"peak memory per rank ({memory_label(device)}): "
-           + ", ".join(f"rank {r} {gib:.2f} GiB" for r, gib in enumerate(peak_mem_gib_per_rank)))
+    pipeline_measures = per_rank_measures(rec)  # every rank's peak memory and collectives (stages differ)
     eval_loss = evaluate_pipeline(engine, data, config.micro_batch_size, tokenizer.pad_token_id)
-    metrics.log_eval(config.steps, eval_loss)
+    rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
     # The collectives each rank ran per profiled step, next to common/comm.py's formula for DeepSpeed's pipeline
@@ -552,31 +479,19 @@ def main(argv: list[str] | None = None) -> dict:
             stage_trainable=trainable, tied_gradients=not config.lora_rank, zero_stage=config.zero_stage,
             optimizer_groups=len(optimizer.param_groups)), dist.get_backend())
         for stage, trainable in stage_and_trainable] if data_parallel_size == 1 and config.dtype == "fp32" else None
-    summary = metrics.write_summary(
-        comm_timer=comm_timer,  # comm_ms, collective counts and bytes: torch.profiler over the profiled steps
-        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(SCRIPT_DIR), config=asdict(config),
-        hardware=hardware_info(device, world_size=world_size), attention=asdict(attention),
-        model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
-                   flops_per_token=model_flops_per_token, parameters_held_per_rank=held),
-        t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
-        # common/memory's prediction for the fullest stage (1F1B, even split), next to the measured peaks
-        # (comparable on a GPU). DeepSpeed's bf16 mode keeps bf16 weights and an fp32 master copy: DEEPSPEED_BF16.
-        # (A ZeRO-1 shard over data-parallel replicas is not modelled for "pp".)
+    summary = rec.finish(
+        attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
+        # common/memory's prediction for the fullest stage (1F1B, even split; DeepSpeed's bf16: DEEPSPEED_BF16).
         predicted_peak_mem_gib=predict_peak_gib(
             model_config, "pp", config.stages, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
             activation_checkpointing=config.activation_checkpointing, dtype=config.dtype,
             precision=DEEPSPEED_BF16 if config.dtype == "bf16" else None,
             attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
             compile=config.compile),
-        packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
-        n_truncated=data.stats["n_truncated"], data=data.stats, peak_mem_gib_per_rank=peak_mem_gib_per_rank,
         pipeline=dict(schedule="deepspeed-1f1b", stages=config.stages, data_parallel=data_parallel_size,
                       microbatches=config.grad_accum, stage_starts=[int(start) for start in parts]),
         deepspeed=dict(version=deepspeed.__version__, config=ds_config),
-        collective_bytes_per_step_per_rank=all_ranks(comm_timer.collective_bytes_per_step()),
-        collective_bytes_formula_per_rank=collective_formula_per_rank)
-    print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
-           f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
+        **pipeline_measures, collective_bytes_formula_per_rank=collective_formula_per_rank)
 
     if config.save_hf and config.lora_rank and not config.merge_lora:
         save_lora_adapter(Path(config.save_hf), engine, lora_config, base_model_class, tokenizer)
@@ -594,9 +509,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 # -------------------------------------------------------------------------------------------------------------
-# Export: an HF sharded checkpoint, one safetensors shard per stage (written by the stage's first replica), and the
-# index that maps every name to its shard. No rank ever holds the whole model. With bf16 the module's weights are
-# the bf16 copies DeepSpeed computes with; the fp32 masters stay in the optimizer.
+# Export: an HF sharded checkpoint, one safetensors shard per stage (the stage's first replica writes it) and the
+# index; no rank holds the whole model. With bf16 the shards hold the bf16 weights DeepSpeed computes with.
 
 
 def save_hf_sharded(save_dir: Path, engine, model_config, tokenizer) -> None:
@@ -622,8 +536,8 @@ def save_hf_sharded(save_dir: Path, engine, model_config, tokenizer) -> None:
 
 
 def merge_lora_adapters(pipe: PipelineModule) -> None:
-    """peft's merge_and_unload on this stage's layers only: W += (alpha / r) B A in every adapted projection, then the
-    projection is the plain nn.Linear again, so hf_state_dict finds Qwen3ForCausalLM's names. Nothing is gathered."""
+    """peft's merge_and_unload on this stage's layers only: every adapted projection becomes its plain nn.Linear with
+    W += (alpha / r) B A, so hf_state_dict finds Qwen3ForCausalLM's names."""
     from peft.tuners.lora import LoraLayer
 
     for name, child in list(pipe.named_modules()):
@@ -634,10 +548,8 @@ def merge_lora_adapters(pipe: PipelineModule) -> None:
 
 
 def save_lora_adapter(save_dir: Path, engine, lora_config, base_model_class: type, tokenizer) -> None:
-    """Write what PeftModel.save_pretrained writes: adapter_model.safetensors (peft's names,
-    base_model.model.<name in Qwen3ForCausalLM> without the adapter name) and adapter_config.json, so that
-    PeftModel.from_pretrained(base_model, save_dir) loads it. The stages hold the adapters, which are small: rank 0
-    gathers them from every stage (the first replica's copy) and writes one file."""
+    """What PeftModel.save_pretrained writes (adapter_model.safetensors in peft's names, adapter_config.json): the
+    adapters are small, so rank 0 gathers every stage's (from the first replica) and writes one file."""
     pipe = engine.module
     adapters = {}
     if engine.grid.data_parallel_id == 0:

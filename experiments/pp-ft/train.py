@@ -1,43 +1,25 @@
 """pp-ft: fine-tune a Qwen3 decoder with pipeline parallelism (torch.distributed.pipelining), stages built by hand.
 
-    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8                       # 2 stages, 1F1B
-    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8 --schedule interleaved-1f1b  # 4 stages
-    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8 --schedule zbv        # zero-bubble V
-    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --model Qwen/Qwen3-0.6B-Base --grad-accum 16 --split 18
-    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8 --lora-rank 16 --save-hf runs/lora  # LoRA adapter
-    uv run torchrun --nproc_per_node=4 experiments/pp-ft/train.py --grad-accum 8 --stages 2         # 2 stages x 2 replicas
+    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8                     # 2 stages, 1F1B
+    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8 --schedule zbv  # or interleaved-1f1b
+    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --model Qwen/Qwen3-0.6B-Base --grad-accum 16
+    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 8 --lora-rank 16 --save-hf runs/lora
+    uv run torchrun --nproc_per_node=4 experiments/pp-ft/train.py --grad-accum 8 --stages 2   # 2 stages x 2 replicas
     uv run python experiments/pp-ft/train.py --grad-accum 4                    # one process: a one-stage pipeline
-    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --schedule 1f1b --grad-accum 4 --steps 5 --seq-len 128  # CPU smoke run
+    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --grad-accum 4 --steps 5 --seq-len 128  # CPU smoke
 
-Each rank holds one contiguous block of decoder layers (a "stage"); the first stage also holds the token embedding,
-the last one the final norm and the LM head. A step's B rows are cut into `--grad-accum` micro-batches (m) that flow
-through the stages: activations go forward rank to rank, their gradients come back, and the schedule decides the
-order (GPipe: all forwards, then all backwards; 1F1B: one forward, one backward in the steady state, so at most p
-micro-batches are alive per stage; interleaved 1F1B: v smaller stages per rank; ZBV: backward split into its input
-and weight halves, stages placed in a V). While it waits for its first activation or its last gradient a rank is
-idle: the bubble, measured here per rank and compared with the textbook fraction (see `bubble_textbook`).
-
-With fewer stages than ranks (--stages S, S / v ranks per pipeline), the ranks form a 2-D mesh ("dp", "pp"): world /
-(S / v) replicas of the whole pipeline, each on its own share of the rows, and each stage's gradients all-reduced
-over the replicas that hold that stage (DistributedDataParallel on the stage, over the mesh's "dp" dimension).
-
-One optimizer step consumes B = micro_batch_size x grad_accum x replicas rows (common/data.py), the same rows as
-single-ft's on that B, and computes the same step: the loss is token-weighted (see `loss_fn`), the tied
-embedding / LM head gets the sum of its two gradients (see `sum_tied_gradients`), and the gradient norm is the norm
-of the whole model's gradient (see `clip_grad_norm_across_stages`). With --lora-rank the adapters are single-ft's
-(peft is applied to the whole model before it is cut into stages), and the frozen embedding / LM head need no
-gradient sum. tests/test_pp_ft.py holds every schedule to single-ft, per step and per parameter.
-
-Besides single-ft's results, summary.json holds what a pipeline post draws and compares: the bubble per rank, one
-step's schedule as a timeline per rank (`schedule_trace`, see `BusyTimer`), the model-state bytes each rank holds
-next to common/memory's prediction, and the collectives' calls and bytes per rank next to common/comm.py's formula.
+Each rank holds one contiguous block of decoder layers (a "stage"; the first also the embedding, the last the norm and
+the LM head). A step's B = micro_batch_size x grad_accum x replicas rows are cut into m = --grad-accum micro-batches
+that flow through the stages in the order the schedule decides (GPipe, 1F1B, interleaved 1F1B, ZBV); a rank waiting
+for its neighbours is idle: the bubble, measured per rank (common/pipeline_trace.py). The step equals single-ft's on
+the same B (tests/test_pp_ft.py): see `loss_fn`, `sum_tied_gradients` and the norm over the stages; the README
+explains the stages, the replicas (--stages) and what summary.json holds per rank.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -59,13 +41,14 @@ from transformers.masking_utils import create_causal_mask
 from common.attention import VARLEN, document_kwargs, setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.comm import as_backend, pipeline_collectives
-from common.data import IGNORE_INDEX, DataError, build_data, describe, sample_text, token_loss_sum
+from common.data import IGNORE_INDEX, DataError, build_data, describe, sample_text, to_device, token_loss_sum
 from common.dist import all_ranks, init_distributed, print0, record_collectives_in, teardown
-from common.memory import PROJECT_BF16, PROJECT_FP32, attention_kind, estimate_stages, predict_peak_gib
-from common.metrics import CollectiveTimer, MetricsLogger, Stopwatch, git_commit, hardware_info, launch_command, \
-    memory_label, peak_memory_gib, state_bytes, summary_table, synchronize
-from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
-    record_adapter_base, resolve_model_name, share_export, weights_dtype
+from common.memory import attention_kind, estimate_stages_per_rank, predict_peak_gib
+from common.metrics import MetricsLogger, Recorder
+from common.models import TINY_PRESETS, add_lora, count_parameters, flops_per_token, is_preset, load_model, \
+    load_tokenizer, record_adapter_base, resolve_model_name, share_export, weights_dtype
+from common.pipeline_trace import PipelineTrace
+from common.step import clip_grad_norm
 
 EXPERIMENT = "pp-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -80,10 +63,9 @@ class Config:
     data_columns: str | None = None  # your column names for the expected ones, e.g. prompt=question,completion=answer
     train_empty_think: bool = False  # also train the empty <think></think> block Qwen3 puts before a plain answer
     show_sample: bool = False  # before training, print the first conversation with the text that carries loss marked
-    seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny, 1024 otherwise
+    seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny and qwen3-moe-tiny, 1024 otherwise
     micro_batch_size: int = 1  # rows per forward pass
-    grad_accum: int | None = None  # micro-batches per optimizer step = the pipeline's micro-batches m (1F1B needs m >=
-        # ranks per pipeline; larger m, smaller bubble); default: one per stage
+    grad_accum: int | None = None  # micro-batches per optimizer step: the pipeline's m; default one per stage
     steps: int = 300  # optimizer steps (0 = only evaluate / export); 300: a minute or two of qwen3-tiny on 2 CPU cores
     epochs: float | None = None  # instead of --steps: passes over the training rows (e.g. 2, 0.5), rounded up to steps
     lr: float | None = None  # peak learning rate; default 1e-3 for presets, 2e-5 for pretrained models (1e-4 with LoRA)
@@ -93,14 +75,13 @@ class Config:
     seed: int = 0  # one seed for init, data order and held-out split
     dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 compute, fp32 master weights (GPU default); fp32 (CPU)
     activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of storing activations
+    loss_chunk_tokens: int = 0  # not built here: 0 only (the README says why)
+    compile: bool = False  # torch.compile each decoder layer (GPU speed; on CPU it only costs compile time)
     packing: bool = True  # pack conversations into rows (--no-packing: one padded conversation per row)
     lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
     lora_alpha: float | None = None  # LoRA scaling numerator; default 2 x rank
     merge_lora: bool = False  # with --save-hf and LoRA: write the merged full model instead of the adapter
     attn: Literal["auto", "sdpa", "eager", "flash", "varlen"] = "auto"  # attention kernel (common/attention.py)
-    compile: bool = False  # torch.compile each decoder layer of this rank's stages (GPU speed; on CPU it only costs
-        # compile time)
-    loss_chunk_tokens: int = 0  # not built here: 0 only (the README says why)
     eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
     eval_every: int = 0  # also evaluate every N steps (0 = only at the end)
     log_every: int = 1  # print every N-th step line (the first and the last always); metrics.jsonl keeps every step
@@ -131,7 +112,7 @@ def resolve(config: Config) -> Config:
     if notice:
         print0(notice)
     if config.seq_len is None:
-        config.seq_len = 256 if config.model == "qwen3-tiny" else 1024
+        config.seq_len = 256 if config.model in TINY_PRESETS else 1024
     if config.dtype is None:
         config.dtype = "bf16" if torch.cuda.is_available() else "fp32"
     if config.lr is None:
@@ -220,9 +201,8 @@ class Qwen3Stage(nn.Module):
         self.rotary_emb = model.model.rotary_emb  # buffers only (inv_freq), no weights
         if is_last:
             self.model.norm = model.model.norm
-            # Qwen3 (0.6B-4B) ties the LM head to the embedding. The first and the last stage live on different ranks,
-            # so the last one gets its own copy, kept identical by summing both copies' gradients before every step
-            # (under LoRA both copies stay frozen, as the tied weight is in single-ft).
+            # Qwen3 (0.6B-4B) ties the LM head to the embedding, which lives on another rank: the last stage gets its
+            # own copy, kept identical by summing both copies' gradients before every step (sum_tied_gradients).
             self.lm_head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
             self.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone(),
                                                requires_grad=model.lm_head.weight.requires_grad)
@@ -235,9 +215,7 @@ class Qwen3Stage(nn.Module):
             mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
                                       past_key_values=None, position_ids=position_ids)
             position_embeddings = self.rotary_emb(hidden, position_ids)
-            # --attn varlen: the documents' boundaries, once per stage call for all its layers. The schedule hands
-            # position_ids over on the device, so reading the boundaries is a host sync (single-ft reads them from
-            # the batch's host copy, without one).
+            # --attn varlen: the documents' boundaries, once per stage call (a host sync: position_ids are on device).
             packed = document_kwargs(position_ids, position_ids.device) \
                 if self.config._attn_implementation == VARLEN else {}
             for layer in self.model.layers.values():
@@ -249,8 +227,7 @@ class Qwen3Stage(nn.Module):
 
 
 def rank_container(stages: list[Qwen3Stage]) -> nn.Module:
-    """This rank's stages as one module with Qwen3ForCausalLM's parameter names, for the optimizer, checkpoints and
-    export."""
+    """This rank's stages as one module with Qwen3ForCausalLM's parameter names (optimizer, checkpoints, export)."""
     if len(stages) == 1:
         return stages[0]
     container = nn.Module()
@@ -284,129 +261,6 @@ def sum_tied_gradients(embedding: nn.Parameter | None, lm_head: nn.Parameter | N
         dist.all_reduce((embedding if embedding is not None else lm_head).grad, group=group)
 
 
-def clip_grad_norm_across_stages(params_for_norm: list[nn.Parameter], params: list[nn.Parameter],
-                                 max_norm: float, pp_group) -> torch.Tensor:
-    """The whole model's gradient norm from the stages' parts (sum of squares over the ranks of one pipeline), then
-    clip every rank's grads.
-
-    `params_for_norm` leaves out the LM head copy: after sum_tied_gradients it equals the embedding's gradient, which
-    the first stage already counts once, as the unsplit model does. Same maths as torch.nn.utils.clip_grad_norm_.
-    The sum runs over `pp_group` only: data-parallel replicas hold the same (already all-reduced) gradients, and
-    summing them too would count the model once per replica.
-    """
-    local_norm = torch.nn.utils.get_total_norm([p.grad for p in params_for_norm if p.grad is not None])
-    squared = local_norm.pow(2)
-    dist.all_reduce(squared, group=pp_group)
-    total_norm = squared.sqrt()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
-    return total_norm
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The bubble: time a rank computes inside the schedule, against the schedule's wall time
-
-
-class BusyTimer:
-    """Times every compute action of this rank's stages inside the schedule, and remembers which one it was.
-
-    An action is a forward ("F"), a backward ("B": the full backward, or its input-gradient half under ZBV), a
-    weight-gradient backward ("W", ZBV's other half) or a loss call ("loss"), each of one stage and one micro-batch.
-    The schedule's wall time minus the actions' total is the rank's idle time: waiting for a neighbour's activation
-    or gradient (the bubble), plus any transfer that does not overlap with compute. The same actions, with their
-    start and end times, are the step's timeline (`schedule_trace` in summary.json).
-
-    Clocks: on CPU time.perf_counter, which is CLOCK_MONOTONIC on Linux, one clock for all the processes of a
-    machine, so the ranks' times are directly comparable. On a GPU, CUDA events on the compute stream (a wait on a
-    receive, queued before the event, is then not counted as busy), measured from an event each rank records when
-    the step starts; `start_step(aligned=True)` puts a barrier before it so that the ranks' origins coincide (to
-    the barrier's exit skew, microseconds on one machine) and the traced step's timelines can be drawn together.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.origin = None  # CUDA: the event this step's times are measured from
-        self.actions: list[tuple] = []  # (kind, stage, microbatch, start mark, end mark) of the current step
-
-    def wrap(self, function, kind: str, stage: int, microbatch_of=lambda args: args[0]):
-        """`function` timed; `microbatch_of(args)` says which micro-batch a call is (the schedules pass the stage
-        methods the micro-batch index as their first argument)."""
-        def timed(*args, **kwargs):
-            start = self._mark()
-            result = function(*args, **kwargs)
-            self.actions.append((kind, stage, microbatch_of(args), start, self._mark()))
-            return result
-        return timed
-
-    def _mark(self):
-        if self.device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def start_step(self, aligned: bool = False) -> None:
-        """Forget anything timed outside the schedule; on a GPU, record this step's origin (after a barrier if
-        `aligned`, for a step whose timelines are compared across ranks)."""
-        if aligned and self.device.type == "cuda":
-            dist.barrier()
-            torch.cuda.synchronize(self.device)
-        self.actions = []
-        self.origin = self._mark() if self.device.type == "cuda" else None
-
-    def take_actions(self) -> list[dict]:
-        """This step's actions, start and end in milliseconds (CPU: on the machine's monotonic clock; GPU: since
-        the step's origin). The device must be synchronised first."""
-        if self.device.type == "cuda":
-            to_ms = self.origin.elapsed_time
-        else:
-            def to_ms(mark: float) -> float:
-                return mark * 1000.0
-        actions = [dict(stage=stage, microbatch=microbatch, kind=kind, start_ms=to_ms(start), end_ms=to_ms(end))
-                   for kind, stage, microbatch, start, end in self.actions]
-        self.actions = []
-        return actions
-
-
-def busy_ms(actions: list[dict]) -> float:
-    return sum(action["end_ms"] - action["start_ms"] for action in actions)
-
-
-def schedule_trace(step: int, actions_per_rank: list[list[dict]], schedule_ms_per_rank: list[float],
-                   device: torch.device) -> dict:
-    """Every rank's actions of one step as one timeline, times relative to the earliest start over all ranks, with
-    that step's busy time and schedule wall time per rank (the bubble of this one step)."""
-    origin = min((a["start_ms"] for actions in actions_per_rank for a in actions), default=0.0)
-    actions = [dict(rank=rank, **{**action, "start_ms": action["start_ms"] - origin,
-                                   "end_ms": action["end_ms"] - origin})
-               for rank, rank_actions in enumerate(actions_per_rank)
-               for action in sorted(rank_actions, key=lambda a: a["start_ms"])]
-    return dict(step=step, clock="cuda events" if device.type == "cuda" else "perf_counter", actions=actions,
-                busy_ms_per_rank=[busy_ms(rank_actions) for rank_actions in actions_per_rank],
-                schedule_ms_per_rank=schedule_ms_per_rank)
-
-
-def bubble_textbook(schedule: str, n_ranks: int, n_microbatches: int, stages_per_rank: int) -> tuple[float, str]:
-    """The idle share of a step if every stage took the same time and communication were free.
-
-    GPipe and 1F1B: (p-1)/(m+p-1). Each rank idles for p-1 micro-batch slots while the pipeline fills and drains,
-    out of m+p-1 slots. GPipe (Huang et al. 2019, arXiv:1811.06965: bubble overhead O((K-1)/(M+K-1)) for K stages and
-    M micro-batches); 1F1B has the same bubble but keeps at most p micro-batches in flight (Narayanan et al. 2021,
-    arXiv:2104.04473, section 2.2.1: bubble/ideal = (p-1)/m, i.e. (p-1)/(m+p-1) of the total).
-    Interleaved 1F1B with v stages per rank: each slot is v times shorter, so (p-1)/(v*m+p-1) (ibid. section 2.2.2:
-    bubble/ideal = (p-1)/(v*m)).
-    ZBV: 0 when a forward, an input-gradient backward and a weight-gradient backward take the same time and
-    m >= 2p (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", arXiv:2401.10241, section 6); real stages
-    are not that even, so some bubble remains.
-    """
-    p, m, v = n_ranks, n_microbatches, stages_per_rank
-    if schedule in ("gpipe", "1f1b"):
-        return (p - 1) / (m + p - 1), "(p-1)/(m+p-1)"
-    if schedule == "interleaved-1f1b":
-        return (p - 1) / (v * m + p - 1), "(p-1)/(v*m+p-1)"
-    return 0.0, "0 if T_F = T_B = T_W (zero bubble)"
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Evaluation and export
 
@@ -414,12 +268,8 @@ def bubble_textbook(schedule: str, n_ranks: int, n_microbatches: int, stages_per
 @torch.no_grad()
 def evaluate_pipeline(stages: dict[int, Qwen3Stage], stage_rank: list[int], data, micro_batch_size: int,
                       device: torch.device, pp_group) -> float | None:
-    """Token-weighted loss over the held-out split, forward only, one micro-batch at a time through all stages.
-
-    Plain send/recv rather than schedule.eval(): a forward-only pass has no backward to overlap with, and in this
-    PyTorch version schedule.eval() fails when two adjacent stages share a rank (ZBV's V), in get_local_bwd_output.
-    Ranks are numbered inside `pp_group`, this rank's pipeline; data-parallel replicas each run the whole split.
-    """
+    """Token-weighted loss over the held-out split, one micro-batch at a time through all stages (ranks numbered in
+    `pp_group`). Plain send/recv: a forward has no backward to overlap with, and schedule.eval() fails on ZBV's V."""
     batches = data.eval_batches(micro_batch_size)
     if not batches:
         return None
@@ -458,13 +308,8 @@ def evaluate_pipeline(stages: dict[int, Qwen3Stage], stage_rank: list[int], data
 
 
 def save_hf_sharded(save_dir: Path, module: nn.Module, model_config, tokenizer, pp_group, writes: bool) -> None:
-    """Write an HF sharded checkpoint: each rank of a pipeline writes its stages' weights as one safetensors shard,
-    under their original names; its first rank writes the index that maps every name to its shard, the config and
-    the tokenizer. Only the pipeline with `writes` (replica 0) writes: the replicas hold the same weights.
-
-    No rank ever holds the whole model. The LM head copy is not written: the config says the head is tied, so
-    from_pretrained rebuilds it from model.embed_tokens.weight (the copies are identical, see sum_tied_gradients).
-    """
+    """An HF sharded checkpoint: each rank of the pipeline with `writes` writes its stages' weights as one shard, its
+    first rank the index, config and tokenizer; no rank holds the whole model. The LM head copy is left out: tied."""
     if not writes:
         dist.barrier()
         return
@@ -489,9 +334,8 @@ def save_hf_sharded(save_dir: Path, module: nn.Module, model_config, tokenizer, 
 
 
 def merge_lora_adapters(module: nn.Module) -> None:
-    """peft's merge_and_unload on this rank's stages only: W += (alpha / r) B A in every adapted projection, then the
-    projection is the plain nn.Linear again, so the stages' names are Qwen3ForCausalLM's and save_hf_sharded writes
-    them as for full fine-tuning. Each rank merges its own layers; nothing is gathered."""
+    """peft's merge_and_unload on this rank's stages only: every adapted projection becomes its plain nn.Linear with
+    W += (alpha / r) B A, so save_hf_sharded writes them as for full fine-tuning."""
     from peft.tuners.lora import LoraLayer
 
     for name, child in list(module.named_modules()):
@@ -502,10 +346,8 @@ def merge_lora_adapters(module: nn.Module) -> None:
 
 
 def save_lora_adapter(save_dir: Path, module: nn.Module, lora_config, base_model_class: type, tokenizer) -> None:
-    """Write what PeftModel.save_pretrained writes: adapter_model.safetensors (peft's names,
-    base_model.model.<name in Qwen3ForCausalLM> without the adapter name) and adapter_config.json, so that
-    PeftModel.from_pretrained(base_model, save_dir) loads it. The stages hold the adapters; they are small
-    (rank x (inputs + outputs) per projection), so rank 0 gathers them all and writes one file."""
+    """What PeftModel.save_pretrained writes (adapter_model.safetensors in peft's names, adapter_config.json): the
+    adapters are small, so rank 0 gathers every stage's and writes one file."""
     adapters = {f"base_model.model.{name.replace('.default.', '.')}": tensor.detach().cpu().contiguous()
                 for name, tensor in module.state_dict().items() if ".lora_" in name}
     gathered = all_ranks(adapters)
@@ -520,41 +362,12 @@ def save_lora_adapter(save_dir: Path, module: nn.Module, lora_config, base_model
     dist.barrier()
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Predictions to set beside the measurements
-
-
-def predicted_state_bytes_per_rank(model_config, stage_rank: list[int], config: Config,
-                                   replicas: int = 1) -> list[dict] | None:
-    """common/memory's model-state bytes of every rank: the sum of its stages' estimates (weights, gradients,
-    AdamW's moments, master copy), in (global) rank order, in state_bytes' keys; each replica's ranks hold the same.
-
-    estimate_stages splits the layers over the stages as pipeline_layout's even split does (the remainder to the
-    first stages) and gives the last stage its own copy of the tied LM head, as Qwen3Stage does, so the sum holds
-    for every placement (loop or V). Two known differences from the measured bytes: AdamW also keeps a 4-byte fp32
-    step counter per trainable parameter tensor (optimizer), and a one-stage pipeline (one process, gpipe or 1f1b)
-    holds an LM head copy that the model, seeing the first and the last stage on one device, does not count. A
-    --split layout is not modelled: None.
-    """
-    if config.split:
-        return None
-    estimates = estimate_stages(model_config, "pp", len(stage_rank), seq_len=config.seq_len,
-                                micro_batch_size=config.micro_batch_size, lora_rank=config.lora_rank,
-                                precision=PROJECT_BF16 if config.dtype == "bf16" else PROJECT_FP32)
-    per_rank = [dict(weights=0, grads=0, optimizer=0, master=0) for _ in range(max(stage_rank) + 1)]
-    for estimate, rank in zip(estimates, stage_rank):
-        for key, value in estimate.state_bytes().items():
-            per_rank[rank][key] += value
-    return per_rank * replicas  # global rank = replica x pipeline ranks + rank in the pipeline
-
-
 def main(argv: list[str] | None = None) -> dict:
     config = parse_config(Config, argv)  # a flag mistake stops with one line (common/cli.py)
     MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
 
     # ---------------------------------------------------------------------------------------------------------
-    # Processes and devices: one process per device (torchrun). A plain `python train.py` gets a one-rank group, so
-    # the same pipeline code runs as a one-stage pipeline (a HashStore: no port, no other process).
+    # Processes and devices: one per device (torchrun); a plain `python train.py` gets a one-rank group (a HashStore).
     dist_info = init_distributed(config.collective_timeout_s)
     device = dist_info.device
     config = resolve(config)
@@ -563,9 +376,8 @@ def main(argv: list[str] | None = None) -> dict:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1)
     world_size = dist.get_world_size()
-    # The mesh ("dp", "pp"): pp_size ranks per pipeline (its stages, v per rank), world / pp_size replicas of it.
-    # Row-major, so the ranks of one pipeline are consecutive (one node's GPUs when p <= GPUs per node: the
-    # activations stay on its links) and only the replicas' gradient all-reduce crosses between rows.
+    # The mesh ("dp", "pp"): pp_size ranks per pipeline, world / pp_size replicas of it; row-major, so the ranks of
+    # one pipeline are consecutive (one node's links carry the activations).
     v = config.stages_per_rank
     if config.stages is None:
         config.stages = world_size * v
@@ -582,22 +394,18 @@ def main(argv: list[str] | None = None) -> dict:
     # `rank` is this rank's place in its pipeline (what stage_rank below refers to); `replica` which rows it reads.
     rank, replica = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     if replicas > 1 and config.schedule == "zbv":
-        raise SystemExit("--schedule zbv does not combine with data-parallel replicas here: DDP reduces a stage's "
-                         "gradients from autograd hooks that ZBV's separate weight-gradient pass (torch.autograd.grad) "
-                         "does not fire, so the steps come out wrong without an error; use 1f1b, gpipe or "
-                         "interleaved-1f1b")
+        raise SystemExit("--schedule zbv does not combine with data-parallel replicas here: its weight-gradient pass "
+                         "does not fire DDP's hooks (the steps come out wrong); use 1f1b, gpipe or interleaved-1f1b")
     record_collectives_in(config.out_dir)  # CUDA: where NCCL's flight recorder dumps on a timeout
     print0(f"config: {json.dumps(asdict(config))}")
     torch.manual_seed(config.seed)
     attention = setup_attention(device, config.attn, print_fn=print0)
-    # bf16 mixed precision: weights, gradients and AdamW state stay fp32 (the "master weights"); autocast inside each
-    # stage's forward runs the matrix multiplies in bf16. fp32: everything in fp32, which is what the parity tests use.
+    # bf16: fp32 master weights, autocast inside each stage's forward (Qwen3Stage); fp32: what the parity tests use.
     autocast_dtype = torch.bfloat16 if config.dtype == "bf16" else None
 
     # ---------------------------------------------------------------------------------------------------------
-    # Data: every rank builds the same rows; the first stage reads input_ids, the last labels, all of them
-    # position_ids (for the masks and rotary embeddings). Each replica takes its own slice of every step's rows
-    # (its "dp" coordinate, never the global rank); the ranks of one pipeline read the same slice.
+    # Data: every rank builds the same rows; each replica reads its "dp" slice of every step's rows (never by
+    # global rank): the first stage takes input_ids, the last labels, all of them position_ids.
     tokenizer = load_tokenizer(config.model)
     try:
         data = build_data(config.data, tokenizer, config.seq_len, packing=config.packing,
@@ -616,19 +424,16 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
 
     # ---------------------------------------------------------------------------------------------------------
-    # Model, then this rank's stages. Every rank builds the whole model on the CPU under the same seed (so the
-    # weights equal single-ft's) and keeps only its stages; the rest is freed. A 4B model briefly takes 16 GB of host
-    # memory per rank this way; building on the meta device and loading only this stage's tensors avoids it.
+    # Model, then this rank's stages: every rank builds the whole model on the CPU under the same seed (single-ft's
+    # weights) and keeps only its stages (the README's Limits: host memory).
     model = load_model(config.model, tokenizer, attention.impl, device="cpu",
                        dtype=weights_dtype(config.dtype, config.lora_rank))  # a LoRA base in bf16 under bf16
     if config.activation_checkpointing:
-        # Sets a flag on every decoder layer, which then recomputes itself in backward wherever it is called from.
+        # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     lora_config = None
     if config.lora_rank:
-        # single-ft's adapters, injected into the whole model before it is cut: the same modules in the same order
-        # under the same seed, so every adapter starts equal to single-ft's. peft freezes everything else (the
-        # embedding, its LM head copy below, the norms). The stages are cut from the plain model peft wraps.
+        # single-ft's adapters, injected before the model is cut; the stages are cut from the plain model peft wraps.
         model = add_lora(model, config.lora_rank, config.lora_alpha)
         lora_config, model = model.peft_config["default"], model.get_base_model()
     base_model_class = type(model)
@@ -648,9 +453,8 @@ def main(argv: list[str] | None = None) -> dict:
     module = rank_container(list(stages.values()))
     module.train()
     first_rank, last_rank = stage_rank[0], stage_rank[-1]
-    # The tied weight's two copies get their gradients summed (sum_tied_gradients), unless they are frozen (LoRA).
-    # The two ranks holding them form a group, one per replica (global ranks from the mesh); every rank takes part in
-    # creating all of them (a collective).
+    # The tied weight's two copies get their gradients summed (sum_tied_gradients), unless frozen (LoRA), over a group
+    # of the two ranks holding them, one per replica (creating them is a collective: every rank takes part).
     tied_trainable = not config.lora_rank
     tie_group = None
     if tied_trainable and first_rank != last_rank:
@@ -660,8 +464,8 @@ def main(argv: list[str] | None = None) -> dict:
     lm_head = stages[n_stages - 1].lm_head.weight if tied_trainable and n_stages - 1 in stages else None
 
     n_params = count_parameters(model_config)["total"]
-    params = [p for p in module.parameters() if p.requires_grad]  # all of them, or the LoRA adapters
-    params_for_norm = [p for p in params if p is not lm_head]
+    trainable = [p for p in module.parameters() if p.requires_grad]  # all of them, or the LoRA adapters
+    params_for_norm = [p for p in trainable if p is not lm_head]
     # Per rank of one pipeline (replica 0 = global ranks 0 .. pp_size - 1; the other replicas hold the same).
     held, trainable_held = map(list, zip(*all_ranks((sum(p.numel() for p in module.parameters()),
                                                      sum(p.numel() for p in params_for_norm)))[:pp_size]))
@@ -675,76 +479,51 @@ def main(argv: list[str] | None = None) -> dict:
         parts = (["embedding"] if s == 0 else []) + [block] + (["norm + LM head"] if s == n_stages - 1 else [])
         print0(f"stage {s} on rank {stage_rank[s]}: {', '.join(parts)}")
     print0(f"parameters held per rank: {', '.join(f'rank {r}: {n:,}' for r, n in enumerate(held))}")
-    textbook, formula = bubble_textbook(config.schedule, pp_size, config.grad_accum, config.stages_per_rank)
+    trace = PipelineTrace(device, config, pp_size)  # the bubble per rank and one step's timeline (summary.json)
     print0(f"pipeline: {config.schedule}, p = {pp_size} ranks x v = {config.stages_per_rank} stages each, "
-           f"m = {config.grad_accum} micro-batches | textbook bubble {formula} = {textbook:.1%}"
+           f"m = {config.grad_accum} micro-batches | textbook bubble {trace.formula} = {trace.textbook:.1%}"
            + (f" | {replicas} data-parallel replicas of it (mesh {replicas} x {pp_size}), each stage's gradients "
               f"all-reduced over its {replicas} copies" if replicas > 1 else ""))
-    print0(f"batch: B = {config.micro_batch_size} x {config.grad_accum}"
-           + (f" x {replicas} replicas" if replicas > 1 else "")
-           + f" = {rows_per_step} rows of {config.seq_len} -> T_eff = {rows_per_step * config.seq_len:,} token slots "
-           f"per optimizer step")
+    print0(f"batch: B = {config.micro_batch_size} x {config.grad_accum} x {replicas} replica(s) = {rows_per_step} rows "
+           f"of {config.seq_len} -> T_eff = {rows_per_step * config.seq_len:,} token slots per optimizer step")
     if world_size == 1:
         print0(f"one process: all {n_stages} stage(s) on one rank, no parallelism; run under torchrun "
                f"--nproc_per_node=2 (or more) to spread them")
 
     # ---------------------------------------------------------------------------------------------------------
-    # Pipeline schedule.
-    # loss_fn runs on the last stage once per micro-batch. Dividing each micro-batch's token-loss sum by the loss
-    # tokens of the whole step (common/data.py's step_loss_tokens, which every rank computes locally) makes the sum
-    # of the m micro-batch losses, and of their gradients, exactly the token-weighted step loss and its gradient.
-    # The schedules would also divide the gradients by m (scale_grads=True, made for a loss_fn that returns a
-    # per-micro-batch mean); scale_grads=False turns that off, so nothing needs undoing.
-    # With replicas, each one's micro-batches are its share of the step's rows and the denominator is still the whole
-    # step's (all replicas): the gradient we want is the sum over replicas. DDP averages (all-reduce, / replicas), so
-    # the loss is scaled by `replicas` to make that average the sum, as ddp-ft does (exact for a power of two).
+    # Pipeline schedule. loss_fn runs on the last stage once per micro-batch: divided by the whole step's loss tokens,
+    # the m losses add up to the step's (scale_grads=False: no division by m); x replicas undoes DDP's average (README).
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor, step_loss_tokens: int) -> torch.Tensor:
         return token_loss_sum(logits, labels) / step_loss_tokens * replicas
 
-    busy = BusyTimer(device)
     pipeline_stages = []
     for s, stage_module in stages.items():
         if replicas > 1:
-            # Data parallelism per stage: DDP over the mesh's "dp" dimension, i.e. the replicas' copies of this stage.
-            # PipelineStage knows DDP: it runs every forward and every backward but the step's last one under
-            # no_sync(), so the gradients accumulate locally and DDP's bucketed all-reduce runs once per step,
-            # overlapping the last backward. The Qwen3Stage itself (its parameter names) stays what the optimizer,
-            # checkpoints and export see. No buffer needs broadcasting (RoPE's inv_freq never changes).
-            # find_unused_parameters=True although every parameter is used: it turns off DDP's one-time rebuild of its
-            # buckets after the first step, which under PipelineStage counts a gradient-ready event per parameter and
-            # micro-batch and stops step 2 (torch 2.15: "rebuilt parameter indices size is not same as original model
-            # parameters size ... 23 versus ... 46" with 2 micro-batches). The price: one walk of the autograd graph
-            # per step, from the last micro-batch's output.
+            # DDP over the replicas' copies of this stage, all-reducing once per step in the last backward (no_sync
+            # before it); find_unused_parameters=True stops its bucket rebuild, which breaks step 2 here (README).
             stage_module = DistributedDataParallel(stage_module, process_group=dp_group, broadcast_buffers=False,
                                                    find_unused_parameters=True, gradient_as_bucket_view=True,
                                                    device_ids=[device.index] if device.type == "cuda" else None)
         # Stage indices and peer ranks are numbered inside this rank's pipeline (pp_group).
         stage = PipelineStage(stage_module, stage_index=s, num_stages=n_stages, device=device, group=pp_group)
-        # Instance attributes shadow the methods the schedule calls, so every compute action is timed, with its
-        # stage and micro-batch. backward_one_chunk is the full backward, or under ZBV its input-gradient half.
-        for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")):
-            setattr(stage, name, busy.wrap(getattr(stage, name), kind, s))
+        trace.time_stage(stage, s)  # every forward and backward of this stage timed: the bubble
         pipeline_stages.append(stage)
-    # loss_fn gets micro-batch i's labels, the very tensor passed in target_mbs: its identity says which i it is.
-    # (The first step's shape inference also calls it once, on stand-in labels: no micro-batch, None.)
-    microbatch_of_labels: dict[int, int] = {}  # id(labels tensor) -> micro-batch index, refilled every step
-    timed_loss_fn = busy.wrap(loss_fn, "loss", n_stages - 1,
-                              microbatch_of=lambda args: microbatch_of_labels.get(id(args[1])))
     schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
                       "zbv": ScheduleZBVZeroBubble}[config.schedule]
     try:
         schedule = schedule_class(pipeline_stages if config.stages_per_rank > 1 else pipeline_stages[0],
-                                  n_microbatches=config.grad_accum, loss_fn=timed_loss_fn, scale_grads=False)
+                                  n_microbatches=config.grad_accum, loss_fn=trace.time_loss(loss_fn, n_stages - 1),
+                                  scale_grads=False)
     except ValueError as error:
         raise SystemExit(f"--schedule {config.schedule} with {n_stages} stages and --grad-accum {config.grad_accum}: "
                          f"{error} (more micro-batches also shrink the bubble)") from None
 
     # ---------------------------------------------------------------------------------------------------------
-    # Optimizer: AdamW over this rank's parameters only; no weight decay on norms (1-D weights). Fused kernels on GPU.
-    # A group left empty (under LoRA nothing 1-D is trained) is not created: the checkpoints' flattened optimizer
-    # state cannot be loaded back into a group without parameters (torch 2.15, _unflatten_optim_state_dict).
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
+    # Optimizer: AdamW; no weight decay on norms (1-D weights). Fused kernels on GPU. This rank's parameters only.
+    decay = [p for p in trainable if p.ndim >= 2]
+    no_decay = [p for p in trainable if p.ndim < 2]
+    # A group left empty (under LoRA nothing 1-D is trained) is not created: a checkpoint's flattened optimizer
+    # state cannot be loaded back into a group without parameters.
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW([group for group in groups if group["params"]], lr=config.lr,
                                   fused=device.type == "cuda")
@@ -753,115 +532,69 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Training loop
-    metrics = MetricsLogger(out_dir=config.out_dir, total_steps=config.steps,
-                            warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)),
-                            model_config=model_config, lora_rank=config.lora_rank, device=device, world_size=world_size,
-                            is_main=dist.get_rank() == 0, report_to=config.report_to,
-                            log_every=config.log_every, steps_per_epoch=plan.steps_per_epoch, resume=config.resume)
-    comm_timer = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
-    stopwatch = Stopwatch(device)
     eval_losses = []
-    bubble_records = []  # (busy_ms, pipeline_ms) of this rank per step
     start_step = load_checkpoint(config.resume, module, optimizer, scheduler) if config.resume else 0
     if config.resume:
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
-    # The step drawn as a timeline (schedule_trace): the last measured step that torch.profiler did not slow down.
-    unprofiled = [s for s in range(start_step, config.steps) if s not in comm_timer.window]
-    trace_step = max([s for s in unprofiled if s - start_step >= metrics.warmup_steps] or unprofiled
-                     or [config.steps - 1])
-    traced_actions = traced_schedule_ms = None
-    # Model-state bytes are counted on the second step, after its backward and before its update: the gradients
-    # exist, and so does AdamW's state, created by the first update.
-    state_step = min(start_step + 1, config.steps - 1)
-    measured_state = None
+    # Step clock, comm_ms, the step line, metrics.jsonl, summary.json; the garbage collector on a schedule from here.
+    rec = Recorder(EXPERIMENT, config, device, model_config, data, rows_per_step, world_size=world_size,
+                   rank=dist.get_rank(), steps_per_epoch=plan.steps_per_epoch, start_step=start_step,
+                   script_dir=SCRIPT_DIR, n_parameters=n_params, n_trainable=n_trainable,
+                   flops_per_token=model_flops_per_token)
+    rec.model.update(parameters_held_per_rank=held, trainable_parameters_per_rank=trainable_held)
     for step in range(start_step, config.steps):
-        micro_batches = [{key: value.to(device, non_blocking=True) for key, value in batch.items()}
-                         for batch in data.micro_batches(step, config.micro_batch_size, config.grad_accum, replica,
-                                                         replicas)]
+        micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum, replica, replicas)
         loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step, all replicas
-        labels = [batch["labels"] for batch in micro_batches] if n_stages - 1 in stages else None
-        microbatch_of_labels.clear()
-        microbatch_of_labels.update({id(tensor): i for i, tensor in enumerate(labels or [])})
         lr = scheduler.get_last_lr()[0]
 
-        busy.start_step(aligned=step == trace_step)
-        stopwatch.reset()
-        comm_timer.start(step)
+        rec.start(step)
+        # All of the step's micro-batches go to the device up front, from pinned memory on a GPU, so the copies
+        # overlap the compute queued before them instead of waiting in the loop.
+        batches = [to_device(host_batch, device) for host_batch in micro_batches]
+        labels = [batch["labels"] for batch in batches] if n_stages - 1 in stages else None
+        trace.start(step, labels)
         micro_losses = []
-        pipeline_start = time.perf_counter()
-        schedule.step(arg_mbs=[(batch["input_ids"],) for batch in micro_batches] if 0 in stages else None,
-                      kwarg_mbs=[{"position_ids": batch["position_ids"]} for batch in micro_batches],
+        schedule.step(arg_mbs=[(batch["input_ids"],) for batch in batches] if 0 in stages else None,
+                      kwarg_mbs=[{"position_ids": batch["position_ids"]} for batch in batches],
                       target_mbs=labels, losses=micro_losses, loss_kwargs={"step_loss_tokens": loss_tokens},
                       return_outputs=False)
-        synchronize(device)
-        actions = busy.take_actions()
-        bubble_records.append((busy_ms(actions), (time.perf_counter() - pipeline_start) * 1000.0))
-        if step == trace_step:
-            traced_actions, traced_schedule_ms = actions, bubble_records[-1][1]
-        # With replicas, DDP has all-reduced every stage's gradients during the last backward (inside the schedule).
-        # The tied weight's gradient next (both sums are linear, so their order does not matter), then the norm: the
-        # norm must see the summed gradient.
+        trace.stop(step)
+        # DDP has summed the replicas' gradients inside the schedule; the tied weight's copies next, then the norm.
         sum_tied_gradients(embedding, lm_head, tie_group)
-        grad_norm = clip_grad_norm_across_stages(params_for_norm, params, config.max_grad_norm, pp_group)
-        if step == state_step:
-            # Every parameter this rank holds (frozen ones and the LM head copy included), its gradients, AdamW's state.
-            measured_state = state_bytes(module.parameters(), optimizer)
+        rec.state(step, module.parameters(), optimizer)  # every weight (LM head copy too), its gradient, AdamW's state
+        max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
+        # The whole model's norm: the squares of every stage of this pipeline, the LM head copy counted once.
+        grad_norm = clip_grad_norm(optimizer, trainable, max_norm, group=pp_group, norm_parameters=params_for_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        # Only the last stage has the loss; rank 0 prints it, so it is broadcast (a tiny collective, every step).
-        # With replicas, each last stage holds its replica's share (scaled by `replicas`, see loss_fn): summed first.
+        # Only the last stage has the loss (with replicas, each its share, x replicas): summed, then sent to rank 0.
         step_loss = torch.stack(micro_losses).sum().detach() / replicas if micro_losses \
             else torch.zeros((), device=device)
         if replicas > 1:
             dist.all_reduce(step_loss, group=dp_group)
         dist.broadcast(step_loss, group=pp_group, group_src=last_rank)
+        rec.stop()
         # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together.
-        step_loss_value, grad_norm_value = torch.stack([step_loss, grad_norm.float()]).tolist()
-        step_ms = stopwatch.elapsed_ms()
-        comm_ms = comm_timer.stop(step)
-
-        metrics.log_step(step + 1, step_loss_value, lr, grad_norm_value, data.step_real_tokens(step, rows_per_step),
-                         loss_tokens, step_ms, comm_ms, print_fn=print0,
-                         documents=data.step_documents(step, rows_per_step))
+        values = torch.stack([step_loss, grad_norm.float()]).tolist()
+        rec.step(step, values[0], lr, values[1])
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate_pipeline(stages, stage_rank, data, config.micro_batch_size, device,
                                                             pp_group)))
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
-            metrics.log_eval(*eval_losses[-1])
+            rec.eval(*eval_losses[-1])
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             saved = save_checkpoint(config.out_dir, step + 1, module, optimizer, scheduler, run=plan.identity,
                                     keep=config.keep_checkpoints)
             print0(f"checkpoint: {saved}")
 
     # ---------------------------------------------------------------------------------------------------------
-    # The bubble: per rank, busy = compute inside the schedule, idle = the rest of the schedule's wall time. Steps
-    # that ran under torch.profiler are left out, as from the speed averages (unless no other step was measured).
-    numbered = list(zip(bubble_records, range(start_step + 1, config.steps + 1)))  # 1-based, as comm_timer's
-    measured = numbered[metrics.warmup_steps:] or numbered
-    measured = [r for r, k in measured if k not in comm_timer.profiled] or [r for r, _ in measured]
-    mean_busy_ms = sum(b for b, _ in measured) / len(measured) if measured else 0.0
-    mean_pipeline_ms = sum(t for _, t in measured) / len(measured) if measured else 0.0
-    per_rank = all_ranks((mean_busy_ms, mean_pipeline_ms))
-    bubble_per_rank = [(t - b) / t if t > 0 else None for b, t in per_rank]
-    measured_fractions = [f for f in bubble_per_rank if f is not None]
-    bubble_fraction = sum(measured_fractions) / len(measured_fractions) if measured_fractions else None
-    for r, ((b, t), fraction) in enumerate(zip(per_rank, bubble_per_rank)):
-        if fraction is not None:
-            print0(f"bubble rank {r}: busy {b:,.0f} ms, idle {t - b:,.0f} ms of {t:,.0f} ms in the schedule "
-                   f"-> {fraction:.1%}")
-    if bubble_fraction is not None:
-        print0(f"bubble: measured {bubble_fraction:.1%} (mean over ranks) | textbook {formula} = {textbook:.1%}")
-    # One step's compute actions of every rank, on one time axis (see BusyTimer for the clocks).
-    traced = all_ranks((traced_actions, traced_schedule_ms))
-    trace = (schedule_trace(trace_step + 1, [actions for actions, _ in traced], [ms for _, ms in traced], device)
-             if traced_actions is not None else None)
-
-    # ---------------------------------------------------------------------------------------------------------
-    # What each rank holds and sends, measured, next to what common/memory and common/comm.py predict.
-    state_bytes_per_rank = all_ranks(measured_state)
-    predicted_state = predicted_state_bytes_per_rank(model_config, stage_rank, config, replicas)
-    collective_bytes_per_rank = all_ranks(comm_timer.collective_bytes_per_step())
+    # Evaluation, results, export
+    pipeline_measures = trace.finish(rec)  # the bubble per rank, one step's timeline, every rank's peak memory
+    eval_loss = evaluate_pipeline(stages, stage_rank, data, config.micro_batch_size, device, pp_group)
+    rec.eval(config.steps, eval_loss)
+    print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
+           if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
     # common/comm.py models one pipeline; with replicas DDP's bucketed gradient all-reduce comes on top, not modelled.
     collective_formula_per_rank = None if replicas > 1 else [
         as_backend(pipeline_collectives(stage_rank, r, microbatches=config.grad_accum,
@@ -869,50 +602,22 @@ def main(argv: list[str] | None = None) -> dict:
                                         hidden=model_config.hidden_size, vocab=model_config.vocab_size,
                                         tied_gradients=tied_trainable), dist.get_backend())
         for r in range(world_size)]
-
-    # ---------------------------------------------------------------------------------------------------------
-    # Evaluation, results, export
-    # Stages hold different layers and, under 1F1B, a different number of micro-batches' activations (the first
-    # stage the most): the step line shows rank 0's memory, so every rank's peak is gathered here.
-    peak_mem_gib_per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(peak_mem_gib_per_rank, peak_memory_gib(device))
-    print0(f"peak memory per rank ({memory_label(device)}): "
-           + ", ".join(f"rank {r} {gib:.2f} GiB" for r, gib in enumerate(peak_mem_gib_per_rank)))
-    eval_loss = evaluate_pipeline(stages, stage_rank, data, config.micro_batch_size, device, pp_group)
-    metrics.log_eval(config.steps, eval_loss)
-    print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
-           if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    summary = metrics.write_summary(
-        comm_timer=comm_timer,  # comm_ms, collective counts and bytes: torch.profiler over the profiled steps
-        experiment=EXPERIMENT, command=launch_command(), commit=git_commit(SCRIPT_DIR), config=asdict(config),
-        hardware=hardware_info(device, world_size=world_size), attention=asdict(attention),
-        model=dict(name=config.model, parameters=n_params, trainable_parameters=n_trainable,
-                   flops_per_token=model_flops_per_token, parameters_held_per_rank=held,
-                   trainable_parameters_per_rank=trainable_held),
-        t_eff=rows_per_step * config.seq_len, eval_loss=eval_loss, eval_history=eval_losses,
-        # common/memory's prediction for the fullest stage, next to the measured peaks (comparable on a GPU). It
-        # models 1F1B with one stage per rank and an even split (p - s micro-batches in flight on stage s); GPipe
-        # keeps all m in flight, and --split or interleaving move memory between ranks.
+    summary = rec.finish(
+        attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
+        # common/memory's prediction for the fullest stage under 1F1B with an even split, one stage per rank.
         predicted_peak_mem_gib=predict_peak_gib(
             model_config, "pp", pp_size, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
             activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank, dtype=config.dtype,
             attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
             compile=config.compile),
-        packing_efficiency=data.stats["packing_efficiency"], n_conversations=data.stats["n_conversations"],
-        n_truncated=data.stats["n_truncated"], data=data.stats, peak_mem_gib_per_rank=peak_mem_gib_per_rank,
         pipeline=dict(schedule=config.schedule, ranks=pp_size, stages_per_rank=config.stages_per_rank,
                       microbatches=config.grad_accum, stage_layers=[[r.start, r.stop] for r in layers],
                       stage_rank=stage_rank, replicas=replicas),
-        bubble_fraction=bubble_fraction, bubble_fraction_per_rank=bubble_per_rank,
-        busy_ms_per_rank=[b for b, _ in per_rank], schedule_ms_per_rank=[t for _, t in per_rank],
-        bubble_fraction_textbook=textbook, bubble_formula=formula, schedule_trace=trace,
-        state_bytes_per_rank=state_bytes_per_rank,
-        state_bytes_step=state_step + 1 if measured_state is not None else None,  # 1-based, as in metrics.jsonl
-        predicted_state_bytes_per_rank=predicted_state,
-        collective_bytes_per_step_per_rank=collective_bytes_per_rank,
+        **pipeline_measures,
+        predicted_state_bytes_per_rank=None if config.split else estimate_stages_per_rank(
+            model_config, stage_rank, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
+            lora_rank=config.lora_rank, dtype=config.dtype, replicas=replicas),
         collective_bytes_formula_per_rank=collective_formula_per_rank)
-    print0(f"\nsummary ({summary['measured_steps']} measured steps, {summary['warmup_steps_excluded']} warm-up "
-           f"excluded; memory: {summary['memory_measure']}) -> {config.out_dir}\n{summary_table(summary)}")
 
     if config.save_hf and config.lora_rank and not config.merge_lora:
         save_lora_adapter(Path(config.save_hf), module, lora_config, base_model_class, tokenizer)
