@@ -12,7 +12,8 @@ the base the adapter names (an absolute folder or a hub id), then the adapter wi
 preset (random init, never saved) names the preset and its seed: its base is rebuilt from them, as training built
 it. The prompt goes through the tokenizer's chat template with the assistant's generation prompt; generation stops
 at <|im_end|>, the end of turn training taught; greedy unless --temperature is above 0. --eval-data computes the
-export's loss on the held-out conversations of a data file, the split training made with the same --seq-len, --eval-fraction and --seed: the number training printed as `eval: loss`.
+export's loss on the held-out conversations of a data file, the split training made with the same --seq-len,
+--eval-fraction and --seed: the number training printed as `eval: loss`.
 """
 
 from __future__ import annotations
