@@ -376,8 +376,8 @@ def check_seq_len(model: str, seq_len: int) -> None:
 
     positions = getattr(model_config(model), "max_position_embeddings", None)
     if positions is not None and seq_len > positions:
-        raise SystemExit(f"--seq-len {seq_len:,}: longer than {model}'s {positions:,} positions "
-                         f"(max_position_embeddings); use --seq-len {positions:,} or less")
+        raise FlagError(f"--seq-len {seq_len:,}: longer than {model}'s {positions:,} positions "
+                        f"(max_position_embeddings); use --seq-len {positions:,} or less")
 
 
 def _finished(out_dir: str, steps: int) -> bool:
