@@ -435,3 +435,24 @@ def test_qlora_without_bitsandbytes_names_the_group(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     assert qlora_unavailable() == "--qlora needs bitsandbytes, which is not installed: uv sync --group qlora"
+
+
+def test_the_step_never_synchronises_explicitly(tmp_path, small_data, monkeypatch):
+    """The step's time comes from two CUDA events read after its one host read (common.metrics.StepClock), not from
+    a synchronize around the step: counted here by wrapping every explicit synchronisation the step could call (the
+    metrics helper is called on any device, so a synchronize added to the loop shows on a CPU too)."""
+    import common.metrics
+
+    calls = []
+
+    def counting(name, function):
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return function(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(common.metrics, "synchronize", counting("metrics.synchronize", common.metrics.synchronize))
+    monkeypatch.setattr(torch.cuda, "synchronize", counting("torch.cuda.synchronize", torch.cuda.synchronize))
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", counting("Event.synchronize", torch.cuda.Event.synchronize))
+    run(tmp_path, "no-sync", small_data, "--steps", 3, "--comm-profile-steps", 0, "--eval-fraction", 0)
+    assert calls == []
