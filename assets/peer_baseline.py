@@ -71,7 +71,7 @@ from transformers import AutoModelForCausalLM, HfArgumentParser, TrainerCallback
 from common.attention import document_boundaries, setup_attention
 from common.data import chat_template_for, read_conversations
 from common.dist import init_distributed
-from common.metrics import MetricsLogger, Stopwatch, hardware_info, repository_relative, summary_table
+from common.metrics import MetricsLogger, StepClock, hardware_info, repository_relative, summary_table
 from common.models import count_parameters, flops_per_token, is_preset, load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -129,7 +129,7 @@ class StepMetrics(TrainerCallback):
 
     def __init__(self, metrics: MetricsLogger, device: torch.device):
         self.metrics = metrics
-        self.stopwatch = Stopwatch(device)
+        self.clock = StepClock(device)  # as single-ft's Recorder times its steps
         self.tokens_before = 0
         self.step_ms = 0.0
         self.step_tokens = 0
@@ -152,10 +152,11 @@ class StepMetrics(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         self.tokens_before = state.num_input_tokens_seen
         self.step_documents = []
-        self.stopwatch.reset()
+        self.clock.start()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.step_ms = self.stopwatch.elapsed_ms()
+        self.clock.stop()
+        self.step_ms = self.clock.elapsed_ms()
         self.step_tokens = state.num_input_tokens_seen - self.tokens_before
 
     def on_log(self, args, state, control, logs=None, **kwargs):

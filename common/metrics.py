@@ -752,22 +752,6 @@ def steps_until_settled(step_ms: list[float], factor: float = 1.5) -> int | None
     return next((index for index, ms in enumerate(step_ms) if ms <= factor * settled), len(step_ms))
 
 
-class Stopwatch:
-    """perf_counter with a device synchronisation before each reading (the scripts not yet on Recorder)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.start = 0.0
-
-    def reset(self) -> None:
-        synchronize(self.device)
-        self.start = time.perf_counter()
-
-    def elapsed_ms(self) -> float:
-        synchronize(self.device)
-        return (time.perf_counter() - self.start) * 1000.0
-
-
 class StepClock:
     """One optimizer step's time. On a GPU two CUDA events bracket the step on the device's queue, so reading the clock
     costs no synchronisation of its own: `stop()` goes before the step's one host read, and once that read has

@@ -18,9 +18,6 @@ from test_commands import parse_experiment
 sys.path.insert(0, str(REPO_ROOT / "assets"))
 import gpu_suite  # noqa: E402
 
-def option(rung, flag):
-    return rung.args[rung.args.index(flag) + 1] if flag in rung.args else None
-
 
 def test_the_targets_run_first_and_every_rung_is_a_command_line_of_its_experiment():
     plan = gpu_suite.rungs(gpu_suite.GPU_PLAN)
