@@ -273,6 +273,16 @@ def load_model(name: str, tokenizer, attn_implementation: str, dtype: torch.dtyp
 
 
 # The seven linear projections of a Qwen3 decoder layer: what LoRA adapts in every experiment.
+def checkpoint_activations(model, **checkpoint_kwargs) -> None:
+    """transformers' activation checkpointing with torch.utils.checkpoint's options (`use_reentrant=False`...):
+    `activation_checkpointing_enable` where this transformers has it (5.2x), else `gradient_checkpointing_enable`,
+    its older name (5.0-5.1x, deprecated after), so every version pyproject.toml allows works without a warning."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
+
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

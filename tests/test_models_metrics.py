@@ -14,8 +14,8 @@ from common.attention import setup_attention
 from common.data import build_data
 from common.metrics import (MetricsLogger, _merged_length, collective_bytes, collective_counts, collective_ms,
                             format_step_line, mfu, peak_flops_per_device, state_bytes)
-from common.models import PRESET_COMMON, PRESETS, count_parameters, flops_per_token, load_model, model_config, \
-    resolve_model_name, training_flops
+from common.models import PRESET_COMMON, PRESETS, checkpoint_activations, count_parameters, flops_per_token, \
+    load_model, model_config, resolve_model_name, training_flops
 
 
 @pytest.mark.parametrize("tied,bias", [(True, False), (False, True)])
@@ -24,6 +24,23 @@ def test_parameter_count_matches_a_real_model(tied, bias):
                             "attention_bias": bias})
     model = AutoModelForCausalLM.from_config(config)
     assert count_parameters(config)["total"] == sum(p.numel() for p in model.parameters())
+
+
+def test_activation_checkpointing_under_either_name_transformers_gives_it(recwarn):
+    """transformers 5.2x names the method activation_checkpointing_enable (the old name warns); 5.0-5.1x only has
+    gradient_checkpointing_enable: the GPU machine's 5.17 failed on the new name. Both get the same options."""
+    model = AutoModelForCausalLM.from_config(Qwen3Config(**{**PRESETS["qwen3-tiny"], **PRESET_COMMON}))
+    checkpoint_activations(model, use_reentrant=False)
+    assert not [w for w in recwarn if "checkpointing" in str(w.message)]
+    assert model.model.layers[0].gradient_checkpointing  # the flag each layer reads, under both versions
+
+    class OlderTransformers:  # what 5.17's PreTrainedModel offers
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            self.kwargs = gradient_checkpointing_kwargs
+
+    older = OlderTransformers()
+    checkpoint_activations(older, use_reentrant=False, early_stop=False)
+    assert older.kwargs == {"use_reentrant": False, "early_stop": False}
 
 
 def test_qwen3_0_6b_counts_by_hand():

@@ -40,8 +40,9 @@ from common.generate import generate, sample_prompt
 from common.loss import fused_linear_cross_entropy
 from common.memory import attention_kind, estimate
 from common.metrics import MetricsLogger, Recorder
-from common.models import TINY_PRESETS, add_lora, count_parameters, flops_per_token, is_preset, load_model, \
-    load_model_4bit, load_tokenizer, qlora_unavailable, record_adapter_base, resolve_model_name, weights_dtype
+from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
+    is_preset, load_model, load_model_4bit, load_tokenizer, qlora_unavailable, record_adapter_base, \
+    resolve_model_name, weights_dtype
 from common.step import clip_grad_norm
 
 EXPERIMENT = "ddp-ft"
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
                            dtype=weights_dtype(config.dtype, config.lora_rank))
     if config.activation_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(model, use_reentrant=False)
     if config.lora_rank:
         model = add_lora(model, config.lora_rank, config.lora_alpha)  # fp32 adapters; the rest frozen
     if config.compile:

@@ -43,8 +43,8 @@ from common.generate import generate, sample_prompt
 from common.loss import fused_linear_cross_entropy
 from common.memory import attention_kind, estimate
 from common.metrics import MetricsLogger, Recorder
-from common.models import TINY_PRESETS, count_parameters, flops_per_token, is_moe, is_preset, load_model, \
-    load_tokenizer, model_config, share_export
+from common.models import TINY_PRESETS, checkpoint_activations, count_parameters, flops_per_token, is_moe, is_preset, \
+    load_model, load_tokenizer, model_config, share_export
 from common.moe import RouterStats, load_summary, split_load
 
 EXPERIMENT = "ep-ft"
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
     ep_layers = shard_experts(model, mesh)
     if config.activation_checkpointing:
         # The recomputed forward runs the layer's all-to-alls again, in backward, on every rank in the same order.
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(model, use_reentrant=False)
     if config.compile:
         # One compiled graph per decoder layer, not one for the whole model (as torchtitan does): compile time stays
         # bounded, and a graph break stays inside its layer (the expert block's host read of the split sizes is one).

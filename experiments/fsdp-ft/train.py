@@ -47,8 +47,9 @@ from common.generate import generate, sample_prompt
 from common.loss import fused_linear_cross_entropy
 from common.memory import attention_kind, estimate
 from common.metrics import MetricsLogger, Recorder
-from common.models import TINY_PRESETS, add_lora, count_parameters, flops_per_token, is_preset, load_model, \
-    load_tokenizer, model_config, record_adapter_base, refuse_moe, resolve_model_name, weights_dtype
+from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
+    is_preset, load_model, load_tokenizer, model_config, record_adapter_base, refuse_moe, resolve_model_name, \
+    weights_dtype
 from common.step import clip_grad_norm
 
 EXPERIMENT = "fsdp-ft"
@@ -260,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
     if config.activation_checkpointing:
         # Before sharding, so FSDP's hooks stay outside the recomputed region (README).
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(model, use_reentrant=False)
     if config.compile:
         # One compiled graph per decoder layer, not one for the whole model (as torchtitan does): compile time stays
         # bounded, and a graph break stays inside its layer. Module.compile() compiles in place, so parameter names

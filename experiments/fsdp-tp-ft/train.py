@@ -55,8 +55,9 @@ from common.data import DataError, build_data, describe, evaluate, sample_text, 
 from common.dist import init_distributed, print0, record_collectives_in, teardown
 from common.memory import attention_kind, estimate
 from common.metrics import MetricsLogger, Recorder
-from common.models import TINY_PRESETS, add_lora, count_parameters, flops_per_token, is_preset, load_model, \
-    load_tokenizer, model_config, record_adapter_base, refuse_moe, resolve_model_name, weights_dtype
+from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
+    is_preset, load_model, load_tokenizer, model_config, record_adapter_base, refuse_moe, resolve_model_name, \
+    weights_dtype
 from common.tp import FullLogits, local, on_tp_mesh, replica_drift
 
 EXPERIMENT = "fsdp-tp-ft"
@@ -397,8 +398,7 @@ def main(argv: list[str] | None = None) -> dict:
     if config.activation_checkpointing:
         # Before the plan and the sharding (the TP and FSDP hooks stay outside the recomputed region); early_stop
         # and disable_input_require_grads as in tp-ft (its README says why).
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False,
-                                                                         "early_stop": False})
+        checkpoint_activations(model, use_reentrant=False, early_stop=False)
         model.disable_input_require_grads()
     # Order matters: TP first, then FSDP over the TP-parallelized modules (FSDP shards the DTensor slices the plan
     # made; a plan applied after fully_shard would find FSDP's flat shards instead of nn.Linear weights).

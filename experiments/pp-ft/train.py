@@ -45,8 +45,8 @@ from common.data import IGNORE_INDEX, DataError, build_data, describe, sample_te
 from common.dist import all_ranks, init_distributed, print0, record_collectives_in, teardown
 from common.memory import attention_kind, estimate_stages_per_rank, predict_peak_gib
 from common.metrics import MetricsLogger, Recorder
-from common.models import TINY_PRESETS, add_lora, count_parameters, flops_per_token, is_preset, load_model, \
-    load_tokenizer, record_adapter_base, resolve_model_name, share_export, weights_dtype
+from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
+    is_preset, load_model, load_tokenizer, record_adapter_base, resolve_model_name, share_export, weights_dtype
 from common.pipeline_trace import PipelineTrace
 from common.step import clip_grad_norm
 
@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> dict:
                        dtype=weights_dtype(config.dtype, config.lora_rank))  # a LoRA base in bf16 under bf16
     if config.activation_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(model, use_reentrant=False)
     lora_config = None
     if config.lora_rank:
         # single-ft's adapters, injected before the model is cut; the stages are cut from the plain model peft wraps.

@@ -52,8 +52,8 @@ from common.comm import as_backend, tp_collectives
 from common.dist import init_distributed, print0, record_collectives_in, teardown
 from common.memory import attention_kind, estimate
 from common.metrics import MetricsLogger, Recorder
-from common.models import TINY_PRESETS, add_lora, count_parameters, flops_per_token, is_preset, load_model, \
-    load_tokenizer, record_adapter_base, resolve_model_name, weights_dtype
+from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
+    is_preset, load_model, load_tokenizer, record_adapter_base, resolve_model_name, weights_dtype
 from common.step import clip_grad_norm
 from common.tp import FullLogits, SavedActivations, local, replica_drift
 
@@ -332,8 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
     if config.activation_checkpointing:
         # early_stop=False and disable_input_require_grads: no asynchronous DTensor collective left unwaited
         # under LoRA, no unused gradient for the embedding's output (tp-ft's README says why).
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False,
-                                                                         "early_stop": False})
+        checkpoint_activations(model, use_reentrant=False, early_stop=False)
         model.disable_input_require_grads()
     partial_grad_params = apply_tp(model, tp_mesh, config.loss_parallel)
     if config.compile:

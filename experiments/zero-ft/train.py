@@ -44,8 +44,8 @@ from common.generate import generate, sample_prompt
 from common.loss import fused_linear_cross_entropy
 from common.memory import STRATEGIES, attention_kind, estimate
 from common.metrics import MetricsLogger, Recorder, deepspeed_state_bytes, memory_label, peak_memory_gib
-from common.models import TINY_PRESETS, add_lora, count_parameters, flops_per_token, is_preset, load_model, \
-    load_tokenizer, record_adapter_base, resolve_model_name
+from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
+    is_preset, load_model, load_tokenizer, record_adapter_base, resolve_model_name
 
 # DeepSpeed picks its "accelerator" when it is imported; without a CUDA/ROCm GPU, name the CPU one instead of letting it
 # probe (and warn). Must happen before `import deepspeed`.
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
                        device="cpu" if zero3_preset else device)
     if config.activation_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(model, use_reentrant=False)
     if config.lora_rank:
         model = add_lora(model, config.lora_rank, config.lora_alpha)  # DeepSpeed's bf16 mode casts the module to bf16
     if config.compile:
