@@ -14,7 +14,8 @@ Three steps, each a function below:
 2. export_ladders(): common.memory's ladder (common.memory.Ladder, what `python -m common.memory --json` prints) for
    every preset model, GPU count, sequence length and training the calculator offers, one file per model and GPU
    count (build/docs/fit/<model>/<gpus>.json) and an index (build/docs/fit/index.json). The page walks a ladder and
-   takes the first rung within the GPU's usable memory, which is what recommend() answers (tests/test_site.py holds
+   takes the first rung whose peak with its margin (x (1 + ERROR_BAND)) is within the GPU's usable memory, which is
+   what recommend() answers (tests/test_site.py holds
    it to that); Python stays the only implementation of the memory model.
 3. mkdocs build --strict (mkdocs.yml at the repository root: no plugin that fetches, no web fonts, the search index
    built locally), which fails on a link to a page or heading that does not exist.
@@ -261,8 +262,8 @@ def compact_ladder(rungs: list[dict]) -> dict:
 def export_ladders(out: Path, models: list[str] | None = None, gpu_counts: tuple[int, ...] = FIT_GPUS,
                    seq_lens: tuple[int, ...] = FIT_SEQ_LENS) -> list[Path]:
     """Write fit/index.json and fit/<model>/<gpus>.json under `out`. Returns the files written."""
-    from common.memory import DEFAULT_LORA_RANK, DEFAULT_ROWS_PER_GPU, GPU_MEMORY_GB, USABLE_FRACTION, Ladder, \
-        model_shape
+    from common.memory import DEFAULT_LORA_RANK, DEFAULT_ROWS_PER_GPU, ERROR_BAND, GPU_MEMORY_GIB, USABLE_FRACTION, \
+        Ladder, model_shape
     from common.memory.cli import varlen_repeats_kv  # the CLI's own answer for this machine's torch
     from common.models import PRESET_HUB_IDS, count_parameters, model_config
 
@@ -285,7 +286,7 @@ def export_ladders(out: Path, models: list[str] | None = None, gpu_counts: tuple
             path.write_text(json.dumps(dict(model=name, gpus=gpus, ladders=ladders), separators=(",", ":")))
             written.append(path)
     index = dict(models=index_models, gpus=list(gpu_counts), seq_lens=list(seq_lens), parts=list(PARTS),
-                 usable_fraction=USABLE_FRACTION, gpu_memory_gb=GPU_MEMORY_GB, kv_expanded=kv_expanded,
+                 usable_fraction=USABLE_FRACTION, error_band=ERROR_BAND, gpu_memory_gib=GPU_MEMORY_GIB, kv_expanded=kv_expanded,
                  lora_rank=DEFAULT_LORA_RANK, rows_per_gpu=DEFAULT_ROWS_PER_GPU,
                  rung_fields=["group", "micro_batch_size", "grad_accum", "activation_checkpointing", "peak_gib",
                               "peak_phase", "cpu_gib", "parts_gib", "command"],

@@ -540,7 +540,7 @@ def test_sweep_table_is_common_sweeps(site):
 def test_memory_table_is_what_common_memory_recommends(site):
     from common import memory
 
-    cases = ["--model qwen3-tiny --gpus 1 --gpu-mem-gb 1", "--model qwen3-tiny --gpus 2 --gpu-mem-gb 24 --lora-rank 8"]
+    cases = ["--model qwen3-tiny --gpus 1 --gpu-mem-gib 1", "--model qwen3-tiny --gpus 2 --gpu-mem-gib 24 --lora-rank 8"]
     text = generated(site, f'memory-table cases="{"; ".join(cases)}" strategies=single,ddp,fsdp')
     table = text.split("\n\n")[0].splitlines()
     assert table[0] == "| setting | single | ddp | fsdp | first rung that fits |"
@@ -591,10 +591,10 @@ def test_answer_table_is_the_command_lines_answer(site):
 def test_memory_cli_is_what_common_memory_prints(site, capsys):
     from common import memory
 
-    text = generated(site, 'memory-cli args="--model qwen3-tiny --gpus 2 --gpu-mem-gb 24"')
-    memory.main(["--model", "qwen3-tiny", "--gpus", "2", "--gpu-mem-gb", "24"])
+    text = generated(site, 'memory-cli args="--model qwen3-tiny --gpus 2 --gpu-mem-gib 24"')
+    memory.main(["--model", "qwen3-tiny", "--gpus", "2", "--gpu-mem-gib", "24"])
     printed = capsys.readouterr().out.rstrip()
-    command = "$ uv run python -m common.memory --model qwen3-tiny --gpus 2 --gpu-mem-gb 24"
+    command = "$ uv run python -m common.memory --model qwen3-tiny --gpus 2 --gpu-mem-gib 24"
     assert text == f"```text\n{command}\n{printed}\n```"
     (site / "blogs" / "01-first.md").write_text("# P\n\n" + region('memory-cli args="--model qwen3-tiny --gpu 2x"'))
     problems, lines = build(site, check=True)

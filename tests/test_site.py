@@ -134,21 +134,21 @@ def test_repository_remotes_become_web_addresses():
 # The calculator's data
 
 
-def first_fit(ladder: dict, usable: float):
-    """What the page does: the first rung whose peak is within the usable memory."""
-    return next((rung for rung in ladder["rungs"] if rung[4] <= usable), None)
+def first_fit(ladder: dict, usable: float, band: float):
+    """What the page does: the first rung whose peak with its margin (x (1 + band)) is within the usable memory."""
+    return next((rung for rung in ladder["rungs"] if rung[4] * (1 + band) <= usable), None)
 
 
 @pytest.mark.slow  # the site built once (~15 s) or a browser
 def test_the_exported_ladders_answer_as_recommend_does(built):
     """Sampled questions and memories (random ones, and each just at and just below a rung's peak): the rung the page
     takes from the JSON is recommend()'s answer, command and peak."""
-    from common.memory import USABLE_FRACTION, recommend
+    from common.memory import ERROR_BAND, USABLE_FRACTION, recommend
     from common.memory.cli import varlen_repeats_kv
     from common.models import PRESET_HUB_IDS
 
     index = json.loads((built / "docs" / "fit" / "index.json").read_text())
-    assert index["usable_fraction"] == USABLE_FRACTION
+    assert index["usable_fraction"] == USABLE_FRACTION and index["error_band"] == ERROR_BAND
     rng = random.Random(0)
     models = {model["name"]: model for model in index["models"]}
     questions = [("qwen3-4b", 2, 1024, "full"), ("qwen3-30b-a3b", 8, 4096, "full"), ("qwen3-8b", 1, 2048, "qlora")]
@@ -161,13 +161,14 @@ def test_the_exported_ladders_answer_as_recommend_does(built):
         peaks = sorted({rung[4] for rung in ladder["rungs"]})
         memories = [rng.uniform(2, 200) for _ in range(3)]
         for peak in rng.sample(peaks, min(2, len(peaks))):
-            memories += [peak / USABLE_FRACTION, peak / USABLE_FRACTION * (1 - 1e-9)]
-        for gpu_mem_gb in memories:
-            advice = recommend(name, gpus, gpu_mem_gb, seq_len=seq_len, lora_rank=16 if training == "lora" else 0,
+            needed = peak * (1 + ERROR_BAND)  # just at and just below a rung's peak with its margin
+            memories += [needed / USABLE_FRACTION, needed / USABLE_FRACTION * (1 - 1e-9)]
+        for gpu_mem_gib in memories:
+            advice = recommend(name, gpus, gpu_mem_gib, seq_len=seq_len, lora_rank=16 if training == "lora" else 0,
                                qlora=training == "qlora", kv_expanded=varlen_repeats_kv(),
                                model=PRESET_HUB_IDS.get(name, name))
-            rung = first_fit(ladder, gpu_mem_gb * index["usable_fraction"])
-            question = (name, gpus, seq_len, training, gpu_mem_gb)
+            rung = first_fit(ladder, gpu_mem_gib * index["usable_fraction"], index["error_band"])
+            question = (name, gpus, seq_len, training, gpu_mem_gib)
             if advice.rung is None:
                 assert rung is None, question
             else:
@@ -407,9 +408,9 @@ def ask_page(page, model: str, gpus: str, memory: str | None, seq_len: str, trai
     page.select_option("#fit-model", model)
     page.fill("#fit-gpus", gpus)
     if gpu:
-        from common.memory import GPU_MEMORY_GB
+        from common.memory import GPU_MEMORY_GIB
 
-        page.select_option("#fit-gpu", label=f"{gpu} ({GPU_MEMORY_GB[gpu]} GB)")
+        page.select_option("#fit-gpu", label=f"{gpu} ({GPU_MEMORY_GIB[gpu]} GiB)")
     else:
         page.fill("#fit-mem", memory)
     page.fill("#fit-seq", seq_len)
@@ -418,7 +419,7 @@ def ask_page(page, model: str, gpus: str, memory: str | None, seq_len: str, trai
 
 @pytest.mark.slow  # the site built once (~15 s) or a browser
 def test_the_calculator_reached_by_a_click_answers_as_the_cli(browser, served):
-    from common.memory import GPU_MEMORY_GB
+    from common.memory import GPU_MEMORY_GIB
 
     context = browser.new_context(viewport=VIEWPORTS["desktop"])
     page = context.new_page()
@@ -434,9 +435,9 @@ def test_the_calculator_reached_by_a_click_answers_as_the_cli(browser, served):
                      ("qwen3-1.7b", "1", None, "H100", "4096", "lora"),
                      ("qwen3-30b-a3b", "8", None, "H200", "2048", "full")]
         for model, gpus, memory, gpu, seq_len, training in questions:
-            memory = memory or f"{GPU_MEMORY_GB[gpu]:g}"
+            memory = memory or f"{GPU_MEMORY_GIB[gpu]:g}"
             ask_page(page, model, gpus, memory, seq_len, training, gpu)
-            cli = (f"uv run python -m common.memory --model {model} --gpus {gpus} --gpu-mem-gb {memory} "
+            cli = (f"uv run python -m common.memory --model {model} --gpus {gpus} --gpu-mem-gib {memory} "
                    f"--seq-len {seq_len}" + {"full": "", "lora": " --lora-rank 16", "qlora": " --qlora"}[training])
             page.wait_for_function("text => document.getElementById('fit-cli').textContent === text", arg=cli)
             expected = cli_answer(cli.split()[5:])
@@ -444,7 +445,7 @@ def test_the_calculator_reached_by_a_click_answers_as_the_cli(browser, served):
             assert page.text_content("#fit-verdict strong").startswith(expected["label"]), cli
             assert f"{float(page.get_attribute('#fit-answer', 'data-peak')):.2f}" == expected["peak"], cli
             assert page.is_visible("#fit-copy") and page.locator(".fit-chosen").count() == 1
-        bad = [("", "the memory of one GPU", "fit-mem"), ("-5", "more than 0 GB, not -5", "fit-mem"),
+        bad = [("", "the memory of one GPU", "fit-mem"), ("-5", "more than 0 GiB, not -5", "fit-mem"),
                ("0", "at least 1, not 0", "fit-gpus"), ("0", "at least 1 token, not 0", "fit-seq"),
                ("12", "1 to 8 GPUs, not 12", "fit-gpus")]
         for value, message, field in bad:

@@ -94,7 +94,7 @@ def state_bytes_data(runs: list[Run]) -> list[dict]:
 
 # The prediction drawn without runs: the setting most users ask about (two 24 GB cards, bf16, seq 1024).
 BREAKDOWN_MODELS = ("qwen3-0.6b", "qwen3-4b")
-BREAKDOWN_SETTING = dict(gpus=2, gpu_mem_gb=24, seq_len=1024, micro_batch_size=1)
+BREAKDOWN_SETTING = dict(gpus=2, gpu_mem_gib=24, seq_len=1024, micro_batch_size=1)
 BREAKDOWN_PARTS = (("weights", "weights_bytes"), ("grads", "grads_bytes"), ("optimizer", "optimizer_bytes"),
                    ("master", "master_bytes"), ("bf16 copies", "compute_copy_bytes"),
                    ("activations", "activations_bytes"), ("logits", "logits_bytes"), ("buffers", "buffers_bytes"))
@@ -114,7 +114,7 @@ def memory_breakdown_data(runs: list[Run]) -> list[dict]:
             estimate = memory.estimate(model, strategy, world, seq_len=BREAKDOWN_SETTING["seq_len"],
                                        micro_batch_size=BREAKDOWN_SETTING["micro_batch_size"],
                                        precision="bf16")  # each strategy as its experiment runs --dtype bf16
-            usable_gib = BREAKDOWN_SETTING["gpu_mem_gb"] * memory.USABLE_FRACTION
+            usable_gib = BREAKDOWN_SETTING["gpu_mem_gib"] * memory.USABLE_FRACTION
             rows += [dict(model=model, strategy=strategy, gpus=world, part=part,
                           gib=getattr(estimate, field) / GIB, total_gib=estimate.total_gib, usable_gib=usable_gib,
                           host_gib=estimate.cpu_bytes / GIB) for part, field in BREAKDOWN_PARTS]

@@ -1,6 +1,7 @@
 // "Will it fit?": walks common.memory's ladder for the question asked (exported by assets/make_site.py from
 // common.memory.Ladder, what `python -m common.memory --json` prints) and takes the first rung whose peak is within
-// the usable share of the GPU's memory, which is what recommend() answers. No memory model here: only that walk,
+// the usable share of the GPU's memory with room for the model's own error (peak x (1 + error_band)), which is what
+// recommend() answers. No memory model here: only that walk,
 // the input checks and the drawing.
 (function () {
   "use strict";
@@ -45,8 +46,8 @@
     });
     $("fit-model").value = data.models.some(function (m) { return m.name === "qwen3-4b"; }) ? "qwen3-4b"
       : data.models[0].name;
-    Object.keys(data.gpu_memory_gb).forEach(function (name) {
-      option($("fit-gpu"), String(data.gpu_memory_gb[name]), name + " (" + data.gpu_memory_gb[name] + " GB)");
+    Object.keys(data.gpu_memory_gib).forEach(function (name) {
+      option($("fit-gpu"), String(data.gpu_memory_gib[name]), name + " (" + data.gpu_memory_gib[name] + " GiB)");
     });
     data.seq_lens.forEach(function (length) { option($("fit-seq-lens"), String(length), String(length)); });
     form.querySelectorAll("input[name=training]").forEach(function (radio) {
@@ -56,9 +57,10 @@
     });
     $("fit-scope").textContent = "Answers exist for " + data.gpus[0] + " to " + data.gpus[data.gpus.length - 1]
       + " GPUs of any memory and for sequence lengths of " + data.seq_lens.join(", ") + " tokens, "
-      + data.rows_per_gpu + " rows per GPU and step, PCIe links; a rung fits when its peak is within "
-      + Math.round(data.usable_fraction * 100) + "% of the GPU's memory (GB as makers state it, GiB per GPU as "
-      + "allocators count).";
+      + data.rows_per_gpu + " rows per GPU and step, PCIe links; a rung fits when its peak plus a "
+      + Math.round(data.error_band * 100) + "% margin for the memory model's own error (the largest under-prediction "
+      + "over the committed GPU runs) is within " + Math.round(data.usable_fraction * 100) + "% of the GPU's memory, "
+      + "in GiB as the driver reports it (an H100 80GB has 79.6).";
     $("fit-gpu").addEventListener("change", function () {
       if ($("fit-gpu").value) $("fit-mem").value = $("fit-gpu").value;
       update();
@@ -75,7 +77,7 @@
 
   function cliCommand(question) {
     return "uv run python -m common.memory --model " + question.model.name + " --gpus " + question.gpusText
-      + " --gpu-mem-gb " + question.memText + " --seq-len " + question.seqText
+      + " --gpu-mem-gib " + question.memText + " --seq-len " + question.seqText
       + (question.training === "lora" ? " --lora-rank " + index.lora_rank : "")
       + (question.training === "qlora" ? " --qlora" : "");
   }
@@ -91,13 +93,13 @@
     question.mem = Number(question.memText);
     question.seq = Number(question.seqText);
     var elsewhere = " (the command line answers any: " + "uv run python -m common.memory --model " + model.name
-      + " --gpus N --gpu-mem-gb GB --seq-len TOKENS)";
+      + " --gpus N --gpu-mem-gib GIB --seq-len TOKENS)";
     if (question.gpusText === "") return "Give the number of GPUs.";
     if (!Number.isInteger(question.gpus) || question.gpus < 1) {
       return "The number of GPUs must be a whole number of at least 1, not " + question.gpusText + ".";
     }
-    if (question.memText === "") return "Give the memory of one GPU in GB (a number above 0), or pick a GPU.";
-    if (!(question.mem > 0)) return "The GPU memory must be more than 0 GB, not " + question.memText + ".";
+    if (question.memText === "") return "Give the memory of one GPU in GiB (a number above 0), or pick a GPU.";
+    if (!(question.mem > 0)) return "The GPU memory must be more than 0 GiB, not " + question.memText + ".";
     if (question.seqText === "") return "Give the sequence length in tokens.";
     if (!Number.isInteger(question.seq) || question.seq < 1) {
       return "The sequence length must be a whole number of at least 1 token, not " + question.seqText + ".";
@@ -162,17 +164,20 @@
 
   function gib(value, digits) { return value.toFixed(digits) + " GiB"; }
 
+  // The peak with room for the model's own error, computed as common.memory's MemoryEstimate.needed_gib is.
+  function needed(rung) { return rung.peak * (1 + index.error_band); }
+
   function draw(question, ladder) {
     var usable = question.mem * index.usable_fraction;
     var rungs = rungsOf(ladder);
     var first = null;
-    for (var i = 0; i < rungs.length; i++) { if (rungs[i].peak <= usable) { first = rungs[i]; break; } }
+    for (var i = 0; i < rungs.length; i++) { if (needed(rungs[i]) <= usable) { first = rungs[i]; break; } }
     // One bar per strategy: its first rung that fits, else its smallest; stages up to the answer's.
     var shown = [], byGroup = {};
     rungs.forEach(function (rung) {
       var mine = byGroup[rung.group];
       if (!mine) { mine = byGroup[rung.group] = { fit: null, smallest: rung }; shown.push(mine); }
-      if (!mine.fit && rung.peak <= usable) mine.fit = rung;
+      if (!mine.fit && needed(rung) <= usable) mine.fit = rung;
       if (rung.peak < mine.smallest.peak) mine.smallest = rung;
     });
     var lastStage = first ? stage(first) : null, passed = false;
@@ -191,15 +196,17 @@
       strong.textContent = label(first) + (first.flags.length ? " " + first.flags.join(" ") : "");
       $("fit-verdict").appendChild(strong);
       $("fit-verdict").appendChild(document.createTextNode(
-        " fits: " + gib(first.peak, 2) + " per GPU (peak at the " + first.phase + ") of " + gib(usable, 1)
-        + " usable on each of " + question.gpus + " x " + question.mem + " GB"
+        " fits: " + gib(first.peak, 2) + " per GPU (peak at the " + first.phase + ") + "
+        + gib(needed(first) - first.peak, 2) + " margin = " + gib(needed(first), 2) + " of " + gib(usable, 1)
+        + " usable on each of " + question.gpus + " x " + question.mem + " GiB"
         + (first.cpu ? ", plus " + gib(first.cpu, 1) + " of CPU memory per rank" : "")
         + (stage(first) !== stage(rungs[0]) ? "; " + stage(rungs[0]).toLowerCase() + " fits nowhere" : "") + "."));
       $("fit-command").textContent = first.command;
     } else {
       var smallest = rungs.reduce(function (a, b) { return b.peak < a.peak ? b : a; });
       $("fit-verdict").textContent = "Nothing fits in " + gib(usable, 1) + " per GPU: the smallest, " + label(smallest)
-        + ", needs " + gib(smallest.peak, 1) + ". Shorten the sequence, or add GPUs.";
+        + ", needs " + gib(needed(smallest), 1) + " with its margin (" + gib(smallest.peak, 1) + " predicted). "
+        + "Shorten the sequence, or add GPUs.";
       $("fit-command").textContent = "(none)";
     }
     show("fit-copy", !!first);

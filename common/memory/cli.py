@@ -1,9 +1,9 @@
 """python -m common.memory: each strategy's memory per GPU for a model, and the command to run first.
 
     uv run python -m common.memory --model qwen3-4b --gpus 2 --gpu RTX-4090
-    uv run python -m common.memory --model qwen3-1.7b --gpus 1 --gpu-mem-gb 80 --lora-rank 16
-    uv run python -m common.memory --model qwen3-4b --gpus 1 --gpu-mem-gb 16 --qlora
-    uv run python -m common.memory --model qwen3-4b --gpus 8 --gpu-mem-gb 24 --micro-batch-size 1 --grad-accum 4
+    uv run python -m common.memory --model qwen3-1.7b --gpus 1 --gpu-mem-gib 80 --lora-rank 16
+    uv run python -m common.memory --model qwen3-4b --gpus 1 --gpu-mem-gib 16 --qlora
+    uv run python -m common.memory --model qwen3-4b --gpus 8 --gpu-mem-gib 24 --micro-batch-size 1 --grad-accum 4
     uv run python -m common.memory --zero-paper          # reproduce Figure 1 of the ZeRO paper
 
 Exit codes: 0 with an answer, 1 when nothing fits (the line says what would), 2 for bad input (one line).
@@ -20,33 +20,36 @@ from common.memory.activations import ATTENTION_KINDS, layer_activation_terms
 from common.memory.estimate import MemoryEstimate, estimate, uses_autocast
 from common.memory.recommend import DEFAULT_ROWS_PER_GPU, Ladder, Recommendation, format_multi_node, \
     multi_node_layouts, recommend
-from common.memory.states import DTYPES, GIB, NF4_BYTES_PER_WEIGHT, PRECISIONS, STRATEGIES, USABLE_FRACTION, \
-    QLORA, ZERO_PAPER, BytesPerParam, ModelShape, model_shape, resolve_precision, strategy_precision, zero_paper_figure1
+from common.memory.states import DTYPES, ERROR_BAND, GIB, NF4_BYTES_PER_WEIGHT, PRECISIONS, STRATEGIES, \
+    USABLE_FRACTION, QLORA, ZERO_PAPER, BytesPerParam, ModelShape, model_shape, resolve_precision, strategy_precision, \
+    zero_paper_figure1
 
 ZERO_PAPER_FIGURE1_GB = {"baseline": 120, "P_os": 31.4, "P_os+g": 16.6, "P_os+g+p": 1.9}  # as printed in the paper
 COLUMNS = (("weights", "weights_bytes"), ("grads", "grads_bytes"), ("optim", "optimizer_bytes"),
            ("master", "master_bytes"), ("copies", "compute_copy_bytes"), ("activ", "activations_bytes"),
            ("logits", "logits_bytes"), ("buffers", "buffers_bytes"))
-# Memory of one GPU as its maker states it (GB), for --gpu: the workstation cards this project is written for and
-# the data-centre ones its runs use. Names are matched without case, spaces or dashes.
-GPU_MEMORY_GB = {
-    "RTX 3090": 24, "RTX 4090": 24, "RTX 5090": 32, "RTX A6000": 48, "RTX 6000 Ada": 48, "L40S": 48,
-    "A100 40GB": 40, "A100 80GB": 80, "H100": 80, "H100 NVL": 94, "H200": 141,
-    "MI100": 32, "MI210": 64, "MI300X": 192,
+# Memory of one GPU for --gpu, in MiB as the driver reports its total (nvidia-smi, rocm-smi), from the cards'
+# listings: the workstation cards this project is written for and the data-centre ones its runs use. The makers' "80GB"
+# is rounded GiB: an H100 80GB has 81,559 MiB, 79.6 GiB. Names are matched without case, spaces or dashes.
+GPU_MEMORY_MIB = {
+    "RTX 3090": 24576, "RTX 4090": 24564, "RTX 5090": 32607, "RTX A6000": 49140, "RTX 6000 Ada": 49140,
+    "L40S": 46068, "A100 40GB": 40960, "A100 80GB": 81920, "H100": 81559, "H100 NVL": 95830, "H200": 143771,
+    "MI100": 32752, "MI210": 65520, "MI300X": 196288,
 }
+GPU_MEMORY_GIB = {name: round(mib / 1024, 2) for name, mib in GPU_MEMORY_MIB.items()}
 
 
 class AnswerError(Exception):
     """Bad input that argparse cannot see: one line, exit code 2."""
 
 
-def gpu_memory_gb(name: str) -> float:
+def gpu_memory_gib(name: str) -> float:
     key = "".join(name.lower().replace("-", " ").split())
-    for known, gb in GPU_MEMORY_GB.items():
+    for known, gib in GPU_MEMORY_GIB.items():
         if "".join(known.lower().split()) == key:
-            return gb
-    raise AnswerError(f"--gpu {name!r} is not in the table; known: {', '.join(GPU_MEMORY_GB)}; or give "
-                      f"--gpu-mem-gb")
+            return gib
+    raise AnswerError(f"--gpu {name!r} is not in the table; known: {', '.join(GPU_MEMORY_GIB)}; or give "
+                      f"--gpu-mem-gib")
 
 
 def format_zero_paper() -> str:
@@ -58,7 +61,7 @@ def format_zero_paper() -> str:
     return "\n".join(lines)
 
 
-def format_table(estimates: list[MemoryEstimate], gpu_mem_gb: float) -> str:
+def format_table(estimates: list[MemoryEstimate], gpu_mem_gib: float) -> str:
     header = (f"{'strategy':<14}{'micro':>6}" + "".join(f"{title:>8}" for title, _ in COLUMNS)
               + f"{'peak':>8}  fits  note")
     lines = [header]
@@ -68,7 +71,7 @@ def format_table(estimates: list[MemoryEstimate], gpu_mem_gb: float) -> str:
         note = ", ".join(filter(None, [adapters, e.note, "checkpointing" if e.activation_checkpointing else "",
                                        f"+ {e.cpu_bytes / GIB:.1f} GiB in CPU memory per rank" if e.cpu_bytes else "",
                                        f"peak at the {e.peak_phase}" if e.peak_phase != "backward start" else ""]))
-        fits = "yes" if e.fits(gpu_mem_gb) else "no"
+        fits = "yes" if e.fits(gpu_mem_gib) else "no"
         lines.append(f"{e.strategy:<14}{e.micro_batch_size:>6}{cells}{e.total_gib:>8.2f}  {fits:<4}  {note}".rstrip())
     return "\n".join(lines)
 
@@ -117,9 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
         parser.add_argument(f"--{flag}", type=int, default=0, help="raw geometry of a mixture of experts")
     parser.add_argument("--parameters", type=float, help="raw geometry: a stated total parameter count")
     parser.add_argument("--gpus", type=int, default=1, help="GPUs available")
-    parser.add_argument("--gpu", help=f"the GPU's name, for its memory: {', '.join(GPU_MEMORY_GB)}")
-    parser.add_argument("--gpu-mem-gb", type=float, help="memory of one GPU, as its maker states it (default 24, or "
-                                                         "--gpu's)")
+    parser.add_argument("--gpu", help=f"the GPU's name, for its memory: {', '.join(GPU_MEMORY_GIB)}")
+    parser.add_argument("--gpu-mem-gib", type=float,
+                        help="memory of one GPU in GiB, as the driver reports it (nvidia-smi's MiB / 1024: an H100 "
+                             "80GB has 79.6); default 24, or --gpu's")
+    parser.add_argument("--gpu-mem-gb", type=float, help=argparse.SUPPRESS)  # the old name: refused, saying why
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--rows-per-gpu", type=int, default=DEFAULT_ROWS_PER_GPU,
                         help="rows of --seq-len tokens each replica takes per optimizer step; the answer splits them "
@@ -203,7 +208,7 @@ class Asked:
     tables quote (assets/make_posts.py), so both say the same."""
     args: argparse.Namespace
     shape: ModelShape
-    gpu_mem_gb: float
+    gpu_mem_gib: float
     precision: BytesPerParam | str
     kv_expanded: bool
     advice: Recommendation
@@ -222,10 +227,13 @@ def ask(argv: list[str], parser: argparse.ArgumentParser | None = None) -> Asked
                                ("--lora-rank", args.lora_rank, 0)):
         if value is not None and value < least:
             parser.error(f"{flag} must be >= {least}, got {value}")
-    if args.gpu_mem_gb is not None and args.gpu_mem_gb <= 0:
-        parser.error(f"--gpu-mem-gb must be > 0, got {args.gpu_mem_gb:g}")
-    if args.gpu_mem_gb is not None and args.gpu:
-        parser.error(f"--gpu {args.gpu} and --gpu-mem-gb {args.gpu_mem_gb:g} both give the GPU's memory: give one")
+    if args.gpu_mem_gb is not None:
+        parser.error("--gpu-mem-gb is now --gpu-mem-gib: memory is in GiB as the driver reports it (nvidia-smi's MiB "
+                     "/ 1024; an H100 80GB has 79.6 GiB), or name the card with --gpu")
+    if args.gpu_mem_gib is not None and args.gpu_mem_gib <= 0:
+        parser.error(f"--gpu-mem-gib must be > 0, got {args.gpu_mem_gib:g}")
+    if args.gpu_mem_gib is not None and args.gpu:
+        parser.error(f"--gpu {args.gpu} and --gpu-mem-gib {args.gpu_mem_gib:g} both give the GPU's memory: give one")
     if args.qlora and (args.dtype == "fp32" or args.precision):
         parser.error("--qlora computes in bf16 (its 4-bit weights are dequantized to bf16): drop --dtype fp32 / "
                      "--precision")
@@ -233,14 +241,14 @@ def ask(argv: list[str], parser: argparse.ArgumentParser | None = None) -> Asked
         args.micro_batch_size = 1  # a fixed layout: --grad-accum micro-batches of one row
     if args.gpus % args.nodes:
         parser.error(f"--gpus {args.gpus} must divide evenly over --nodes {args.nodes}")
-    gpu_mem_gb = args.gpu_mem_gb or (gpu_memory_gb(args.gpu) if args.gpu else 24.0)
+    gpu_mem_gib = args.gpu_mem_gib or (gpu_memory_gib(args.gpu) if args.gpu else 24.0)
     shape, note = _shape(args, parser)
     if shape.is_moe and (args.lora_rank or args.qlora):
         parser.error(f"{shape.name} is a mixture of experts: LoRA on its experts is not priced (full SFT only)")
-    usable_gib = args.gpus * gpu_mem_gb * USABLE_FRACTION
+    usable_gib = args.gpus * gpu_mem_gib * USABLE_FRACTION
     if not shape.is_moe and shape.total_parameters * NF4_BYTES_PER_WEIGHT / GIB > usable_gib:
         four_bit_gib = shape.total_parameters * NF4_BYTES_PER_WEIGHT / GIB
-        raise AnswerError(f"{args.gpus} x {gpu_mem_gb:g} GB ({usable_gib:.1f} GiB usable in all) cannot hold even "
+        raise AnswerError(f"{args.gpus} x {gpu_mem_gib:g} GiB ({usable_gib:.1f} usable in all) cannot hold even "
                           f"{shape.name}'s weights in 4 bits ({four_bit_gib:.1f} GiB): more or larger GPUs")
     precision = PRECISIONS[args.precision] if args.precision else args.dtype
     kv_expanded = varlen_repeats_kv()
@@ -248,8 +256,8 @@ def ask(argv: list[str], parser: argparse.ArgumentParser | None = None) -> Asked
                     rows_per_gpu=args.rows_per_gpu, activation_checkpointing=args.activation_checkpointing,
                     lora_rank=args.lora_rank, qlora=args.qlora, precision=precision, attention=args.attention,
                     interconnect=args.interconnect, fast=args.fast, kv_expanded=kv_expanded)
-    advice = recommend(shape, args.gpus, gpu_mem_gb, model=_command_model(args), **question)
-    return Asked(args, shape, gpu_mem_gb, precision, kv_expanded, advice, Ladder(shape, args.gpus, **question), note)
+    advice = recommend(shape, args.gpus, gpu_mem_gib, model=_command_model(args), **question)
+    return Asked(args, shape, gpu_mem_gib, precision, kv_expanded, advice, Ladder(shape, args.gpus, **question), note)
 
 
 def answer(argv: list[str] | None = None) -> int:
@@ -258,17 +266,18 @@ def answer(argv: list[str] | None = None) -> int:
         print(format_zero_paper())
         return 0
     asked = ask(argv, parser)
-    args, shape, gpu_mem_gb, precision, kv_expanded, advice = (asked.args, asked.shape, asked.gpu_mem_gb,
+    args, shape, gpu_mem_gib, precision, kv_expanded, advice = (asked.args, asked.shape, asked.gpu_mem_gib,
                                                                asked.precision, asked.kv_expanded, asked.advice)
     if asked.note and not args.json:
         print(asked.note)
     if args.json:
-        usable_gib = gpu_mem_gb * USABLE_FRACTION
-        rungs = [dict(rung, fits=rung["peak_gib"] <= usable_gib) for rung in asked.ladder.to_json(_command_model(args))]
+        usable_gib = gpu_mem_gib * USABLE_FRACTION
+        rungs = [dict(rung, fits=rung["peak_gib"] * (1 + ERROR_BAND) <= usable_gib)
+                 for rung in asked.ladder.to_json(_command_model(args))]
         chosen = advice.command()  # the first rung that fits (recommend), as its command; "" when nothing fits
         print(json.dumps(dict(model=shape.name, parameters=shape.total_parameters, gpus=args.gpus,
-                              gpu_mem_gb=gpu_mem_gb, usable_gib=usable_gib, seq_len=args.seq_len,
-                              usable_fraction=USABLE_FRACTION, rungs=rungs,
+                              gpu_mem_gib=gpu_mem_gib, usable_gib=usable_gib, seq_len=args.seq_len,
+                              usable_fraction=USABLE_FRACTION, error_band=ERROR_BAND, rungs=rungs,
                               choice=next((i for i, rung in enumerate(rungs) if rung["command"] == chosen), None),
                               recommendation=chosen or None,
                               full_fine_tuning_fits=any(rung["fits"] and not rung["lora_rank"] for rung in rungs)),
@@ -306,16 +315,18 @@ def answer(argv: list[str] | None = None) -> int:
     speed = "with each experiment's speed flags (varlen, fused loss, compile)" if args.fast else \
         f"without speed flags ({args.attention})"
     print(f"{layout}, {speed}")
-    print(f"\nGiB per device on {args.gpus} x {gpu_mem_gb:g} GB ({gpu_mem_gb * USABLE_FRACTION:.1f} GiB usable), each "
-          f"strategy at its largest micro-batch that fits; copies = autocast's bf16 weight copies, buffers = reduce "
+    print(f"\nGiB per device on {args.gpus} x {gpu_mem_gib:g} GiB ({gpu_mem_gib * USABLE_FRACTION:.1f} usable), "
+          f"each strategy at its largest micro-batch that fits: a rung fits when its peak plus a {ERROR_BAND:.0%} "
+          f"margin for the model's own error (the largest under-prediction over the committed GPU runs) is within the "
+          f"usable memory; copies = autocast's bf16 weight copies, buffers = reduce "
           f"buckets, ep's dispatch, gathered FSDP/ZeRO-3 parameters and unsharded gradients; peak = the larger of "
           f"the start of backward and the optimizer step")
     if adapters_only:
         kind = f"QLoRA adapters of rank {advice.lora_rank} on a 4-bit base" if chosen.qlora else \
             f"LoRA adapters of rank {advice.lora_rank}"
-        print(f"full fine-tuning fits nowhere on {args.gpus} x {gpu_mem_gb:g} GB: the rows below train only {kind} "
+        print(f"full fine-tuning fits nowhere on {args.gpus} x {gpu_mem_gib:g} GiB: the rows below train only {kind} "
               f"({trainable:,} parameters), not every weight")
-    print(format_table(shown, gpu_mem_gb))
+    print(format_table(shown, gpu_mem_gib))
     print()
     if advice.strategy is None:
         print(f"recommendation: none. {advice.reason}")
@@ -323,7 +334,8 @@ def answer(argv: list[str] | None = None) -> int:
     from common.memory.recommend import _label
 
     print(f"recommendation: {_label(chosen)}. {advice.reason[0].upper()}{advice.reason[1:]}.")
-    print(f"predicted peak: {chosen.total_gib:.2f} GiB per GPU (at the {chosen.peak_phase})")
+    print(f"predicted peak: {chosen.total_gib:.2f} GiB per GPU (at the {chosen.peak_phase}) + {chosen.margin_gib:.2f} "
+          f"margin ({ERROR_BAND:.0%}) = {chosen.needed_gib:.2f} of {gpu_mem_gib * USABLE_FRACTION:.2f} GiB usable")
     print(f"run: {advice.command()}")
     if args.model and _command_model(args) != args.model:
         print(f"(the preset {args.model} has the same geometry at random init, without a download)")
@@ -333,7 +345,7 @@ def answer(argv: list[str] | None = None) -> int:
                                      activation_checkpointing=args.activation_checkpointing, precision=precision,
                                      attention=args.attention, grad_accum=args.grad_accum or 1)
         print()
-        print(format_multi_node(layouts, args.nodes, args.gpus // args.nodes, gpu_mem_gb))
+        print(format_multi_node(layouts, args.nodes, args.gpus // args.nodes, gpu_mem_gib))
     return 0
 
 

@@ -113,11 +113,11 @@ from dataclasses import dataclass
 from common.memory.activations import TENSOR_PARALLEL_TERMS, layer_activation_terms, loss_bytes, \
     outside_layers_bytes_per_token
 from common.memory.states import DEEPSPEED_ALLREDUCE_BUCKET_ELEMENTS, DEEPSPEED_REDUCE_BUCKET_ELEMENTS, \
-    DEEPSPEED_STRATEGIES, FP32_BYTES, FSDP_STRATEGIES, GIB, MESH_STRATEGIES, \
-    MOE_STRATEGIES, OFFLOADED_STATES, PROJECT_BF16, PROJECT_FP32, QLORA, QLORA_STRATEGIES, STRATEGIES, UNIT_SHARDED, \
-    USABLE_FRACTION, \
-    ZERO3_STRATEGIES, BytesPerParam, ModelShape, largest_trainable_parameter, model_shape, model_state_bytes, \
-    resolve_precision, zero3_gathered_elements, zero3_persistent_parameters
+    DEEPSPEED_STRATEGIES, ERROR_BAND, ERROR_BAND_FLOOR, FP32_BYTES, FSDP_STRATEGIES, GIB, MESH_STRATEGIES, \
+    MOE_STRATEGIES, OFFLOADED_STATES, PEAK_TESTED_FROM_GIB, PROJECT_BF16, PROJECT_FP32, QLORA, QLORA_STRATEGIES, \
+    STRATEGIES, UNIT_SHARDED, USABLE_FRACTION, ZERO3_STRATEGIES, BytesPerParam, ModelShape, \
+    largest_trainable_parameter, model_shape, model_state_bytes, resolve_precision, zero3_gathered_elements, \
+    zero3_persistent_parameters
 
 # Where the gradients exist from the first backward to the optimizer step, whatever the micro-batch count (the
 # module docstring, "The peak").
@@ -276,8 +276,18 @@ class MemoryEstimate:
     def total_gib(self) -> float:
         return self.total_bytes / GIB
 
-    def fits(self, gpu_mem_gb: float) -> bool:
-        return self.total_gib <= gpu_mem_gb * USABLE_FRACTION
+    @property
+    def needed_gib(self) -> float:
+        """The peak with room for the model's own error (ERROR_BAND of it): what must be within a GPU's usable memory.
+        Computed as the site's calculator computes it (peak x (1 + band)), so both draw the line at the same GiB."""
+        return self.total_gib * (1 + ERROR_BAND)
+
+    @property
+    def margin_gib(self) -> float:
+        return self.needed_gib - self.total_gib
+
+    def fits(self, gpu_mem_gib: float) -> bool:
+        return self.needed_gib <= gpu_mem_gib * USABLE_FRACTION
 
 
 def estimate(config_like, strategy: str, world_size: int = 1, *, seq_len: int = 1024, micro_batch_size: int = 1,
@@ -574,3 +584,49 @@ def predict_run(summary: dict) -> MemoryEstimate:
                     loss_chunk_tokens=config.get("loss_chunk_tokens") or 0, compile=config.get("compile", False),
                     qlora=config.get("qlora", False), tensor_parallel=config.get("tp_degree") or 2,
                     reshard_after_forward=config.get("reshard_after_forward", True))
+
+
+@dataclass(frozen=True)
+class PeakCheck:
+    """One committed GPU run against this model: what it reserved, what predict_run says now, and what the run
+    itself wrote at its start (predicted_peak_mem_gib: a prediction made before the run, by the model of that day)."""
+    run: str  # the run's folder, relative to devlog/data
+    predicted_gib: float
+    measured_gib: float  # torch.cuda.max_memory_reserved()
+    predicted_at_start_gib: float | None
+
+    @property
+    def under(self) -> float:
+        """How much the run needed beyond the prediction, as a share of it (negative: over-predicted)."""
+        return self.measured_gib / self.predicted_gib - 1
+
+    @property
+    def under_at_start(self) -> float | None:
+        return None if self.predicted_at_start_gib is None else self.measured_gib / self.predicted_at_start_gib - 1
+
+
+def gpu_peak_checks(data_dir) -> list[PeakCheck]:
+    """Every run under `data_dir` (devlog/data) that ran on a GPU (device_kind cuda or rocm), is one of this
+    repository's experiments and measured PEAK_TESTED_FROM_GIB or more: the runs that test the model."""
+    import json
+    from pathlib import Path
+
+    checks = []
+    for path in sorted(Path(data_dir).rglob("summary.json")):
+        summary = json.loads(path.read_text())
+        if summary["hardware"]["device_kind"] not in ("cuda", "rocm") or summary["experiment"] not in \
+                EXPERIMENT_STRATEGY or summary["peak_mem_gib"] < PEAK_TESTED_FROM_GIB:
+            continue
+        checks.append(PeakCheck(path.parent.relative_to(data_dir).as_posix(), predict_run(summary).total_gib,
+                                summary["peak_mem_gib"], summary.get("predicted_peak_mem_gib")))
+    return checks
+
+
+def error_band(checks: list[PeakCheck]) -> float:
+    """The band ERROR_BAND stores: the largest under-prediction of `checks`, rounded up to a whole percent, never
+    below ERROR_BAND_FLOOR."""
+    import math
+
+    worst = max((check.under for check in checks), default=0.0)
+    return max(ERROR_BAND_FLOOR, math.ceil(round(worst * 100, 9)) / 100)
+

@@ -130,7 +130,7 @@ class Recommendation:
     choice: MemoryEstimate | None
     estimates: list[MemoryEstimate]  # every strategy that applies to these GPUs, with the settings as given
     gpus: int
-    gpu_mem_gb: float
+    gpu_mem_gib: float
     dtype: str | None = None  # the --dtype the estimates priced (None: a convention given for every strategy)
     grad_accum: int = 1
     rung: Rung | None = None  # what the command runs
@@ -140,7 +140,7 @@ class Recommendation:
 
     @property
     def fitting(self) -> list[str]:
-        return [e.strategy for e in self.estimates if e.fits(self.gpu_mem_gb)]
+        return [e.strategy for e in self.estimates if e.fits(self.gpu_mem_gib)]
 
     def command(self) -> str:
         """The command that runs what was priced: the model, the batch layout, the rung's flags."""
@@ -252,14 +252,14 @@ class Ladder:
                  for checkpointing, (micro, accum) in order]
         return [rung for rung in rungs if rung is not None]
 
-    def best(self, strategy: str, rank: int, quantized: bool, flags: tuple[str, ...], gpu_mem_gb: float
+    def best(self, strategy: str, rank: int, quantized: bool, flags: tuple[str, ...], gpu_mem_gib: float
              ) -> tuple[Rung | None, list[MemoryEstimate]]:
         """The first rung of the group that fits, and the estimates tried before it (for the reason)."""
         tried = self.group(strategy, rank, quantized, flags)
         for index, rung in enumerate(tried):
-            if rung.estimate.fits(gpu_mem_gb):
+            if rung.estimate.fits(gpu_mem_gib):
                 plain = [r.micro_batch_size for r in tried if not r.activation_checkpointing
-                         and r.estimate.fits(gpu_mem_gb)]
+                         and r.estimate.fits(gpu_mem_gib)]
                 if rung.activation_checkpointing and plain:
                     rung = replace(rung, plain_micro_batch_size=max(plain))
                 return rung, [r.estimate for r in tried[:index]]
@@ -267,7 +267,8 @@ class Ladder:
 
     def to_json(self, model: str = "") -> list[dict]:
         """The whole ladder as plain data, in order, each rung with its command and its GiB per GPU by part: the
-        first whose `peak_gib` is within 90% of a GPU's memory (USABLE_FRACTION) is recommend()'s answer for it."""
+        first whose `peak_gib` x (1 + ERROR_BAND) is within 90% of a GPU's memory (USABLE_FRACTION) is recommend()'s
+        answer for it."""
         rows = []
         for rung in self.rungs():
             e = rung.estimate
@@ -290,7 +291,7 @@ class Ladder:
                 for rung in self.group(strategy, rank, quantized, flags)]
 
 
-def recommend(config_like, gpus: int, gpu_mem_gb: float, *, seq_len: int = 1024, micro_batch_size: int | None = None,
+def recommend(config_like, gpus: int, gpu_mem_gib: float, *, seq_len: int = 1024, micro_batch_size: int | None = None,
               grad_accum: int | None = None, rows_per_gpu: int = DEFAULT_ROWS_PER_GPU,
               activation_checkpointing: bool = False, lora_rank: int = 0, qlora: bool = False,
               precision: BytesPerParam | str = "bf16", attention: str | None = None, interconnect: str = "pcie",
@@ -310,13 +311,13 @@ def recommend(config_like, gpus: int, gpu_mem_gb: float, *, seq_len: int = 1024,
     shape, rows, on_gpus, trainings = ladder_.shape, ladder_.rows, ladder_.on_gpus, ladder_.trainings
     plain_attention, varlen_attention = ladder_.plain_attention, ladder_.varlen_attention
     price = ladder_.price
-    usable_gib = gpu_mem_gb * USABLE_FRACTION
+    usable_gib = gpu_mem_gib * USABLE_FRACTION
     if qlora and not lora_rank:
         lora_rank = DEFAULT_LORA_RANK
     dtype = precision if isinstance(precision, str) else None
 
     def best(strategy: str, rank: int, quantized: bool, flags: tuple[str, ...] = ()):
-        return ladder_.best(strategy, rank, quantized, flags, gpu_mem_gb)
+        return ladder_.best(strategy, rank, quantized, flags, gpu_mem_gib)
 
     def table(rank: int, quantized: bool) -> list[MemoryEstimate]:
         """Every strategy these GPUs can run, each at its best rung for this training (or, where none fits, at one
@@ -361,31 +362,32 @@ def recommend(config_like, gpus: int, gpu_mem_gb: float, *, seq_len: int = 1024,
                                 attention=varlen_attention if rung.fast[0] else plain_attention,
                                 loss_chunk_tokens=LOSS_CHUNK_TOKENS if rung.fast[1] else 0, compile=rung.fast[2],
                                 reshard_after_forward=False)
-                if once.fits(gpu_mem_gb):
+                if once.fits(gpu_mem_gib):
                     reason += (f"; with memory to spare, --no-reshard-after-forward --no-reshard-after-backward "
                                f"gathers each unit once per step instead of twice per micro-batch "
                                f"({once.total_gib:.1f} GiB per GPU)")
             if strategy == "ep":
-                reason = f"{_moe_split(shape, gpus, gpu_mem_gb, rung)}; {reason}"
+                reason = f"{_moe_split(shape, gpus, gpu_mem_gib, rung)}; {reason}"
             return Recommendation(strategy, rung.activation_checkpointing, rank, reason, rung.estimate,
-                                  table(rank, quantized), gpus, gpu_mem_gb, dtype, rung.grad_accum, rung, model,
+                                  table(rank, quantized), gpus, gpu_mem_gib, dtype, rung.grad_accum, rung, model,
                                   seq_len)
     as_asked = table(*trainings[0][:2])
     if not failures:  # every rung refused these settings (a mixture of experts under LoRA, or E % gpus)
         reason = (f"no strategy takes these settings: a mixture of experts trains every parameter, in single-ft on "
                   f"one GPU or in ep-ft on a number of GPUs that divides its {shape.experts} experts"
                   if shape.is_moe else "no strategy takes these settings")
-        return Recommendation(None, activation_checkpointing, lora_rank, reason, None, as_asked, gpus, gpu_mem_gb,
+        return Recommendation(None, activation_checkpointing, lora_rank, reason, None, as_asked, gpus, gpu_mem_gib,
                               dtype, grad_accum or 1, None, model, seq_len)
     smallest = min(failures, key=lambda e: e.total_bytes)
     reason = (f"nothing fits in {usable_gib:.1f} GiB per GPU; the smallest, {_label(smallest)}, needs "
-              f"{smallest.total_gib:.1f} GiB: shorten --seq-len, or add GPUs"
+              f"{smallest.needed_gib:.1f} GiB with its margin ({smallest.total_gib:.1f} predicted): shorten --seq-len, "
+              f"or add GPUs"
               + (" (ep-ft splits a mixture of experts' experts over them)" if shape.is_moe else ""))
-    return Recommendation(None, activation_checkpointing, lora_rank, reason, None, as_asked, gpus, gpu_mem_gb,
+    return Recommendation(None, activation_checkpointing, lora_rank, reason, None, as_asked, gpus, gpu_mem_gib,
                           dtype, grad_accum or 1, None, model, seq_len)
 
 
-def _moe_split(shape: ModelShape, gpus: int, gpu_mem_gb: float, rung: Rung) -> str:
+def _moe_split(shape: ModelShape, gpus: int, gpu_mem_gib: float, rung: Rung) -> str:
     """Why a mixture of experts goes to ep-ft: what one GPU would need, and what each GPU holds instead."""
     e = rung.estimate
     single = estimate(shape, "single", seq_len=e.seq_len, micro_batch_size=rung.micro_batch_size,
@@ -393,7 +395,7 @@ def _moe_split(shape: ModelShape, gpus: int, gpu_mem_gb: float, rung: Rung) -> s
                       precision=e.precision, grad_accum=rung.grad_accum,
                       loss_chunk_tokens=e.loss_chunk_tokens, compile=e.compiled)
     experts = shape.layers * shape.layer_expert_parameters
-    verdict = "does not fit one GPU" if not single.fits(gpu_mem_gb) else "fits one GPU, and ep-ft adds throughput"
+    verdict = "does not fit one GPU" if not single.fits(gpu_mem_gib) else "fits one GPU, and ep-ft adds throughput"
     return (f"the whole model ({shape.total_parameters / 1e9:.1f}B parameters, {experts / 1e9:.1f}B of them in "
             f"{shape.experts} experts per layer) {verdict} (single: {single.total_gib:.1f} GiB); ep-ft gives each "
             f"of the {gpus} GPUs {shape.experts // gpus} experts per layer and the "
@@ -415,7 +417,8 @@ def _explain(rung: Rung, failures: list[MemoryEstimate], shape: ModelShape, usab
         considered = [e for e in failures if not e.lora_rank] if lora_fallback else failures
         leanest = min(considered or failures, key=lambda e: e.total_bytes)
         parts.append(f"{'full SFT fits nowhere: ' if lora_fallback else ''}the leanest option tried before, "
-                     f"{_label(leanest)}, needs {leanest.total_gib:.2f} GiB per GPU of {usable_gib:.2f} usable")
+                     f"{_label(leanest)}, needs {leanest.needed_gib:.2f} GiB per GPU with its margin "
+                     f"({leanest.total_gib:.2f} predicted) of {usable_gib:.2f} usable")
     if lora_fallback:
         adapters = shape.lora_parameters(choice.lora_rank)
         base = "a 4-bit base (QLoRA)" if choice.qlora else "a frozen bf16 base"
@@ -482,14 +485,14 @@ def multi_node_layouts(config_like, nodes: int, gpus_per_node: int, **settings) 
     ]
 
 
-def format_multi_node(layouts: list[NodeLayout], nodes: int, gpus_per_node: int, gpu_mem_gb: float) -> str:
+def format_multi_node(layouts: list[NodeLayout], nodes: int, gpus_per_node: int, gpu_mem_gib: float) -> str:
     lines = [f"across {nodes} nodes x {gpus_per_node} GPUs (torchrun --nnodes={nodes} "
              f"--nproc-per-node={gpus_per_node}), GiB per GPU:"]
     for layout in layouts:
         size = "n/a" if layout.estimate is None else f"{layout.estimate.total_gib:.2f}"
-        fits = "-" if layout.estimate is None else ("yes" if layout.estimate.fits(gpu_mem_gb) else "no")
+        fits = "-" if layout.estimate is None else ("yes" if layout.estimate.fits(gpu_mem_gib) else "no")
         lines.append(f"  {layout.name:<8}{size:>8}  {fits:<4} {layout.why}")
-    chosen = next((layout for layout in layouts if layout.estimate and layout.estimate.fits(gpu_mem_gb)), None)
+    chosen = next((layout for layout in layouts if layout.estimate and layout.estimate.fits(gpu_mem_gib)), None)
     lines.append(f"on {nodes} nodes: {chosen.name}: uv run torchrun --nnodes={nodes} --nproc-per-node={gpus_per_node} "
                  f"--rdzv-backend=c10d --rdzv-endpoint=HOST:29500 {chosen.flags}" if chosen else
                  f"on {nodes} nodes: none of these fits; try --activation-checkpointing or --lora-rank")

@@ -84,7 +84,7 @@ def gen_memory_table(ctx: Context, args: dict) -> str:
     rows = []
     for case in cases:
         flags = case.args
-        details = [f"{flags.gpus} x {case.gpu_mem_gb:g} GB"]
+        details = [f"{flags.gpus} x {case.gpu_mem_gib:g} GB"]
         details += [f"seq {flags.seq_len:,}"] * (flags.seq_len != 1024)
         details += [f"micro-batch {flags.micro_batch_size}"] * bool(flags.micro_batch_size)
         details += [f"LoRA r{flags.lora_rank}"] * bool(flags.lora_rank) + ["QLoRA"] * flags.qlora
@@ -97,7 +97,7 @@ def gen_memory_table(ctx: Context, args: dict) -> str:
             if found is None:
                 cells.append("-")
                 continue
-            text = f"{found.total_gib:.1f}" + ("" if found.fits(case.gpu_mem_gb) else " ✗")
+            text = f"{found.total_gib:.1f}" + ("" if found.fits(case.gpu_mem_gib) else " ✗")
             if chosen is not None and label(chosen) == label(found):
                 text = f"**{text}**"
             cells.append(text)
@@ -178,7 +178,7 @@ def gen_answer_table(ctx: Context, args: dict) -> str:
                       / flops_per_token(flags.model, rung.lora_rank, flags.seq_len) * replicas)
             tokens, source = f"~{scaled:,.0f}", "predicted"
         rows.append([gpus, model, training, f"`{command}`",
-                     f"{advice.choice.total_gib:.1f} of {case.gpu_mem_gb * memory.USABLE_FRACTION:.1f}", tokens,
+                     f"{advice.choice.total_gib:.1f} of {case.gpu_mem_gib * memory.USABLE_FRACTION:.1f}", tokens,
                      source])
     table = markdown_table(["GPUs", "model", "training", "experiment and flags (add `--model`)", "GiB per GPU",
                             "tokens/s", "tokens/s is"], rows, [False, False, False, False, True, True, False])
