@@ -540,12 +540,13 @@ def test_sweep_table_is_common_sweeps(site):
 def test_memory_table_is_what_common_memory_recommends(site):
     from common import memory
 
-    cases = ["--model qwen3-tiny --gpus 1 --gpu-mem-gib 1", "--model qwen3-tiny --gpus 2 --gpu-mem-gib 24 --lora-rank 8"]
+    cases = ["--model qwen3-tiny --gpus 1 --gpu-mem-gib 1",
+             "--model qwen3-tiny --gpus 2 --gpu-mem-gib 24 --lora-rank 8"]
     text = generated(site, f'memory-table cases="{"; ".join(cases)}" strategies=single,ddp,fsdp')
     table = text.split("\n\n")[0].splitlines()
     assert table[0] == "| setting | single | ddp | fsdp | first rung that fits |"
-    assert table[2].startswith("| Qwen3-tiny, 1 x 1 GB | ") and table[3].startswith(
-        "| Qwen3-tiny, 2 x 24 GB, LoRA r8, PCIe | - | ")
+    assert table[2].startswith("| Qwen3-tiny, 1 x 1 GiB | ") and table[3].startswith(
+        "| Qwen3-tiny, 2 x 24 GiB, LoRA r8, PCIe | - | ")
     for row, case in zip(table[2:], cases):
         choice = memory.ask(case.split()).advice.choice  # the question the command line asks with these flags
         label = (choice.strategy + " + checkpointing" * choice.activation_checkpointing
@@ -559,9 +560,10 @@ def test_memory_table_is_what_common_memory_recommends(site):
 
 
 def test_answer_table_is_the_command_lines_answer(site):
-    """Each row is what `python -m common.memory` answers for its flags: the run line's experiment and flags, the
-    predicted peak; tokens/s measured where a given run ran that very command on that GPU, else scaled from the
-    reference by peak FLOP/s (H200 989.4, RTX 4090 165.2 TFLOP/s) and FLOPs per token, times the GPUs."""
+    """Each row is what `python -m common.memory` answers for its flags: the run line's experiment and the flags that
+    differ from the defaults (the full command in the collapsed block below), the predicted peak and its margin;
+    tokens/s measured where a given run ran that very command on that GPU, else projected from the reference's tokens
+    over its time by peak FLOP/s (H200 989.4, RTX 4090 165.2 TFLOP/s) and FLOPs per token, times the GPUs."""
     from common import memory
     from common.models import model_config, training_flops
 
@@ -572,20 +574,28 @@ def test_answer_table_is_the_command_lines_answer(site):
                                                loss_chunk_tokens=1024, compile=True), flops_per_token=2.0e7)
     fast["hardware"].update(device_kind="cuda", device_name="NVIDIA H200", cuda="13.0")
     write_run(site, reference, fast, SINGLE_LOSSES)
-    steps = [dict(step=k + 1, loss=1.0, tokens_per_s=tokens_per_s, step_ms=100.0)
-             for k, tokens_per_s in enumerate([1.0, 2.0, 50_000.0, 60_000.0, 70_000.0])]
+    steps = [dict(step=k + 1, loss=1.0, tokens_per_s=tokens_per_s, tokens=tokens_per_s * step_ms / 1000,
+                  step_ms=step_ms)
+             for k, (tokens_per_s, step_ms) in enumerate([(1.0, 100.0), (2.0, 100.0), (50_000.0, 100.0),
+                                                          (60_000.0, 100.0), (70_000.0, 200.0)])]
     (site / reference / "metrics.jsonl").write_text("".join(json.dumps(step) + "\n" for step in steps))
     text = generated(site, f'answer-table reference={reference} cases="{"; ".join(cases)}"')
     rows = text.split("\n\n")[0].splitlines()[2:]
+    full = text.split("<details><summary>The full commands</summary>", 1)[1].split("</details>")[0]
     assert len(rows) == 3
-    for row, case in zip(rows, cases):
-        advice = memory.ask(case.split()).advice
-        command = advice.command().split("/train.py ", 1)[1].replace(f"--model {advice.model} ", "")
-        assert command in row and f"{advice.choice.total_gib:.1f} of " in row
+    for number, (row, case) in enumerate(zip(rows, cases), 1):
+        asked = memory.ask(case.split())
+        advice, choice, usable = asked.advice, asked.advice.choice, asked.gpu_mem_gib * memory.USABLE_FRACTION
+        assert row.startswith(f"| {number} | ") and advice.command() in full.splitlines()
+        experiment = advice.command().split("experiments/", 1)[1].split("/train.py")[0]
+        short = f"`{experiment} --micro-batch-size {advice.rung.micro_batch_size}"
+        assert short in row and "--seq-len 1024" not in row and "--dtype bf16" not in row
+        assert f"| {choice.total_gib:.1f} + {choice.margin_gib:.1f} of {usable:.1f} |" in row
     assert advice.rung is not None and rows[0].endswith("| 60,000 | measured (fast) |")  # its median timed step
+    # the reference's tokens over its time: steps 3-5 (two warm-up steps), (5,000 + 6,000 + 14,000) / 0.4 s
     flops = [training_flops(model_config("qwen3-tiny"), rank).dense_per_token(1024) for rank in (0, 8)]
-    assert f"| ~{60_000 * 165.2 / 989.4 * flops[0] / flops[1] * 2:,.0f} | predicted |" in rows[1]
-    assert rows[2].endswith("| - | not predicted: no peak FLOP/s for RTX-5090 in common/metrics.py |")
+    assert f"| ~{62_500 * 165.2 / 989.4 * flops[0] / flops[1] * 2:,.0f} | projected |" in rows[1]
+    assert rows[2].endswith("| - | not projected: no peak FLOP/s for RTX-5090 in common/metrics.py |")
 
 
 def test_memory_cli_is_what_common_memory_prints(site, capsys):

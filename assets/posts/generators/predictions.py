@@ -84,7 +84,7 @@ def gen_memory_table(ctx: Context, args: dict) -> str:
     rows = []
     for case in cases:
         flags = case.args
-        details = [f"{flags.gpus} x {case.gpu_mem_gib:g} GB"]
+        details = [f"{flags.gpus} x {case.gpu_mem_gib:g} GiB"]
         details += [f"seq {flags.seq_len:,}"] * (flags.seq_len != 1024)
         details += [f"micro-batch {flags.micro_batch_size}"] * bool(flags.micro_batch_size)
         details += [f"LoRA r{flags.lora_rank}"] * bool(flags.lora_rank) + ["QLoRA"] * flags.qlora
@@ -107,16 +107,41 @@ def gen_memory_table(ctx: Context, args: dict) -> str:
                            [False] + [True] * len(strategies) + [False])
     return (f"{table}\n\nGiB per GPU predicted by common.memory (`--dtype bf16`, each strategy as its experiment "
             f"keeps it, with the speed flags it takes unless the row says otherwise, at the largest micro-batch of 8 "
-            f"rows per step that fits); usable: {memory.USABLE_FRACTION:.0%} of the card; ✗: over it; bold: the rung "
+            f"rows per step that fits); usable: {memory.USABLE_FRACTION:.0%} of the card; ✗: over it once the "
+            f"{memory.ERROR_BAND:.0%} margin for the model's own error is added; bold: the rung "
             f"`recommend()` picks when it needs no more than the setting gives (else its own total, last column).")
+
+
+# The flags a GPU run takes by default (DESIGN.md section 3): the answer table leaves them out of its short form.
+GPU_DEFAULT_FLAGS = ("--seq-len 1024", "--micro-batch-size 1", "--grad-accum 1", "--dtype bf16")
+
+
+def short_command(command: str, model: str) -> str:
+    """`uv run ... experiments/single-ft/train.py --model M --seq-len 1024 --micro-batch-size 8 ...` -> `single-ft
+    --micro-batch-size 8 ...`: the experiment and the flags that differ from a GPU run's defaults."""
+    short = re.sub(r"^uv run (python|torchrun --nproc_per_node=\d+) experiments/([\w-]+)/train\.py", r"\2", command)
+    short = short.replace(f" --model {model}", "")
+    for flag in GPU_DEFAULT_FLAGS:
+        short = re.sub(rf" {flag}(?= |$)", "", short)
+    return short
+
+
+def total_rate(run) -> float:
+    """Tokens over time across the measured steps: sum(tokens) / sum(step time), host waits included."""
+    from .runs import timed_steps
+
+    steps = timed_steps(run)
+    return sum(step["tokens"] for step in steps) / (sum(step["step_ms"] for step in steps) / 1000)
 
 
 @generator("answer-table", ("cases", "reference"), ("measured",))
 def gen_answer_table(ctx: Context, args: dict) -> str:
-    """The answer of the decision guide: per setting (GPUs x model x full / LoRA / QLoRA), the command recommend()
-    gives, what it is predicted to hold per GPU, and its tokens/s: measured where one of the `measured` runs ran that
-    command on that GPU, otherwise scaled from the `reference` run (a measured GPU run) by the card's peak FLOP/s and
-    the model's FLOPs per token, which assumes the reference's MFU (median step) and counts no communication."""
+    """The answer of the decision guide: per setting (GPUs x model, and what to train: full, or `--lora-rank` for
+    adapters, where recommend() takes bf16 LoRA if it fits and QLoRA if not), the rung recommend() gives as its
+    experiment and the flags that differ from the defaults (the full commands one click away, below the table), its
+    peak per GPU with the margin for the model's error, and its tokens/s: measured where one of the `measured` runs
+    ran that command on that GPU, otherwise projected from the `reference` run (a measured GPU run): its tokens over
+    its time, scaled by the card's peak FLOP/s and the model's FLOPs per token (the reference's MFU assumed)."""
     from common import memory  # imports torch and transformers: only when a page shows a prediction
     from common.metrics import peak_flops_per_device
     from common.models import model_config, training_flops
@@ -129,7 +154,7 @@ def gen_answer_table(ctx: Context, args: dict) -> str:
     reference_peak = peak_flops_per_device(reference_device)
     if reference_peak is None:
         raise RegionError(f"answer-table: the reference ran on {reference_device}, whose peak is not in the table")
-    reference_tokens_s = median_of("tokens_per_s")(reference)
+    reference_tokens_s = total_rate(reference)
 
     def flops_per_token(model: str, lora_rank: int, seq_len: int) -> float:
         return training_flops(model_config(model), lora_rank).dense_per_token(seq_len)
@@ -146,46 +171,53 @@ def gen_answer_table(ctx: Context, args: dict) -> str:
         return (run.summary["experiment"] == memory.RUN_WITH[rung.strategy].split("/")[1] and same_card
                 and run.summary["model"]["parameters"] == case.shape.total_parameters
                 and (config["seq_len"], config["micro_batch_size"], config["grad_accum"], config["lora_rank"],
-                     config["activation_checkpointing"]) == (case.args.seq_len, rung.micro_batch_size, rung.grad_accum,
-                                                             rung.lora_rank, rung.activation_checkpointing)
+                     config["activation_checkpointing"], bool(config.get("qlora"))) == (
+                         case.args.seq_len, rung.micro_batch_size, rung.grad_accum, rung.lora_rank,
+                         rung.activation_checkpointing, rung.qlora)
                 and ((config["attn"] == "varlen", bool(config.get("loss_chunk_tokens")), bool(config.get("compile")))
                      == rung.fast))
 
-    rows = []
-    for case in cases:
+    rows, commands = [], []
+    for number, case in enumerate(cases, 1):
         flags, advice = case.args, case.advice
         if not flags.gpu:
             raise RegionError(f"answer-table: case '{flags.model}' names no --gpu (its peak sets the tokens/s)")
         gpus, model = f"{flags.gpus} x {flags.gpu.replace('-', ' ')}", model_label(case.shape)
         if advice.rung is None:
-            rows.append([gpus, model, "-", "nothing fits", "-", "-", "-"])
+            rows.append([str(number), gpus, model, "-", "nothing fits", "-", "-", "-"])
             continue
         rung = advice.rung
         training = f"QLoRA r{rung.lora_rank}" if rung.qlora else f"LoRA r{rung.lora_rank}" if rung.lora_rank else "full"
-        command = re.sub(r"^uv run (python|torchrun --nproc_per_node=\d+) experiments/([\w-]+)/train\.py", r"\2",
-                         advice.command()).replace(f" --model {advice.model}", "")
+        commands.append(f"# {number}: {gpus}, {model}, {training}\n{advice.command()}")
         peak = peak_flops_per_device(flags.gpu.replace("-", " "))
         run = next((run for run in measured if ran(run, case)), None)
         if run is not None:
             tokens, source = f"{median_of('tokens_per_s')(run):,.0f}", f"measured ({run.name.rsplit('/', 1)[-1]})"
         elif rung.strategy in memory.OFFLOAD_LADDER:
-            tokens, source = "-", "not predicted: AdamW runs on the CPU"
+            tokens, source = "-", "not projected: AdamW runs on the CPU"
         elif peak is None:
-            tokens, source = "-", f"not predicted: no peak FLOP/s for {flags.gpu} in common/metrics.py"
+            tokens, source = "-", f"not projected: no peak FLOP/s for {flags.gpu} in common/metrics.py"
         else:
             replicas = 1 if rung.strategy == "single" else flags.gpus
             scaled = (reference_tokens_s * peak / reference_peak * reference_flops
                       / flops_per_token(flags.model, rung.lora_rank, flags.seq_len) * replicas)
-            tokens, source = f"~{scaled:,.0f}", "predicted"
-        rows.append([gpus, model, training, f"`{command}`",
-                     f"{advice.choice.total_gib:.1f} of {case.gpu_mem_gib * memory.USABLE_FRACTION:.1f}", tokens,
-                     source])
-    table = markdown_table(["GPUs", "model", "training", "experiment and flags (add `--model`)", "GiB per GPU",
-                            "tokens/s", "tokens/s is"], rows, [False, False, False, False, True, True, False])
-    return (f"{table}\n\nEach row is what `uv run python -m common.memory --model ... --gpus N --gpu NAME` answers "
-            f"(`--lora-rank 16`, `--qlora` where the row trains adapters): the experiment and flags of its `run:` "
-            f"line, "
-            f"and its predicted peak per GPU of what is usable (90% of the card). Predicted tokens/s scale the median "
-            f"step of {reference.name.rsplit('/', 1)[-1]} ({reference_tokens_s:,.0f} tokens/s on one "
-            f"{reference_device}) by the card's dense bf16 peak and the model's FLOPs per token, times the GPUs: the "
-            f"same MFU, no communication and no host time counted, so read them as upper bounds.")
+            tokens, source = f"~{scaled:,.0f}", "projected"
+        choice = advice.choice
+        rows.append([str(number), gpus, model, training, f"`{short_command(advice.command(), advice.model)}`",
+                     f"{choice.total_gib:.1f} + {choice.margin_gib:.1f} of "
+                     f"{case.gpu_mem_gib * memory.USABLE_FRACTION:.1f}", tokens, source])
+    table = markdown_table(["", "GPUs", "model", "training", "experiment and flags", "GiB per GPU", "tokens/s",
+                            "tokens/s is"], rows, [True, False, False, False, False, True, True, False])
+    full = fence("\n".join(commands), "bash")
+    return (f"{table}\n\n<details><summary>The full commands</summary>\n\n{full}\n\n</details>\n\n"
+            f"Each row is what `uv run python -m common.memory --model ... --gpus N --gpu NAME` answers (with "
+            f"`--lora-rank 16` where the row trains adapters: bf16 LoRA where it fits, QLoRA where it does not): the "
+            f"experiment of its `run:` line and the flags that differ from the defaults (`--seq-len 1024 "
+            f"--micro-batch-size 1 --grad-accum 1 --dtype bf16`; add `--model`), and its predicted peak per GPU plus "
+            f"the {memory.ERROR_BAND:.0%} margin for the memory model's own error, of what is usable (90% of the "
+            f"card, in GiB as the driver reports it). Projected tokens/s take {reference.name.rsplit('/', 1)[-1]}'s "
+            f"tokens over its time ({reference_tokens_s:,.0f} tokens/s over its measured steps, host waits included, "
+            f"on one {reference_device}) and scale them by the card's dense bf16 peak and the model's FLOPs per token, "
+            f"times the GPUs. The assumption: the same MFU as that run, and no time for communication. Neither bounds "
+            f"the answer: a slower card waits less on the host, so its MFU can be higher; the GPUs' collectives "
+            f"add time.")
