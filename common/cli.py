@@ -318,7 +318,7 @@ def out_of_memory(error: BaseException) -> str:
     if torch.cuda.is_available():
         total_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         peak = f" (peak {torch.cuda.max_memory_reserved() / 2**30:.1f} GiB reserved of {total_bytes / 2**30:.1f} GiB)"
-        gpu = f" --gpu-mem-gib {total_bytes / 1e9:.0f}"
+        gpu = f" --gpu-mem-gib {total_bytes / 2**30:.1f}"
     price = "python -m common.memory --model MODEL --seq-len N"
     if config is not None and hasattr(config, "seq_len"):
         flags = [f"--model {config.model}", f"--seq-len {config.seq_len}",

@@ -763,3 +763,27 @@ def test_the_manual_names_every_generator_and_column():
     manual = (REPO_ROOT / "assets" / "posts" / "README.md").read_text()
     for name in list(GENERATORS) + list(COLUMNS):
         assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", manual), f"the manual does not mention {name}"
+
+
+def test_memory_errors_keep_the_in_sample_prediction_apart_from_the_one_made_before_the_run(site):
+    """memory-errors lists each committed GPU run (measured at 1 GiB or more) against the current prediction and
+    against the one the run wrote at its start; memory-error quotes the extremes of each and the stored band."""
+    from common import memory
+
+    runs = {"devlog/data/gpu/big": (1.5, 1.0), "devlog/data/gpu/bigger": (2.0, 4.0),
+            "devlog/data/gpu/small": (0.5, None)}  # name: (reserved GiB, predicted at its start)
+    for name, (reserved, at_start) in runs.items():
+        run = summary("single-ft", 1, peak_mem_gib=reserved, predicted_peak_mem_gib=at_start,
+                      memory_measure="max_memory_reserved", attention={"impl": "sdpa"})
+        run["hardware"].update(device_kind="cuda", device_name="NVIDIA H200", cuda="13.0")
+        write_run(site, name, run, SINGLE_LOSSES)
+    predicted = memory.predict_run(json.loads((site / "devlog/data/gpu/big/summary.json").read_text())).total_gib
+    text = generated(site, "memory-errors")
+    rows = text.split("\n\n")[0].splitlines()[2:]
+    assert [row.split(" | ")[1] for row in rows] == ["big", "bigger"]  # the run under 1 GiB is left out
+    assert rows[0] == (f"| NVIDIA H200 | big | 1.50 | {predicted:.2f} | {1.5 / predicted - 1:+.0%} | 1.00 | +50% |")
+    assert rows[1].endswith("| 4.00 | -50% |")
+    values = {stat: generated(site, f"memory-error stat={stat}") for stat in
+              ("band", "under-start", "over-start", "count-start", "under-now")}
+    assert values == {"band": f"{memory.ERROR_BAND:.0%}", "under-start": "50.0%", "over-start": "2.00x",
+                      "count-start": "2", "under-now": f"{2.0 / predicted - 1:.1%}"}

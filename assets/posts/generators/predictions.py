@@ -221,3 +221,67 @@ def gen_answer_table(ctx: Context, args: dict) -> str:
             f"times the GPUs. The assumption: the same MFU as that run, and no time for communication. Neither bounds "
             f"the answer: a slower card waits less on the host, so its MFU can be higher; the GPUs' collectives "
             f"add time.")
+
+
+def peak_checks(ctx: Context):
+    """common.memory.gpu_peak_checks over the committed runs (each run read through the site, so --check names it)."""
+    from common import memory
+
+    checks = memory.gpu_peak_checks(ctx.site.root / "devlog" / "data")
+    for check in checks:
+        ctx.site.run(f"devlog/data/{check.run}")
+    if not checks:
+        raise RegionError("no committed GPU run measured at or above common.memory.PEAK_TESTED_FROM_GIB")
+    return checks
+
+
+@generator("memory-error", ("stat",), inline=True)
+def gen_memory_error(ctx: Context, args: dict) -> str:
+    """One number about the memory model's error over the committed GPU runs: `band` (ERROR_BAND, the margin a rung
+    keeps, as a whole percentage), `under-now` (the current model's largest under-prediction, reserved / predicted -
+    1: in sample, the runs its terms were fitted on), `over-now` (its largest over-prediction, as predicted / reserved),
+    `under-start`, `over-start` (the same for the predictions the runs wrote at their start), `count-start` (how many
+    runs wrote one)."""
+    from common import memory
+
+    checks = peak_checks(ctx)
+    now = [(check.predicted_gib, check.measured_gib) for check in checks]
+    start = [(check.predicted_at_start_gib, check.measured_gib) for check in checks
+             if check.predicted_at_start_gib is not None]
+    stat = args["stat"]
+    if stat == "band":
+        return f"{memory.ERROR_BAND:.0%}"
+    if stat == "count-start":
+        return str(len(start))
+    pairs = {"under-now": now, "over-now": now, "under-start": start, "over-start": start}.get(stat)
+    if pairs is None:
+        raise RegionError("memory-error: stat is one of band, under-now, over-now, under-start, over-start, "
+                          "count-start")
+    if not pairs:
+        raise RegionError(f"memory-error {stat}: no committed GPU run wrote a prediction at its start")
+    if stat.startswith("under"):
+        return f"{max(measured / predicted - 1 for predicted, measured in pairs):.1%}"
+    return f"{max(predicted / measured for predicted, measured in pairs):.2f}x"
+
+
+@generator("memory-errors")
+def gen_memory_errors(ctx: Context, args: dict) -> str:
+    """Every committed GPU run the memory model is tested on, against the current prediction (in sample) and against
+    the prediction the run wrote at its start (made before the run, by the model of that day)."""
+    from common import memory
+
+    def share(value: float | None) -> str:
+        return "-" if value is None else f"{value:+.0%}"
+
+    checks = peak_checks(ctx)
+    rows = [[ctx.site.run(f"devlog/data/{check.run}").summary["hardware"]["device_name"], check.run.split("/")[-1],
+             f"{check.measured_gib:.2f}", f"{check.predicted_gib:.2f}", share(check.under),
+             "-" if check.predicted_at_start_gib is None else f"{check.predicted_at_start_gib:.2f}",
+             share(check.under_at_start)] for check in checks]
+    table = markdown_table(["device", "run", "reserved GiB", "predicted now", "under by", "predicted at its start",
+                            "under by"], rows, [False, False, True, True, True, True, True])
+    return (f"{table}\n\nUnder by: reserved / predicted - 1 (positive: the run needed more than predicted). Runs "
+            f"measured under {memory.PEAK_TESTED_FROM_GIB:g} GiB are left out (fixed per-process allocations the "
+            f"model does not price dominate there), as are the peer baseline's TRL runs. `predicted now` is in "
+            f"sample where the memory terms were fitted on the run (the H200 suite's). `predicted at its start` is what the run wrote "
+            f"before its first step, by the model of that day.")
