@@ -787,3 +787,21 @@ def test_memory_errors_keep_the_in_sample_prediction_apart_from_the_one_made_bef
               ("band", "under-start", "over-start", "count-start", "under-now")}
     assert values == {"band": f"{memory.ERROR_BAND:.0%}", "under-start": "50.0%", "over-start": "2.00x",
                       "count-start": "2", "under-now": f"{2.0 / predicted - 1:.1%}"}
+
+
+def test_lora_states_are_the_bytes_per_kind_the_run_recorded(site):
+    """lora-states divides rank 0's recorded state bytes by the parameters of each kind: a 2-byte base and 16 bytes per
+    trained parameter here, and refuses a run that trains every weight."""
+    trained, parameters = 155_648, 5_245_440
+    held = dict(weights=2 * parameters + 4 * trained, grads=4 * trained, optimizer=8 * trained, master=0)
+    run = summary("single-ft", 1, config=dict(lora_rank=8, dtype="bf16"), state_bytes_per_rank=[held],
+                  peak_mem_gib=0.5, attention={"impl": "sdpa"},
+                  model=dict(name="qwen3-tiny", parameters=parameters, trainable_parameters=trained))
+    write_run(site, "devlog/data/lora/single-ft", run, SINGLE_LOSSES)
+    text = generated(site, "lora-states runs=devlog/data/lora/single-ft")
+    row = text.split("\n\n")[0].splitlines()[2]
+    assert row.startswith("| single-ft | x86_64 | qwen3-tiny | LoRA r8, --dtype bf16 | 155,648 (2.97%) | 2.00 | - | "
+                          "16.00 | ") and row.endswith("| 0.50 |")
+    (site / "blogs" / "01-first.md").write_text("# P\n\n" + region(f"lora-states runs={SINGLE}") + PROVENANCE)
+    problems, lines = build(site, check=False, only="blogs/01-first.md")
+    assert problems == 1 and "is not a LoRA run" in " ".join(lines)
