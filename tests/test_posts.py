@@ -640,7 +640,7 @@ def test_commands_hardware_and_the_cpu_box(site):
                           "over to GPUs: ")
     assert "\n" not in box  # one paragraph: the explanation of each point is in post 2, once
     for point in ("which collectives each strategy runs", "model-state bytes each rank holds",
-                  "loss parity", "bubble fractions", "the 2 ranks share the 2 cores", "no native reduce-scatter",
+                  "loss parity", "the bubble's form; its size only as far as", "the 2 ranks share the 2 cores", "no native reduce-scatter",
                   "0.97 GiB for a 5.25M-parameter single-ft run", "MFU (no CPU peak)"):
         assert point in box, point
     # The parity point states what these runs measured (DDP_LOSSES: 2e-7 in the first 5 steps, 3e-5 at step 6).

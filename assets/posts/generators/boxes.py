@@ -77,7 +77,9 @@ def cpu_box(ctx: Context, runs: list[Run], rss_run: Run | None) -> str:
                        f"{small(first)} over the first {PARITY_FIRST_STEPS} steps, {small(everywhere)} over all; the "
                        f"tests hold the first steps to {PARITY_TOLERANCE_TEXT})")
     if any(run.summary.get("bubble_fraction") is not None for run in runs):
-        carries.append("bubble fractions, as ratios of times in one run, and which stage is the slow one")
+        carries.append("which pipeline stage is the slow one, and the bubble's form; its size only as far as the "
+                       "stages' compute ratio does, which a GPU sets otherwise (post 7 measured it off its "
+                       "prediction)")
     not_carried = []
     if multi:
         not_carried.append(f"speed-ups (the {max(sizes)} ranks share the {cores} cores)")
