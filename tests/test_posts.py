@@ -623,6 +623,14 @@ def test_code_diff_and_diffstat_quote_the_current_files(site):
     assert "@@ -5 +5 @@" in generated(site, "diff a=experiments/a/train.py b=experiments/b/train.py context=0")
     assert generated(site, "diffstat base=experiments/a/train.py files=experiments/*/train.py").splitlines()[2] == (
         "| `experiments/b/train.py` | 13 | +2 | -2 |")
+    # A block re-indented under a new `with` shows as context: only the `with` line is added.
+    (site / "experiments/c").mkdir()
+    (site / "experiments/c/train.py").write_text("def f():\n    with ctx():\n        a = 1\n        b = 2\n")
+    (site / "experiments/d").mkdir()
+    (site / "experiments/d/train.py").write_text("def f():\n    a = 1\n    b = 2\n")
+    assert generated(site, "diff a=experiments/d/train.py b=experiments/c/train.py") == (
+        "```diff\n--- experiments/d/train.py\n+++ experiments/c/train.py\n@@ -1,3 +1,4 @@\n def f():\n"
+        "+    with ctx():\n         a = 1\n         b = 2\n```")
     (site / "blogs" / "01-first.md").write_text("# P\n\n" + region('code file=experiments/a/train.py start="total"'
                                                                    ' end="return"'))
     problems, lines = build(site, check=True)

@@ -76,14 +76,41 @@ def gen_code(ctx: Context, args: dict) -> str:
     return fence(textwrap.dedent("\n".join(lines[first:last + 1])), language)
 
 
+def unified_diff_ignoring_whitespace(a: list[str], b: list[str], fromfile: str, tofile: str, n: int) -> list[str]:
+    """A unified diff in which lines that differ only in whitespace (a re-indented block) are the same, as
+    `git diff -w` shows it: such lines appear as context, in b's spelling."""
+    def squeeze(lines: list[str]) -> list[str]:
+        return [" ".join(line.split()) for line in lines]
+
+    def span(start: int, stop: int) -> str:
+        length = stop - start
+        return f"{start + 1 if length else start},{length}" if length != 1 else f"{start + 1}"
+
+    matcher = difflib.SequenceMatcher(None, squeeze(a), squeeze(b))  # as difflib.unified_diff matches
+    diff = []
+    for group in matcher.get_grouped_opcodes(n):
+        if not diff:
+            diff += [f"--- {fromfile}", f"+++ {tofile}"]
+        diff.append(f"@@ -{span(group[0][1], group[-1][2])} +{span(group[0][3], group[-1][4])} @@")
+        for tag, a_start, a_stop, b_start, b_stop in group:
+            if tag == "equal":
+                diff += [" " + line for line in b[b_start:b_stop]]
+                continue
+            diff += ["-" + line for line in a[a_start:a_stop]]
+            diff += ["+" + line for line in b[b_start:b_stop]]
+    return diff
+
+
 @generator("diff", ("a", "b"), ("match", "context"))
 def gen_diff(ctx: Context, args: dict) -> str:
+    """The hunks of a unified diff that ignores whitespace-only changes (a block re-indented under a new `with` is
+    context, not 2 x its length of - and + lines)."""
     a, b = ctx.site.file(args["a"]).read_text().splitlines(), ctx.site.file(args["b"]).read_text().splitlines()
     try:
         context = int(args.get("context", 3))
     except ValueError:
         raise RegionError(f"context={args['context']} is not a number of lines") from None
-    diff = list(difflib.unified_diff(a, b, fromfile=args["a"], tofile=args["b"], n=context, lineterm=""))
+    diff = unified_diff_ignoring_whitespace(a, b, args["a"], args["b"], context)
     if not diff:
         raise RegionError(f"{args['a']} and {args['b']} are the same")
     hunks: list[list[str]] = []
