@@ -15,7 +15,7 @@ skipped with a note.
 The figures:
 - loss_curves: the reference's loss per step, and each run's relative difference from single-ft doing the same steps,
   against the 1e-5 the parity tests allow (fp32; exact zeros on a row of their own);
-- throughput_memory: tokens/s and peak memory per run;
+- throughput_memory: tokens/s by median step and peak memory per run;
 - memory_predicted: max_memory_reserved of the GPU runs beside common.memory's prediction for their settings
   (common/memory; a CPU's peak RSS counts the whole process, not the tensors the prediction models);
 - state_bytes: model-state bytes per rank by kind (weights, gradients, optimizer, master), measured from the
@@ -67,13 +67,14 @@ SERIES = "devlog/data/2026-11-23-"
 FIGURES = {figure.name: figure for figure in (
     Figure("loss_curves", "Loss per step of every strategy on the workload, and its relative difference from single-ft",
            (SERIES + "workload/*",), loss_curves_data, draw_loss_curves),
-    Figure("throughput_memory", "Tokens/s and peak memory of every strategy on the workload",
+    Figure("throughput_memory", "Tokens/s by median step and peak memory of every strategy on the workload, on a CPU "
+                                "with qwen3-tiny",
            (SERIES + "workload/*",), throughput_memory_data, draw_throughput_memory),
     Figure("memory_predicted", "Qwen3-0.6B on one GPU: max_memory_reserved beside common/memory's prediction",
            ("devlog/data/*-gpu-suite-*/*",), memory_predicted_data, draw_memory_predicted),
     Figure("state_bytes", "Qwen3-0.6B: model-state bytes per rank by kind, measured vs predicted",
            (SERIES + "memory-0.6b/*",), state_bytes_data, draw_state_bytes),
-    Figure("memory_breakdown", "Predicted memory per GPU by strategy, Qwen3-0.6B and 4B on 2 x 24 GB (a prediction)",
+    Figure("memory_breakdown", "Predicted memory per GPU by strategy, Qwen3-0.6B and 4B on 2 x 24 GiB (a prediction)",
            (), memory_breakdown_data, draw_memory_breakdown),
     Figure("collective_bytes", "Collective bytes per optimizer step by strategy on the workload (measured, log scale)",
            (SERIES + "workload/*",), collective_bytes_data, draw_collective_bytes),

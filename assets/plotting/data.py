@@ -44,9 +44,26 @@ def loss_curves_data(runs: list[Run]) -> list[dict]:
     return rows
 
 
+def median_timed(run: Run, field: str) -> float | None:
+    """The median of a metrics.jsonl field over the steps the summary's averages count: after the warm-up steps,
+    without the profiled ones (as common/metrics.py and the posts count them)."""
+    import statistics
+
+    warmup = run.summary.get("warmup_steps_excluded", run.config.get("timing_warmup_steps", 0))
+    profiled = set(run.summary.get("profiled_steps") or [])
+    values = [step[field] for step in run.steps if step.get("step", 0) > warmup and step.get("step") not in profiled
+              and step.get(field) is not None]
+    return statistics.median(values) if values else None
+
+
 def throughput_memory_data(runs: list[Run]) -> list[dict]:
+    """Per run: tokens/s by median step (the mean beside it), peak memory, and where it ran (the figure's title)."""
     return [dict(run=run.label, experiment=run.summary.get("experiment"),
-                 ranks=run.summary.get("hardware", {}).get("world_size"), tokens_per_s=run.summary["tokens_per_s"],
+                 ranks=run.summary.get("hardware", {}).get("world_size"),
+                 device_kind=run.summary.get("hardware", {}).get("device_kind"),
+                 model=run.summary.get("model", {}).get("name"),
+                 tokens_per_s_median=median_timed(run, "tokens_per_s") or run.summary["tokens_per_s"],
+                 tokens_per_s=run.summary["tokens_per_s"],
                  tokens_per_s_per_device=run.summary.get("tokens_per_s_per_device"),
                  peak_mem_gib=run.summary.get("peak_mem_gib"), memory_measure=run.summary.get("memory_measure"))
             for run in runs if run.summary.get("tokens_per_s") is not None]

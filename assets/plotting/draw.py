@@ -106,8 +106,11 @@ def draw_throughput_memory(rows: list[dict], path: Path) -> None:
     figure, (speed, memory) = plt.subplots(1, 2, figsize=(13, 1.5 + 0.4 * len(rows)), sharey=True)
     labels = [row["run"] for row in rows]
     # Horizontal bars: run names are long and stay readable on the y axis.
-    draw_bars(speed, labels, [row["tokens_per_s"] for row in rows], "{:,.0f}", "tab:blue")
-    speed.set(xlabel="tokens/s (real tokens, all ranks)", title="Throughput of each run")
+    draw_bars(speed, labels, [row["tokens_per_s_median"] for row in rows], "{:,.0f}", "tab:blue")
+    where = " / ".join([", ".join(sorted({str(row[key]).upper() if key == "device_kind" else str(row[key])
+                                          for row in rows})) for key in ("device_kind", "model")])
+    speed.set(xlabel="tokens/s by median step (real tokens, all ranks)",
+              title=f"Throughput of each run by median step ({where})")
     draw_bars(memory, labels, [row["peak_mem_gib"] or 0.0 for row in rows], "{:.2f}", "tab:orange")
     memory.set(xlabel=f"GiB per process: {rows[0]['memory_measure']}", title="Peak memory of each run (rank 0)")
     speed.invert_yaxis()  # first run on top, as listed
