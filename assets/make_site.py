@@ -190,6 +190,8 @@ def provenance_footer(repo_url: str, commit: str) -> str:
             f"`assets/make_posts.py` (whose `--check` holds every page to the committed runs).\n")
 
 
+HOME_TITLE = "About the series"  # the home page in the sidebar and the tab title
+
 def stage(root: Path, docs: Path, repo_url: str, commit: str) -> list[str]:
     """Write the site's sources into `docs` (emptied first). Returns the problems found (the build stops on any)."""
     blogs = root / "blogs"
@@ -207,6 +209,8 @@ def stage(root: Path, docs: Path, repo_url: str, commit: str) -> list[str]:
         errors += problems
         text = markdown_in_details(text)
         if path.name == "README.md":
+            # Its own title in the sidebar: its heading is the site's name, which the sidebar already shows above it.
+            text = f"---\ntitle: {HOME_TITLE}\n---\n\n{text}"
             text += ("\n## On this site\n\n[Will it fit?](fit.md): pick a model, your GPUs, the sequence length and "
                      "full fine-tuning, LoRA or QLoRA, and see what each strategy needs per GPU, the first that fits "
                      "and the command that runs it.\n")
@@ -286,7 +290,8 @@ def export_ladders(out: Path, models: list[str] | None = None, gpu_counts: tuple
             path.write_text(json.dumps(dict(model=name, gpus=gpus, ladders=ladders), separators=(",", ":")))
             written.append(path)
     index = dict(models=index_models, gpus=list(gpu_counts), seq_lens=list(seq_lens), parts=list(PARTS),
-                 usable_fraction=USABLE_FRACTION, error_band=ERROR_BAND, gpu_memory_gib=GPU_MEMORY_GIB, kv_expanded=kv_expanded,
+                 usable_fraction=USABLE_FRACTION, error_band=ERROR_BAND, gpu_memory_gib=GPU_MEMORY_GIB,
+                 kv_expanded=kv_expanded,
                  lora_rank=DEFAULT_LORA_RANK, rows_per_gpu=DEFAULT_ROWS_PER_GPU,
                  rung_fields=["group", "micro_batch_size", "grad_accum", "activation_checkpointing", "peak_gib",
                               "peak_phase", "cpu_gib", "parts_gib", "command"],

@@ -84,6 +84,13 @@ def test_the_build_stages_every_post_with_its_figures_and_links(built):
     assert '<details markdown="1">' in ddp and ddp.rstrip().endswith("holds every page to the committed runs).")
     for figure in re.findall(r"\]\((figures/[^)]+)\)", ddp):
         assert (docs / figure).is_file(), figure
+    # The sidebar names each page once: the home page by its own title, not the site's name a second time.
+    home = (built / "site" / "index.html").read_text()
+    primary = home[home.index("md-nav--primary"):home.index("md-nav--secondary")]
+    entries = re.findall(r'<span class="md-ellipsis">\s*(.*?)\s*</span>', primary)
+    from make_site import HOME_TITLE
+
+    assert entries and entries[0] == HOME_TITLE and "Distributed fine-tuning of Qwen3" not in entries
 
 
 def linked_tree(tmp_path: Path) -> Path:

@@ -184,30 +184,32 @@ def gen_answer_table(ctx: Context, args: dict) -> str:
             raise RegionError(f"answer-table: case '{flags.model}' names no --gpu (its peak sets the tokens/s)")
         gpus, model = f"{flags.gpus} x {flags.gpu.replace('-', ' ')}", model_label(case.shape)
         if advice.rung is None:
-            rows.append([str(number), gpus, model, "-", "nothing fits", "-", "-", "-"])
+            rows.append([f"{number}. {gpus}, {model}", "nothing fits", "-", "-"])
             continue
         rung = advice.rung
         training = f"QLoRA r{rung.lora_rank}" if rung.qlora else f"LoRA r{rung.lora_rank}" if rung.lora_rank else "full"
-        commands.append(f"# {number}: {gpus}, {model}, {training}\n{advice.command()}")
         peak = peak_flops_per_device(flags.gpu.replace("-", " "))
         run = next((run for run in measured if ran(run, case)), None)
+        source = ""
         if run is not None:
-            tokens, source = f"{median_of('tokens_per_s')(run):,.0f}", f"measured ({run.name.rsplit('/', 1)[-1]})"
+            tokens = f"{median_of('tokens_per_s')(run):,.0f} measured"
+            source = f" (measured: {run.name.rsplit('/', 1)[-1]})"
         elif rung.strategy in memory.OFFLOAD_LADDER:
-            tokens, source = "-", "not projected: AdamW runs on the CPU"
+            tokens = "- (AdamW runs on the CPU)"
         elif peak is None:
-            tokens, source = "-", f"not projected: no peak FLOP/s for {flags.gpu} in common/metrics.py"
+            tokens = f"- (no peak FLOP/s for {flags.gpu} in common/metrics.py)"
         else:
             replicas = 1 if rung.strategy == "single" else flags.gpus
             scaled = (reference_tokens_s * peak / reference_peak * reference_flops
                       / flops_per_token(flags.model, rung.lora_rank, flags.seq_len) * replicas)
-            tokens, source = f"~{scaled:,.0f}", "projected"
+            tokens = f"~{scaled:,.0f} projected"
+        commands.append(f"# {number}: {gpus}, {model}, {training}{source}\n{advice.command()}")
         choice = advice.choice
-        rows.append([str(number), gpus, model, training, f"`{short_command(advice.command(), advice.model)}`",
+        rows.append([f"{number}. {gpus}, {model}, {training}", f"`{short_command(advice.command(), advice.model)}`",
                      f"{choice.total_gib:.1f} + {choice.margin_gib:.1f} of "
-                     f"{case.gpu_mem_gib * memory.USABLE_FRACTION:.1f}", tokens, source])
-    table = markdown_table(["", "GPUs", "model", "training", "experiment and flags", "GiB per GPU", "tokens/s",
-                            "tokens/s is"], rows, [True, False, False, False, False, True, True, False])
+                     f"{case.gpu_mem_gib * memory.USABLE_FRACTION:.1f}", tokens])
+    table = markdown_table(["setting", "experiment and flags", "GiB per GPU", "tokens/s"], rows,
+                           [False, False, True, True])
     full = fence("\n".join(commands), "bash")
     return (f"{table}\n\n<details><summary>The full commands</summary>\n\n{full}\n\n</details>\n\n"
             f"Each row is what `uv run python -m common.memory --model ... --gpus N --gpu NAME` answers (with "
@@ -283,5 +285,5 @@ def gen_memory_errors(ctx: Context, args: dict) -> str:
     return (f"{table}\n\nUnder by: reserved / predicted - 1 (positive: the run needed more than predicted). Runs "
             f"measured under {memory.PEAK_TESTED_FROM_GIB:g} GiB are left out (fixed per-process allocations the "
             f"model does not price dominate there), as are the peer baseline's TRL runs. `predicted now` is in "
-            f"sample where the memory terms were fitted on the run (the H200 suite's). `predicted at its start` is what the run wrote "
-            f"before its first step, by the model of that day.")
+            f"sample where the memory terms were fitted on the run (the H200 suite's). `predicted at its start` is "
+            f"what the run wrote before its first step, by the model of that day.")
