@@ -1,10 +1,11 @@
 """Which strategy to try first, and the command that runs exactly what was priced.
 
-The decision tree, first rung that fits wins. A rung is a strategy with its own flags; every rung takes the largest
-micro-batch that fits (the rest of the asked rows per step as --grad-accum, so the step is the same), and the speed
-flags its experiment takes (--attn varlen, --loss-chunk-tokens, --compile: FAST_FLAGS). A strategy's own flags
-(activation checkpointing, --reduce-every-micro-batch) are tried before the next strategy, and what is trained
-changes last: full fine-tuning down the whole ladder, then LoRA, then QLoRA.
+The decision tree, first rung that fits wins; a rung fits when its predicted peak plus ERROR_BAND of it (room for the
+model's own error, common/memory/states.py) is within USABLE_FRACTION of a GPU's memory, in GiB. A rung is a strategy
+with its own flags; every rung takes the largest micro-batch that fits (the rest of the asked rows per step as
+--grad-accum, so the step is the same), and the speed flags its experiment takes (--attn varlen, --loss-chunk-tokens,
+--compile: FAST_FLAGS). A strategy's own flags (activation checkpointing, --reduce-every-micro-batch) are tried before
+the next strategy, and what is trained changes last: full fine-tuning down the whole ladder, then LoRA, then QLoRA.
 1. one GPU: single-ft (DDP on more GPUs: a replica per GPU, one all-reduce of the gradients per step);
 2. more GPUs, a replica does not fit: FSDP (fsdp-ft), which shards weights, gradients and AdamW state. At one
    micro-batch per step its bf16 all-gathers and fp32 reduce-scatter move as many bytes as DDP's fp32 all-reduce
