@@ -526,18 +526,37 @@ EXPERIMENT_STRATEGY = {"single-ft": "single", "ddp-ft": "ddp", "fsdp-ft": "fsdp"
                        "tp-sp-ft": "tp-sp", "pp-ft": "pp", "pp-ds-ft": "pp", "fsdp-tp-ft": "fsdp-tp", "ep-ft": "ep"}
 
 
+def run_model(summary: dict) -> str:
+    """The model a recorded run trained, as model_config takes it. A model folder that only existed on the machine
+    the run ran on (the peer baseline saves a preset) is the preset with the run's parameter count."""
+    from pathlib import Path
+
+    from common.models import MOE_PRESETS, PRESETS, count_parameters, is_preset, model_config
+
+    model = summary["config"]["model"]
+    if not is_preset(model) and not Path(model).exists() and "/" in model.strip("/") and model.startswith(("/", ".")):
+        same = [name for name in (*PRESETS, *MOE_PRESETS)
+                if count_parameters(model_config(name))["total"] == summary["model"]["parameters"]]
+        if len(same) != 1:
+            raise ValueError(f"{model} is not on this machine, and no one preset has its "
+                             f"{summary['model']['parameters']:,} parameters")
+        model = same[0]
+    return model
+
+
 def predict_run(summary: dict) -> MemoryEstimate:
     """This model's prediction for the settings a recorded run had (its summary.json: experiment, model, batch
     layout, attention, the chunked loss, compile, LoRA, QLoRA), so that a run measured with an earlier prediction is
     held to the current one. A LoRA run's frozen bytes per weight are read off its own state bytes: runs made before
     the experiments loaded a LoRA base in bf16 held it in fp32. A model folder that only existed on the machine the
-    run ran on (the peer baseline saves a preset) is priced as the preset with the run's parameter count."""
+    run ran on (the peer baseline saves a preset) is priced as the preset with the run's parameter count
+    (run_model)."""
     from dataclasses import replace
-    from pathlib import Path
 
     from common.memory.activations import attention_kind
     from common.memory.states import DEEPSPEED_BF16, strategy_precision
-    from common.models import MOE_PRESETS, PRESETS, count_parameters, is_preset, model_config
+
+    from common.memory.states import STRATEGIES
 
     config, experiment = summary["config"], summary["experiment"]
     if experiment not in EXPERIMENT_STRATEGY:
@@ -545,11 +564,15 @@ def predict_run(summary: dict) -> MemoryEstimate:
     strategy = EXPERIMENT_STRATEGY[experiment]
     if strategy == "zero":
         strategy = f"zero-{config['zero_stage']}" + ("-offload" if config.get("cpu_offload") else "")
+        if strategy not in STRATEGIES:  # an offload this model lacks: priced without it (the states on the device)
+            strategy = f"zero-{config['zero_stage']}"
     elif strategy == "fsdp" and config.get("cpu_offload"):
         strategy = "fsdp-offload"
     world = summary["hardware"]["world_size"]
     if experiment in ("pp-ft", "pp-ds-ft"):
         world = config.get("stages") or world
+    elif experiment == "fsdp-ft":  # HSDP: a rank holds what FSDP over its shard group of world / R ranks would
+        world //= config.get("replicate_degree") or 1
     precision = DEEPSPEED_BF16 if experiment == "pp-ds-ft" and config["dtype"] == "bf16" else \
         strategy_precision(strategy, config["dtype"])
     if config.get("lora_rank") and not config.get("qlora") and summary.get("state_bytes_per_rank"):
@@ -559,18 +582,32 @@ def predict_run(summary: dict) -> MemoryEstimate:
         if strategy not in UNIT_SHARDED + ("tp", "tp-sp", "pp"):  # whole on each rank: the bytes tell the dtype
             precision = replace(precision, frozen=round(frozen))
     grad_accum = 1 if config.get("reduce_every_micro_batch") else config["grad_accum"]
-    model = config["model"]
-    if not is_preset(model) and not Path(model).exists() and "/" in model.strip("/") and model.startswith(("/", ".")):
-        same = [name for name in (*PRESETS, *MOE_PRESETS)
-                if count_parameters(model_config(name))["total"] == summary["model"]["parameters"]]
-        if len(same) != 1:
-            raise ValueError(f"{model} is not on this machine, and no one preset has its "
-                             f"{summary['model']['parameters']:,} parameters")
-        model = same[0]
-    return estimate(model, strategy, world, seq_len=config["seq_len"],
+    return estimate(run_model(summary), strategy, world, seq_len=config["seq_len"],
                     micro_batch_size=config["micro_batch_size"], grad_accum=grad_accum,
                     activation_checkpointing=config["activation_checkpointing"], lora_rank=config.get("lora_rank", 0),
                     precision=precision, attention=attention_kind(summary["attention"], config.get("packing", True)),
                     loss_chunk_tokens=config.get("loss_chunk_tokens") or 0, compile=config.get("compile", False),
-                    qlora=config.get("qlora", False), tensor_parallel=config.get("tp_degree") or 2,
+                    qlora=config.get("qlora", False),
+                    tensor_parallel=summary.get("tensor_parallel") or config.get("tp_degree") or 2,
                     reshard_after_forward=config.get("reshard_after_forward", True))
+
+
+def predict_state_bytes(summary: dict) -> list[dict] | None:
+    """The model-state bytes (weights, grads, optimizer, master) this model predicts for every rank of a recorded
+    run, in global rank order, beside its measured `state_bytes_per_rank`: predict_run's device for every rank, or
+    pp-ft's sum over each rank's stages (estimate_stages_per_rank). None where the model does not price the run:
+    pp-ft's --split layouts, LoRA on a mixture of experts (peft also wraps the experts' 3-D weights)."""
+    from common.models import is_moe, model_config
+
+    config, world = summary["config"], summary["hardware"]["world_size"]
+    if summary["experiment"] == "pp-ft":
+        if config.get("split"):
+            return None
+        pipeline = summary["pipeline"]
+        return estimate_stages_per_rank(model_config(run_model(summary)), pipeline["stage_rank"],
+                                        seq_len=config["seq_len"], micro_batch_size=config["micro_batch_size"],
+                                        lora_rank=config.get("lora_rank", 0), dtype=config["dtype"],
+                                        replicas=pipeline.get("replicas", 1))
+    if config.get("lora_rank") and is_moe(model_config(run_model(summary))):
+        return None
+    return [predict_run(summary).state_bytes()] * world
