@@ -16,7 +16,7 @@ import functools
 import math
 
 from common.memory import DEEPSPEED_MAX_LIVE_PARAMETERS, DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD, \
-    DEEPSPEED_PREFETCH_BUCKET_ELEMENTS, DEEPSPEED_REDUCE_BUCKET_ELEMENTS, run_model
+    DEEPSPEED_PREFETCH_BUCKET_ELEMENTS, DEEPSPEED_REDUCE_BUCKET_ELEMENTS, EXPERIMENT_STRATEGY, run_model
 
 
 def wire_bytes(kind: str, buffer_bytes: float, world_size: int) -> float:
@@ -380,6 +380,38 @@ def deepspeed_pipeline_collectives(n_stages: int, stage: int, *, microbatches: i
     return result
 
 
+def bubble_textbook(schedule: str, n_ranks: int, n_microbatches: int, stages_per_rank: int) -> tuple[float, str]:
+    """The idle share of a step if every stage took the same time and communication were free.
+
+    GPipe and 1F1B: (p-1)/(m+p-1). Each rank idles for p-1 micro-batch slots while the pipeline fills and drains,
+    out of m+p-1 slots. GPipe (Huang et al. 2019, arXiv:1811.06965: bubble overhead O((K-1)/(M+K-1)) for K stages and
+    M micro-batches); 1F1B has the same bubble but keeps at most p micro-batches in flight (Narayanan et al. 2021,
+    arXiv:2104.04473, section 2.2.1: bubble/ideal = (p-1)/m, i.e. (p-1)/(m+p-1) of the total).
+    Interleaved 1F1B with v stages per rank: each slot is v times shorter, so (p-1)/(v*m+p-1) (ibid. section 2.2.2:
+    bubble/ideal = (p-1)/(v*m)).
+    ZBV: 0 when a forward, an input-gradient backward and a weight-gradient backward take the same time and
+    m >= 2p (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", arXiv:2401.10241, section 6); real stages
+    are not that even, so some bubble remains.
+    """
+    p, m, v = n_ranks, n_microbatches, stages_per_rank
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1), "(p-1)/(m+p-1)"
+    if schedule == "interleaved-1f1b":
+        return (p - 1) / (v * m + p - 1), "(p-1)/(v*m+p-1)"
+    return 0.0, "0 if T_F = T_B = T_W (zero bubble)"
+
+
+def predict_bubble(summary: dict) -> tuple[float, str] | None:
+    """bubble_textbook for a recorded pipeline run (summary.json's `pipeline`), beside its measured bubble_fraction;
+    None for a run without a pipeline. pp-ds-ft runs DeepSpeed's 1F1B over its stages, one per rank."""
+    pipeline = summary.get("pipeline")
+    if not pipeline:
+        return None
+    schedule = "1f1b" if pipeline["schedule"] == "deepspeed-1f1b" else pipeline["schedule"]
+    return bubble_textbook(schedule, pipeline.get("ranks") or pipeline["stages"], pipeline["microbatches"],
+                           pipeline.get("stages_per_rank") or 1)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Expert parallelism (ep)
 
@@ -460,6 +492,8 @@ def predict_collectives(summary: dict) -> dict | list[dict] | None:
     (`collective_bytes_per_step_per_rank`). None where no formula models the run; each experiment's README says
     what is left out (one rank, LoRA or bf16 where named below, HSDP, offload, pipeline replicas, ...)."""
     config, experiment, world = summary["config"], summary["experiment"], summary["hardware"]["world_size"]
+    if experiment not in EXPERIMENT_STRATEGY:
+        raise ValueError(f"{experiment} is not one of this repository's experiments: nothing to predict")
     lora, bf16 = config.get("lora_rank", 0), config["dtype"] == "bf16"
     model = meta_model(run_model(summary), lora, config.get("lora_alpha", 0.0))
     geometry = model.config

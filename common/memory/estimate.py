@@ -596,10 +596,13 @@ def predict_state_bytes(summary: dict) -> list[dict] | None:
     """The model-state bytes (weights, grads, optimizer, master) this model predicts for every rank of a recorded
     run, in global rank order, beside its measured `state_bytes_per_rank`: predict_run's device for every rank, or
     pp-ft's sum over each rank's stages (estimate_stages_per_rank). None where the model does not price the run:
-    pp-ft's --split layouts, LoRA on a mixture of experts (peft also wraps the experts' 3-D weights)."""
+    pp-ft's --split layouts, pp-ds-ft's stages (DeepSpeed's own partition), LoRA on a mixture of experts (peft also
+    wraps the experts' 3-D weights)."""
     from common.models import is_moe, model_config
 
     config, world = summary["config"], summary["hardware"]["world_size"]
+    if summary["experiment"] == "pp-ds-ft":
+        return None
     if summary["experiment"] == "pp-ft":
         if config.get("split"):
             return None

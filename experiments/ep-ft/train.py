@@ -36,12 +36,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
-from common.comm import ep_collectives_mean
 from common.data import DataError, build_data, describe, evaluate, sample_text, to_device, token_loss_sum
 from common.dist import all_ranks, init_distributed, print0, record_collectives_in, teardown
 from common.generate import generate, sample_prompt
 from common.loss import fused_linear_cross_entropy
-from common.memory import attention_kind, estimate
 from common.metrics import MetricsLogger, Recorder
 from common.models import TINY_PRESETS, checkpoint_activations, count_parameters, flops_per_token, is_moe, is_preset, \
     load_model, load_tokenizer, model_config, share_export
@@ -441,24 +439,10 @@ def main(argv: list[str] | None = None) -> dict:
     rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    prediction = estimate(model.config, "ep", world_size, seq_len=config.seq_len,
-                          micro_batch_size=config.micro_batch_size,
-                          activation_checkpointing=config.activation_checkpointing, precision=config.dtype,
-                          attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
-                          loss_chunk_tokens=config.loss_chunk_tokens, compile=config.compile)
-    # common/comm.py's formula for the profiled steps, from the rows they actually moved (routing decides them).
-    # Not with activation checkpointing, whose recomputed forwards exchange the rows a second time in backward.
-    formula = ep_collectives_mean(
-        profiled_forwards, dist.get_backend(), hidden=model.config.hidden_size, experts=model.config.num_experts,
-        element_bytes=2 if config.dtype == "bf16" else 4, bucket_bytes=int(config.dense_bucket_mb * 2**20),
-        dense_grad_bytes=[p.numel() * p.element_size() for p in dense],
-        logged_values=2 + len(ep_layers) * model.config.num_experts,
-    ) if profiled_forwards and world_size > 1 and not config.activation_checkpointing else None
+    # What was measured and what predicts it (config, model, attention): common.memory.predict_run(summary) prices it.
     summary = rec.finish(
         attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
-        predicted_peak_mem_gib=prediction.total_gib,
-        predicted_state_bytes=prediction.state_bytes(),
-        collective_bytes_formula=formula,
+        routed_rows_profiled=profiled_forwards,  # per profiled step and forward: rows sent to each rank, received
         # (token, expert) rows rank 0..W-1 dispatched to each rank over the training steps (its own in column r)
         dispatched_rows=all_ranks(rows_sent),
         expert_load=load_summary(rec.records))  # a mixture of experts: tokens per expert, imbalance

@@ -40,12 +40,10 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
-from common.comm import as_backend, fsdp_collectives
 from common.data import DataError, build_data, describe, evaluate, sample_text, to_device, token_loss_sum
 from common.dist import init_distributed, print0, record_collectives_in, teardown
 from common.generate import generate, sample_prompt
 from common.loss import fused_linear_cross_entropy
-from common.memory import attention_kind, estimate
 from common.metrics import MetricsLogger, Recorder
 from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
     is_preset, load_model, load_tokenizer, model_config, record_adapter_base, refuse_moe, resolve_model_name, \
@@ -398,37 +396,8 @@ def main(argv: list[str] | None = None) -> dict:
     rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    # common/memory's prediction for this device: its peak next to the measured one (comparable on a GPU, where
-    # both mean max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included),
-    # its model states next to the bytes counted above.
-    # Under HSDP a rank holds what FSDP over its shard group would: the estimate takes the shard group's size.
-    prediction = estimate(
-        model.config, "fsdp-offload" if config.cpu_offload else "fsdp", shard_size, seq_len=config.seq_len,
-        micro_batch_size=config.micro_batch_size, activation_checkpointing=config.activation_checkpointing,
-        lora_rank=config.lora_rank, precision=config.dtype, attention=attention_kind(attention, config.packing),
-        grad_accum=1 if config.reduce_every_micro_batch else config.grad_accum,  # micro-batches of unreduced gradients
-        loss_chunk_tokens=config.loss_chunk_tokens, compile=config.compile,
-        reshard_after_forward=config.reshard_after_forward)
-    # common/comm.py's bytes for the profiled steps, from each unit's parameters, the root first (README: what the
-    # formula leaves out: one rank, HSDP's all-reduce, --cpu-offload's norm on gloo beside NCCL).
-    in_layers = {id(p) for layer in layer_units for p in layer.parameters()}
-    units = [[(tuple(p.shape), p.requires_grad) for p in model.parameters() if id(p) not in in_layers]]
-    units += [[(tuple(p.shape), p.requires_grad) for p in layer.parameters()] for layer in layer_units]
-    covered = world_size > 1 and replicas == 1 and not (config.cpu_offload and device.type == "cuda")
-    formula = None if not covered else as_backend(fsdp_collectives(
-        units, world_size=world_size, grad_accum=config.grad_accum, reshard_after_forward=config.reshard_after_forward,
-        reshard_after_backward=config.reshard_after_backward, reduce_every_micro_batch=config.reduce_every_micro_batch,
-        gather_bytes=2 if config.dtype == "bf16" else 4),
-        dist.get_backend())
-    summary = rec.finish(
-        attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
-        predicted_peak_mem_gib=prediction.total_gib,
-        predicted_state_bytes=prediction.state_bytes(),
-        # With --cpu-offload common/memory predicts the sharded states in host memory, none on the device.
-        predicted_cpu_bytes=int(prediction.cpu_bytes),
-        predicted_note="fsdp-offload: common.memory predicts the model states in host memory (predicted_cpu_bytes); "
-                       "predicted_state_bytes is what stays on the device" if config.cpu_offload else None,
-        collective_bytes_formula=formula)
+    # What was measured and what predicts it (config, model, attention): common.memory.predict_run(summary) prices it.
+    summary = rec.finish(attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses)
 
     if config.save_hf:
         # Collective: every rank sends its shards, rank 0 receives the full tensors, one at a time, into CPU memory.

@@ -53,7 +53,6 @@ from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import DataError, build_data, describe, evaluate, sample_text, to_device, token_loss_sum
 from common.dist import init_distributed, print0, record_collectives_in, teardown
-from common.memory import attention_kind, estimate
 from common.metrics import MetricsLogger, Recorder
 from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
     is_preset, load_model, load_tokenizer, model_config, record_adapter_base, refuse_moe, resolve_model_name, \
@@ -512,16 +511,9 @@ def main(argv: list[str] | None = None) -> dict:
     rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    # common/memory's prediction for one device ("fsdp-tp": tp-ft's slice, its states sharded over dp, FSDP's
-    # gathered units as in fsdp-ft). No collective formula: common/comm.py does not model this layout.
-    prediction = estimate(
-        model.config, "fsdp-tp", world_size, tensor_parallel=tp, seq_len=config.seq_len,
-        micro_batch_size=config.micro_batch_size, activation_checkpointing=config.activation_checkpointing,
-        lora_rank=config.lora_rank, precision=config.dtype, attention=attention_kind(attention, config.packing),
-        grad_accum=config.grad_accum)  # neither --compile nor --loss-chunk-tokens here
+    # What was measured and what predicts it (config, model, attention): common.memory.predict_run(summary) prices it.
     summary = rec.finish(
         attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
-        predicted_peak_mem_gib=prediction.total_gib, predicted_state_bytes=prediction.state_bytes(),
         tensor_parallel=tp, data_parallel=dp, mesh=dict(shape=[dp, tp], dim_names=["dp", "tp"]),
         replica_drift=replica_drift(model.parameters(), tp_mesh))  # a collective: every rank calls finish
 

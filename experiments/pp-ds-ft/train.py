@@ -43,11 +43,9 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: E40
 
 from common.attention import setup_attention  # noqa: E402
 from common.checkpoint import load_deepspeed_checkpoint, save_deepspeed_checkpoint  # noqa: E402
-from common.comm import as_backend, deepspeed_pipeline_collectives  # noqa: E402
 from common.data import IGNORE_INDEX, DataError, build_data, describe, sample_text, token_loss_sum  # noqa: E402
 from common.dist import act_as_launcher_if_alone, all_ranks, init_distributed, print0, \
     record_collectives_in, teardown  # noqa: E402
-from common.memory import DEEPSPEED_BF16, attention_kind, predict_peak_gib  # noqa: E402
 from common.metrics import MetricsLogger, Recorder  # noqa: E402
 from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
     record_adapter_base, resolve_model_name, share_export  # noqa: E402
@@ -393,8 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
         owned = names[parts[stage]:parts[stage + 1]]
         print0(f"stage {stage}: {owned[0]} .. {owned[-1]} ({len(owned)} pipe layers)")
     print0(f"pipeline: DeepSpeed 1F1B, {config.stages} stages x {data_parallel_size} data-parallel replica(s), "
-           f"m = {config.grad_accum} micro-batches | textbook bubble (p-1)/(m+p-1) = "
-           f"{(config.stages - 1) / (config.grad_accum + config.stages - 1):.1%} | ZeRO stage {config.zero_stage}")
+           f"m = {config.grad_accum} micro-batches | ZeRO stage {config.zero_stage}")
     print0(f"batch: B = {config.micro_batch_size} x {config.grad_accum} x {data_parallel_size} replica(s) = "
            f"{rows_per_step} rows of {config.seq_len} -> T_eff = {rows_per_step * config.seq_len:,} token slots per "
            f"optimizer step")
@@ -469,29 +466,13 @@ def main(argv: list[str] | None = None) -> dict:
     rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    # The collectives each rank ran per profiled step, next to common/comm.py's formula for DeepSpeed's pipeline
-    # (modelled for the pure fp32 pipeline: one data-parallel replica, fp32 ZeRO-0 or ZeRO-1).
-    stage_and_trainable = all_ranks((engine.grid.get_stage_id(), sum(p.numel() for p in params)))
-    collective_formula_per_rank = [
-        as_backend(deepspeed_pipeline_collectives(
-            config.stages, stage, microbatches=config.grad_accum, micro_batch_size=config.micro_batch_size,
-            seq_len=config.seq_len, hidden=model_config.hidden_size, vocab=model_config.vocab_size,
-            stage_trainable=trainable, tied_gradients=not config.lora_rank, zero_stage=config.zero_stage,
-            optimizer_groups=len(optimizer.param_groups)), dist.get_backend())
-        for stage, trainable in stage_and_trainable] if data_parallel_size == 1 and config.dtype == "fp32" else None
+    # What was measured and what predicts it (config, model, attention): common.memory.predict_run(summary) prices it.
     summary = rec.finish(
         attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
-        # common/memory's prediction for the fullest stage (1F1B, even split; DeepSpeed's bf16: DEEPSPEED_BF16).
-        predicted_peak_mem_gib=predict_peak_gib(
-            model_config, "pp", config.stages, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
-            activation_checkpointing=config.activation_checkpointing, dtype=config.dtype,
-            precision=DEEPSPEED_BF16 if config.dtype == "bf16" else None,
-            attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
-            compile=config.compile),
         pipeline=dict(schedule="deepspeed-1f1b", stages=config.stages, data_parallel=data_parallel_size,
                       microbatches=config.grad_accum, stage_starts=[int(start) for start in parts]),
         deepspeed=dict(version=deepspeed.__version__, config=ds_config),
-        **pipeline_measures, collective_bytes_formula_per_rank=collective_formula_per_rank)
+        **pipeline_measures)
 
     if config.save_hf and config.lora_rank and not config.merge_lora:
         save_lora_adapter(Path(config.save_hf), engine, lora_config, base_model_class, tokenizer)

@@ -40,10 +40,8 @@ from transformers.masking_utils import create_causal_mask
 
 from common.attention import VARLEN, document_kwargs, setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
-from common.comm import as_backend, pipeline_collectives
 from common.data import IGNORE_INDEX, DataError, build_data, describe, sample_text, to_device, token_loss_sum
 from common.dist import all_ranks, init_distributed, print0, record_collectives_in, teardown
-from common.memory import attention_kind, estimate_stages_per_rank, predict_peak_gib
 from common.metrics import MetricsLogger, Recorder
 from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
     is_preset, load_model, load_tokenizer, record_adapter_base, resolve_model_name, share_export, weights_dtype
@@ -479,9 +477,9 @@ def main(argv: list[str] | None = None) -> dict:
         parts = (["embedding"] if s == 0 else []) + [block] + (["norm + LM head"] if s == n_stages - 1 else [])
         print0(f"stage {s} on rank {stage_rank[s]}: {', '.join(parts)}")
     print0(f"parameters held per rank: {', '.join(f'rank {r}: {n:,}' for r, n in enumerate(held))}")
-    trace = PipelineTrace(device, config, pp_size)  # the bubble per rank and one step's timeline (summary.json)
+    trace = PipelineTrace(device, config)  # the bubble per rank and one step's timeline (summary.json)
     print0(f"pipeline: {config.schedule}, p = {pp_size} ranks x v = {config.stages_per_rank} stages each, "
-           f"m = {config.grad_accum} micro-batches | textbook bubble {trace.formula} = {trace.textbook:.1%}"
+           f"m = {config.grad_accum} micro-batches"
            + (f" | {replicas} data-parallel replicas of it (mesh {replicas} x {pp_size}), each stage's gradients "
               f"all-reduced over its {replicas} copies" if replicas > 1 else ""))
     print0(f"batch: B = {config.micro_batch_size} x {config.grad_accum} x {replicas} replica(s) = {rows_per_step} rows "
@@ -595,29 +593,13 @@ def main(argv: list[str] | None = None) -> dict:
     rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    # common/comm.py models one pipeline; with replicas DDP's bucketed gradient all-reduce comes on top, not modelled.
-    collective_formula_per_rank = None if replicas > 1 else [
-        as_backend(pipeline_collectives(stage_rank, r, microbatches=config.grad_accum,
-                                        micro_batch_size=config.micro_batch_size, seq_len=config.seq_len,
-                                        hidden=model_config.hidden_size, vocab=model_config.vocab_size,
-                                        tied_gradients=tied_trainable), dist.get_backend())
-        for r in range(world_size)]
+    # What was measured and what predicts it (config, model, attention): common.memory.predict_run(summary) prices it.
     summary = rec.finish(
         attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
-        # common/memory's prediction for the fullest stage under 1F1B with an even split, one stage per rank.
-        predicted_peak_mem_gib=predict_peak_gib(
-            model_config, "pp", pp_size, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
-            activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank, dtype=config.dtype,
-            attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
-            compile=config.compile),
         pipeline=dict(schedule=config.schedule, ranks=pp_size, stages_per_rank=config.stages_per_rank,
                       microbatches=config.grad_accum, stage_layers=[[r.start, r.stop] for r in layers],
                       stage_rank=stage_rank, replicas=replicas),
-        **pipeline_measures,
-        predicted_state_bytes_per_rank=None if config.split else estimate_stages_per_rank(
-            model_config, stage_rank, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
-            lora_rank=config.lora_rank, dtype=config.dtype, replicas=replicas),
-        collective_bytes_formula_per_rank=collective_formula_per_rank)
+        **pipeline_measures)
 
     if config.save_hf and config.lora_rank and not config.merge_lora:
         save_lora_adapter(Path(config.save_hf), module, lora_config, base_model_class, tokenizer)

@@ -34,7 +34,6 @@ from common.data import DataError, build_data, describe, evaluate, sample_text, 
 from common.dist import init_distributed, print0, teardown
 from common.generate import generate, sample_prompt
 from common.loss import fused_linear_cross_entropy
-from common.memory import attention_kind, estimate
 from common.metrics import MetricsLogger, Recorder
 from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, is_moe, \
     is_preset, load_model, load_model_4bit, load_tokenizer, qlora_unavailable, record_adapter_base, \
@@ -290,20 +289,9 @@ def main(argv: list[str] | None = None) -> dict:
     rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    # common/memory's prediction for this device: its peak next to the measured one (comparable on a GPU, where
-    # both mean max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included),
-    # its model states next to the bytes counted above.
-    # (common/memory prices no LoRA on a mixture of experts, where peft also wraps the experts' 3-D weights.)
-    prediction = None if moe and config.lora_rank else estimate(
-        model.config, "single", 1, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
-        activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank, qlora=config.qlora,
-        precision=config.dtype, attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
-        loss_chunk_tokens=config.loss_chunk_tokens, compile=config.compile)
+    # What was measured and what predicts it (config, model, attention): common.memory.predict_run(summary) prices it.
     summary = rec.finish(
         attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
-        predicted_peak_mem_gib=None if prediction is None else prediction.total_gib,
-        predicted_state_bytes=None if prediction is None else prediction.state_bytes(),
-        collective_bytes_formula={},  # one process: no collective (common/comm.py)
         expert_load=load_summary(rec.records))  # a mixture of experts: tokens per expert, imbalance
 
     if config.save_hf:

@@ -37,9 +37,7 @@ from transformers import AutoModelForCausalLM
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import DataError, build_data, describe, evaluate, sample_text, to_device, token_loss_sum
-from common.comm import as_backend, tp_collectives
 from common.dist import init_distributed, print0, record_collectives_in, teardown
-from common.memory import attention_kind, estimate
 from common.metrics import MetricsLogger, Recorder
 from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
     is_preset, load_model, load_tokenizer, record_adapter_base, resolve_model_name, weights_dtype
@@ -393,27 +391,10 @@ def main(argv: list[str] | None = None) -> dict:
     rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    # common/memory's prediction for this device: its peak next to the measured one (comparable on a GPU, where
-    # both mean max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included),
-    # its model states next to the bytes counted above.
-    prediction = estimate(
-        model.config, "tp", tp, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
-        activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank,
-        precision=config.dtype, attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
-        loss_chunk_tokens=config.loss_chunk_tokens, compile=config.compile)
-    # common/comm.py's formula for what the profiled steps measured: full-parameter fp32 on two or more ranks only
-    # (LoRA adds collectives, bf16 gives forward and backward different dtypes; the README).
-    formula = None
-    if tp > 1 and not config.lora_rank and config.dtype == "fp32":
-        formula = as_backend(tp_collectives(
-            layers=model.config.num_hidden_layers, hidden=model.config.hidden_size, head_dim=model.config.head_dim,
-            vocab=model.config.vocab_size, tokens=config.micro_batch_size * config.seq_len,
-            grad_accum=config.grad_accum, world_size=tp, sequence_parallel=False, loss_parallel=config.loss_parallel,
-            sync_qk_norm_grads=config.sync_qk_norm_grads), dist.get_backend())
+    # What was measured and what predicts it (config, model, attention): common.memory.predict_run(summary) prices it.
     summary = rec.finish(
         attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
-        predicted_peak_mem_gib=prediction.total_gib, predicted_state_bytes=prediction.state_bytes(),
-        collective_bytes_formula=formula, tensor_parallel=tp, activation_mib=activations.mib,
+        tensor_parallel=tp, activation_mib=activations.mib,
         replica_drift=replica_drift(model.parameters(), tp_mesh))  # a collective: every rank calls finish
 
     if config.save_hf:

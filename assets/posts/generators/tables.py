@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from plotting.data import MIB, STATE_KINDS, collective_kind, pipeline_shape, predicted_state
+from plotting.data import MIB, STATE_KINDS, collective_kind, pipeline_shape, predicted_state, textbook_bubble
 from run_files import Run
 
 from ..engine import RegionError, generator
@@ -176,8 +176,8 @@ COLUMNS: dict[str, Column] = {
     "m": Column("m", lambda run: pipeline_shape(run.summary)[3], "d"),
     "bubble": Column("bubble", summary_field("bubble_fraction"), ".3f"),
     "bubble_ranks": Column("bubble per rank", summary_field("bubble_fraction_per_rank"), ".2f"),
-    "bubble_textbook": Column("textbook bubble", summary_field("bubble_fraction_textbook"), ".3f"),
-    "bubble_formula": Column("formula", summary_field("bubble_formula")),
+    "bubble_textbook": Column("textbook bubble", lambda run: textbook_bubble(run.summary)[0], ".3f"),
+    "bubble_formula": Column("formula", lambda run: textbook_bubble(run.summary)[1]),
     "timed_steps": Column("timed steps", summary_field("timed_steps"), "d"),
 }
 DEFAULT_COLUMNS = "run,experiment,ranks,micro,ga,step_ms,comm_ms,tok_s,peak_mem,final_loss,eval_loss"
