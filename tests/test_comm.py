@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.comm import (as_backend, ddp_buckets, ddp_collectives, fsdp_collectives, fsdp_shard_numel,
-                         tp_collectives, wire_bytes, zero_bucket_flushes, zero_collectives)
+                         predict_collectives, tp_collectives, wire_bytes, zero_bucket_flushes, zero_collectives)
 from common.models import load_tokenizer, model_config
 
 MIB = 2**20
@@ -30,8 +30,9 @@ def tiny_parameters() -> list[tuple[str, tuple[int, ...]]]:
 
 
 def assert_formula_matches(summary: dict) -> None:
-    """The profiled steps' calls and bytes per backend collective (rank 0) are exactly common/comm.py's formula."""
-    measured, formula = summary["collective_bytes_per_step"], summary["collective_bytes_formula"]
+    """The profiled steps' calls and bytes per backend collective (rank 0) are exactly common/comm.py's formula,
+    computed from the run's summary.json (predict_collectives)."""
+    measured, formula = summary["collective_bytes_per_step"], predict_collectives(summary)
     assert measured and formula is not None, (measured, formula)
     assert summary["profiled_steps"] and min(summary["profiled_steps"]) >= 3  # steady state (DDP rebuilds at step 2)
     assert measured == formula, (summary["experiment"], summary["config"], measured, formula)
