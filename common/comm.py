@@ -1,7 +1,9 @@
 """What each strategy's collectives carry per optimizer step, from the model's shape and the run's settings.
 
 The formulas here predict the `collective_bytes_per_step` that torch.profiler measures (common/metrics.py), and the
-tests hold each experiment's measured calls and bytes to them. Conventions, the same as the measurement's:
+tests hold each experiment's measured calls and bytes to them. No training run calls them: `predict_collectives`
+computes a recorded run's from its summary.json (config, world size, the model rebuilt on the meta device).
+Conventions, the same as the measurement's:
 - bytes are those of the buffer one rank hands to the collective: the whole tensor for an all-reduce, a broadcast,
   a send or a receive; the local shard for an all-gather; the full (unreduced) input for a reduce-scatter;
 - keys are the logical collectives ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv");

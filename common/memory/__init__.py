@@ -11,7 +11,8 @@ The model, in the order a reader needs it (each file's docstring derives its par
 - activations.py: what one decoder layer keeps for backward, per token, term by term (eager and compiled), and
   the loss's buffers (full logits, or one chunk of them).
 - estimate.py: one device's share under a strategy, its buffers, and the peak: the larger of the start of backward
-  and the optimizer step (`estimate`, what every experiment writes to summary.json as `predicted_peak_mem_gib`).
+  and the optimizer step (`estimate`); for a recorded run, from its summary.json: `predict_run` (the peak) and
+  `predict_state_bytes` (the model states of every rank), which no training run calls.
 - recommend.py: the decision tree and the command that runs what it priced; the multi-node layouts.
 - cli.py: `python -m common.memory`.
 """

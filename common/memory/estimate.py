@@ -354,7 +354,7 @@ def estimate_stages_per_rank(config_like, stage_rank: list[int], *, seq_len: int
     last stage its own copy of the tied LM head, as pp-ft's stages do, so the sum holds for every placement (loop or
     V). Two known differences from the measured bytes: AdamW also keeps a 4-byte fp32 step counter per trainable
     tensor (optimizer), and a one-stage pipeline holds an LM head copy that the model, seeing the first and the last
-    stage on one device, does not count. A --split layout is not modelled (pp-ft records None)."""
+    stage on one device, does not count. A --split layout is not modelled (predict_state_bytes gives None)."""
     estimates = estimate_stages(config_like, "pp", len(stage_rank), seq_len=seq_len, micro_batch_size=micro_batch_size,
                                 lora_rank=lora_rank, precision=PROJECT_BF16 if dtype == "bf16" else PROJECT_FP32)
     per_rank = [dict(weights=0, grads=0, optimizer=0, master=0) for _ in range(max(stage_rank) + 1)]
@@ -508,8 +508,7 @@ def predict_peak_gib(config_like, strategy: str, world_size: int = 1, *, seq_len
                      activation_checkpointing: bool = False, lora_rank: int = 0, dtype: str = "bf16",
                      attention: str = "sdpa-packed", precision: BytesPerParam | None = None,
                      grad_accum: int = 1, loss_chunk_tokens: int = 0, compile: bool = False) -> float:
-    """Predicted peak GiB of one device, for an experiment's summary.json (`predicted_peak_mem_gib`), next to the
-    measured `torch.cuda.max_memory_reserved()`. `strategy` is one of STRATEGIES (zero-ft: f"zero-{stage}", with
+    """Predicted peak GiB of one device, next to the measured `torch.cuda.max_memory_reserved()`. `strategy` is one of STRATEGIES (zero-ft: f"zero-{stage}", with
     --cpu-offload f"zero-{stage}-offload"; fsdp-ft --cpu-offload: "fsdp-offload"); `dtype` is the experiment's
     --dtype, priced as strategy_precision says that strategy's experiment keeps it (zero-ft: DeepSpeed's layouts);
     `precision` overrides it where an engine keeps other dtypes (pp-ds-ft's DeepSpeed bf16: DEEPSPEED_BF16);
