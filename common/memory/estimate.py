@@ -508,9 +508,10 @@ def predict_peak_gib(config_like, strategy: str, world_size: int = 1, *, seq_len
                      activation_checkpointing: bool = False, lora_rank: int = 0, dtype: str = "bf16",
                      attention: str = "sdpa-packed", precision: BytesPerParam | None = None,
                      grad_accum: int = 1, loss_chunk_tokens: int = 0, compile: bool = False) -> float:
-    """Predicted peak GiB of one device, next to the measured `torch.cuda.max_memory_reserved()`. `strategy` is one of STRATEGIES (zero-ft: f"zero-{stage}", with
-    --cpu-offload f"zero-{stage}-offload"; fsdp-ft --cpu-offload: "fsdp-offload"); `dtype` is the experiment's
-    --dtype, priced as strategy_precision says that strategy's experiment keeps it (zero-ft: DeepSpeed's layouts);
+    """Predicted peak GiB of one device, next to the measured `torch.cuda.max_memory_reserved()`. `strategy` is one
+    of STRATEGIES (zero-ft: f"zero-{stage}", with --cpu-offload f"zero-{stage}-offload"; fsdp-ft --cpu-offload:
+    "fsdp-offload"); `dtype` is the experiment's --dtype, priced as strategy_precision says that strategy's
+    experiment keeps it (zero-ft: DeepSpeed's layouts);
     `precision` overrides it where an engine keeps other dtypes (pp-ds-ft's DeepSpeed bf16: DEEPSPEED_BF16);
     `attention` is attention_kind() of the experiment's attention; `grad_accum` is the number of micro-batches whose
     gradients accumulate before they are reduced (fsdp-ft: --grad-accum, or 1 with --reduce-every-micro-batch)."""
@@ -554,12 +555,15 @@ def predict_run(summary: dict) -> MemoryEstimate:
 
     from common.memory.activations import attention_kind
     from common.memory.states import DEEPSPEED_BF16, strategy_precision
+    from common.models import is_moe, model_config
 
     from common.memory.states import STRATEGIES
 
     config, experiment = summary["config"], summary["experiment"]
     if experiment not in EXPERIMENT_STRATEGY:
         raise ValueError(f"{experiment} is not one of this repository's experiments: nothing to predict")
+    if config.get("lora_rank") and is_moe(model_config(run_model(summary))):
+        raise ValueError("no price for LoRA on a mixture of experts (peft also wraps the experts' 3-D weights)")
     strategy = EXPERIMENT_STRATEGY[experiment]
     if strategy == "zero":
         strategy = f"zero-{config['zero_stage']}" + ("-offload" if config.get("cpu_offload") else "")
@@ -595,9 +599,9 @@ def predict_state_bytes(summary: dict) -> list[dict] | None:
     """The model-state bytes (weights, grads, optimizer, master) this model predicts for every rank of a recorded
     run, in global rank order, beside its measured `state_bytes_per_rank`: predict_run's device for every rank, or
     pp-ft's sum over each rank's stages (estimate_stages_per_rank). None where the model does not price the run:
-    pp-ft's --split layouts, pp-ds-ft's stages (DeepSpeed's own partition), LoRA on a mixture of experts (peft also
-    wraps the experts' 3-D weights)."""
-    from common.models import is_moe, model_config
+    pp-ft's --split layouts, pp-ds-ft's stages (DeepSpeed's own partition); predict_run's ValueError where it prices
+    nothing."""
+    from common.models import model_config
 
     config, world = summary["config"], summary["hardware"]["world_size"]
     if summary["experiment"] == "pp-ds-ft":
@@ -610,6 +614,4 @@ def predict_state_bytes(summary: dict) -> list[dict] | None:
                                         seq_len=config["seq_len"], micro_batch_size=config["micro_batch_size"],
                                         lora_rank=config.get("lora_rank", 0), dtype=config["dtype"],
                                         replicas=pipeline.get("replicas", 1))
-    if config.get("lora_rank") and is_moe(model_config(run_model(summary))):
-        return None
     return [predict_run(summary).state_bytes()] * world
