@@ -40,10 +40,10 @@ the input ids and labels. tests/test_memory.py holds every GPU run committed und
      LM head) between forward and backward, and it all-gathers the next layer while the current one runs: root +
      2 layers of weights in the compute dtype (root + every layer with --no-reshard-after-forward, which keeps each
      layer gathered from its forward to its backward, and with the gather-once setting). A unit's gradients
-     arrive in c bytes and are copied into an fp32 reduce-scatter input (the reduce dtype); the root's
-     reduce-scatter waits for the embedding's gradient at the end of backward: max(c root + (c + 4) layer, (c + 4) root) of trainable parameters. With --grad-accum > 1
-     fsdp-ft reduce-scatters only in the last micro-batch: until then every unit keeps its unsharded gradients,
-     upcast to fp32 to accumulate: 4 T + (c + 4) layer (estimate(grad_accum=...)).
+     arrive in c bytes and are copied into an fp32 reduce-scatter input (the reduce dtype); the root's reduce-scatter
+     waits for the embedding's gradient at the end of backward: max(c root + (c + 4) layer, (c + 4) root) of trainable
+     parameters. With --grad-accum > 1 fsdp-ft reduce-scatters only in the last micro-batch: until then every unit keeps
+     its unsharded gradients, upcast to fp32 to accumulate: 4 T + (c + 4) layer (estimate(grad_accum=...)).
    - tp, tp-sp, pp: none counted (their all-gather and send/receive buffers are a few hidden-state tensors).
    - QLoRA: bitsandbytes dequantizes each 4-bit weight into a compute-dtype copy just before its product, in
      forward and again in backward, and frees it after: the largest projection's, d I c.
