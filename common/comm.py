@@ -496,14 +496,14 @@ def predict_collectives(summary: dict) -> dict | list[dict] | None:
     config, experiment, world = summary["config"], summary["experiment"], summary["hardware"]["world_size"]
     if experiment not in EXPERIMENT_STRATEGY:
         raise ValueError(f"{experiment} is not one of this repository's experiments: nothing to predict")
+    if experiment == "single-ft":
+        return {}  # one process: no collective
     lora, bf16 = config.get("lora_rank", 0), config["dtype"] == "bf16"
     model = meta_model(run_model(summary), lora, config.get("lora_alpha", 0.0))
     geometry = model.config
     trainable = [p for p in model.parameters() if p.requires_grad]
     backend = backend_of(summary)
     formula = None
-    if experiment == "single-ft":
-        return {}
     if experiment == "ddp-ft" and world > 1:
         formula = ddp_collectives([4 * p.numel() for p in reversed(trainable)],  # fp32 gradients, backward's order
                                   bucket_cap_bytes=int(config["bucket_cap_mb"] * 2**20),
