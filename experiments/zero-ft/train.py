@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> dict:
     rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    # The point of this experiment: what each rank held at its peak (common.memory.predict_run prices a device).
+    # The point of this experiment: what each rank held at its peak (predicted from summary.json afterwards).
     peak_mem_gib_per_rank = [None] * world_size
     dist.all_gather_object(peak_mem_gib_per_rank, peak_memory_gib(device))
     print0(f"peak memory per rank ({memory_label(device)}), ZeRO stage {config.zero_stage}: "
