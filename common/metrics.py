@@ -16,7 +16,9 @@ Definitions (the same in every experiment):
 - peak memory: torch.cuda.max_memory_reserved() per device; on CPU the process's peak resident set size.
 - MFU: the step's training FLOPs / step time / (dense bf16 peak per device x devices). The FLOPs are those of the
   work the step does (common/models.py's training_flops): 6 per trained weight and 4 per frozen one per token, and
-  attention per document of each packed row, from the step's conversation lengths (`flops` in metrics.jsonl). In
+  attention per document of each packed row, from the step's conversation lengths (`flops` in metrics.jsonl); the
+  LM head on every real token, or, under the fused loss (--loss-chunk-tokens), on the step's loss tokens only, the
+  only ones it runs on (summary.json's `lm_head_flops_on` says which). In
   summary.json, the timed steps' FLOPs over their time; `flops_per_token` is their FLOPs per real token, and
   `mfu_dense` the MFU of the model's figure with every token attending to its whole row (model.flops_per_token).
   A GPU missing from the peak table gets null, said once on rank 0.
@@ -514,6 +516,7 @@ class MetricsLogger:
     world_size: int
     is_main: bool
     lora_rank: int = 0  # --lora-rank (QLoRA's too): the base model is frozen, 4 FLOPs per weight and token, not 6
+    head_on_loss_tokens: bool = False  # --loss-chunk-tokens: the LM head runs on the loss tokens only (common/loss.py)
     report_to: str = "none"  # --report-to: "tensorboard" also writes every step's metrics as TensorBoard scalars
     log_every: int = 1  # --log-every: print every N-th step line (and the first and the last); every step is recorded
     steps_per_epoch: float | None = None  # optimizer steps per pass over the training rows: the records' `epoch`
@@ -582,12 +585,14 @@ class MetricsLogger:
                  step_ms: float, comm_ms: float | None, print_fn=print, extra: dict | None = None,
                  documents: list[int] | None = None) -> dict:
         """`tokens` are the real tokens of the whole step on all ranks, `documents` the lengths of the conversations
-        they make up (SFTData.step_documents): the step's FLOPs and MFU follow from them (none without them).
+        they make up (SFTData.step_documents): the step's FLOPs and MFU follow from them (none without them) and,
+        under the fused loss, from `loss_tokens` (all ranks too), the tokens its LM head runs on.
         `extra`: more fields for the record (a mixture of experts: aux_loss, expert_tokens). Returns the record."""
         if documents is not None and sum(documents) != tokens:
             raise ValueError(f"log_step: the step's documents hold {sum(documents):,} tokens, not its {tokens:,}")
         tokens_per_s = tokens / (step_ms / 1000.0)
-        flops = None if documents is None else self.flops.of_documents(documents)
+        flops = None if documents is None else \
+            self.flops.of_documents(documents, loss_tokens if self.head_on_loss_tokens else None)
         compiled = frames_compiled()
         record = dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=tokens, loss_tokens=loss_tokens,
                       step_ms=step_ms, comm_ms=comm_ms, tokens_per_s=tokens_per_s,
@@ -696,6 +701,7 @@ class MetricsLogger:
             summary["collectives_per_step"] = comm_timer.collectives_per_step()
             summary["collective_bytes_per_step"] = comm_timer.collective_bytes_per_step()
         summary.update(self.averages(profiled))
+        summary["lm_head_flops_on"] = "loss tokens" if self.head_on_loss_tokens else "every token"
         # The model's figure with every token attending to its whole row (the count of tools that do not see
         # documents), for comparison with theirs.
         dense = (fields.get("model") or {}).get("flops_per_token")
@@ -815,7 +821,8 @@ class Recorder:
         self.metrics = MetricsLogger(
             out_dir=config.out_dir, total_steps=config.steps,
             warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)), model_config=model_config,
-            lora_rank=config.lora_rank, device=device, world_size=world_size, is_main=rank == 0,
+            lora_rank=config.lora_rank, head_on_loss_tokens=getattr(config, "loss_chunk_tokens", 0) > 0,
+            device=device, world_size=world_size, is_main=rank == 0,
             report_to=config.report_to, log_every=config.log_every, steps_per_epoch=steps_per_epoch,
             resume=getattr(config, "resume", None))
         self.comm = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)

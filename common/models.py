@@ -469,13 +469,19 @@ def lora_parameters(config: PretrainedConfig, rank: int) -> dict[str, int]:
 class TrainingFlops:
     """Training FLOPs (forward + backward) of a model, in its two parts: the weights, paid per token, and attention,
     paid per (query, key) pair inside one document. `common.models.training_flops` builds it from the config."""
-    per_token: float  # every matrix multiply with a weight, per token
+    per_token: float  # every matrix multiply with a weight, per token, the LM head's included
     per_pair: float  # attention's scores and weighted sum, per (query, key) pair of one document, all layers
+    lm_head: float = 0.0  # the LM head's part of per_token: what a token the head does not run on leaves out
 
-    def of_documents(self, lengths) -> float:
+    def of_documents(self, lengths, head_tokens: int | None = None) -> float:
         """FLOPs of a step whose documents (packed conversations, all ranks) have these lengths; a row's padding is
-        no document and counts nothing."""
-        return self.per_token * sum(lengths) + self.per_pair * sum(n * n for n in lengths)
+        no document and counts nothing. `head_tokens`: how many of those tokens the LM head runs on, where it does
+        not run on all of them (the fused loss of --loss-chunk-tokens: the step's loss tokens); None: all."""
+        tokens = sum(lengths)
+        if head_tokens is not None and not 0 <= head_tokens <= tokens:
+            raise ValueError(f"of_documents: the LM head cannot run on {head_tokens:,} of {tokens:,} tokens")
+        skipped = 0 if head_tokens is None else tokens - head_tokens
+        return self.per_token * tokens - self.lm_head * skipped + self.per_pair * sum(n * n for n in lengths)
 
     def dense_per_token(self, seq_len: int) -> float:
         """Per token if every token attended to its whole row of seq_len, document boundaries ignored: the count of
@@ -498,6 +504,8 @@ def training_flops(config: PretrainedConfig, lora_rank: int = 0) -> TrainingFlop
       2 FLOPs less per weight there. A mixture of experts' adapted experts run as W + B A, which takes a weight
       gradient: 6 per weight of the k experts, as in full fine-tuning. QLoRA's 4-bit weights count as the bf16
       matrix multiplies they are dequantized into.
+    The fused loss (--loss-chunk-tokens, common/loss.py) runs the LM head on loss tokens only: a step's count then
+    leaves the head out for every other token (`TrainingFlops.of_documents`' head_tokens, `lm_head` per token).
     Attention, per (query, key) pair of a document: the scores Q K^T and the sum A V, 2 hd FLOPs each per head
     forward, three times that with backward: 12 L H hd. Packed conversations do not attend to each other, so a step
     costs this times the sum over its documents of length^2 (`TrainingFlops.of_documents`), not rows x seq_len^2.
@@ -514,13 +522,15 @@ def training_flops(config: PretrainedConfig, lora_rank: int = 0) -> TrainingFlop
     per_layer, lm_head = sum(weights.values()), V * d
     if not lora_rank:
         per_token = 6.0 * (L * per_layer + lm_head)
+        head = 6.0 * lm_head
     else:
         adapters = lora_parameters(config, lora_rank)
         trained_experts = weights.get("experts", 0)  # W + B A: the experts' matrix multiply takes a weight gradient
         first_qkv = sum(weights[name] + lora_rank * d for name in ("q_proj", "k_proj", "v_proj"))  # + their A
         per_token = (4.0 * (L * (per_layer - trained_experts) + lm_head) + 6.0 * L * trained_experts
                      + 6.0 * L * sum(adapters.values()) - 2.0 * first_qkv)
-    return TrainingFlops(per_token=per_token, per_pair=12.0 * L * H * hd)
+        head = 4.0 * lm_head
+    return TrainingFlops(per_token=per_token, per_pair=12.0 * L * H * hd, lm_head=head)
 
 
 def flops_per_token(config: PretrainedConfig, seq_len: int, lora_rank: int = 0) -> float:

@@ -144,6 +144,83 @@ def test_training_flops_are_what_a_step_multiplies(tokenizer, preset, lora_rank)
     assert flops.of_documents(lengths) == counted["aten.mm"] + 3 * forward
 
 
+@pytest.mark.parametrize("lora_rank", [0, 8])
+def test_the_fused_loss_runs_the_lm_head_on_loss_tokens_only(tokenizer, lora_rank):
+    """torch's FLOP counter over the decoder and common/loss.py's fused loss (what --loss-chunk-tokens runs): the
+    weights' matrix multiplies are the count with the LM head on the loss tokens alone, 6 V d each (4 under LoRA,
+    whose head is frozen), and nothing for the other tokens."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from common.data import IGNORE_INDEX
+    from common.loss import fused_linear_cross_entropy
+
+    torch.manual_seed(0)
+    attention = setup_attention(torch.device("cpu"), "varlen", print_fn=lambda line: None)
+    model = load_model("qwen3-tiny", tokenizer, attention.impl)
+    if lora_rank:
+        model = adapted(model, lora_rank)
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    lengths = [7, 19, 3, 11]
+    position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    labels = torch.randint(0, 8000, position_ids.shape)
+    labels[0, ::3] = IGNORE_INDEX  # 14 of the 40 tokens carry no loss
+    loss_tokens = int((labels != IGNORE_INDEX).sum())
+    def inplace_addmm(accumulator, first, second, *args, out_shape=None, **kwargs):  # the counter knows addmm only
+        return 2 * first[0] * first[1] * second[1]
+
+    with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: inplace_addmm}) as counter:
+        hidden = decoder(input_ids=torch.randint(0, 8000, position_ids.shape), position_ids=position_ids,
+                         attention_mask=None, use_cache=False,
+                         **attention.forward_kwargs(position_ids, torch.device("cpu"))).last_hidden_state
+        fused_linear_cross_entropy(hidden, head.weight, labels, 16, torch.tensor(1.0)).backward()
+    counted = {str(op): flops for op, flops in counter.get_flop_counts()["Global"].items()}
+    flops = training_flops(model.config, lora_rank)
+    weights = counted["aten.mm"] + counted.get("aten.addmm_", 0)  # the head's weight gradient: addmm_, in fp32
+    assert flops.lm_head == (4 if lora_rank else 6) * 8192 * 256  # V x d of qwen3-tiny
+    assert weights == flops.per_token * sum(lengths) - flops.lm_head * (sum(lengths) - loss_tokens)
+    forward = sum(flops for op, flops in counted.items() if "scaled_dot_product" in op and "backward" not in op)
+    assert flops.of_documents(lengths, loss_tokens) == weights + 3 * forward
+    with pytest.raises(ValueError, match="cannot run on 41 of 40 tokens"):
+        flops.of_documents(lengths, 41)
+
+
+def test_a_steps_flops_by_hand_with_and_without_the_fused_loss(tmp_path, monkeypatch):
+    """qwen3-tiny (d 256, 4 layers, 8 heads of 32, 4 KV heads, MLP 768, vocabulary 8,192, tied head), one step of two
+    conversations of 3 and 5 tokens, 4 of them loss tokens, counted by hand; the Recorder turns the fused loss's
+    count on from --loss-chunk-tokens."""
+    monkeypatch.setattr(common.metrics, "peak_memory_gib", lambda device: 1.0)
+    per_layer = 256 * 256 + 2 * 256 * 128 + 256 * 256 + 3 * 256 * 768  # q, k, v, o; gate, up, down
+    head = 8192 * 256
+    pairs = 12 * 4 * 8 * 32 * (3 * 3 + 5 * 5)  # scores and weighted sum, forward and backward, per (query, key)
+    every_token = 6 * (4 * per_layer + head) * 8 + pairs
+    assert every_token == 252_076_032
+    for fused, expected in ((False, every_token), (True, every_token - 6 * head * (8 - 4))):
+        logger = MetricsLogger(out_dir=tmp_path / str(fused), total_steps=1, warmup_steps=0,
+                               model_config=model_config("qwen3-tiny"), device=torch.device("cpu"), world_size=1,
+                               is_main=True, head_on_loss_tokens=fused)
+        record = logger.log_step(1, 1.0, 1e-3, 1.0, tokens=8, loss_tokens=4, step_ms=10.0, comm_ms=None,
+                                 print_fn=lambda line: None, documents=[3, 5])
+        summary = logger.write_summary()
+        assert record["flops"] == expected
+        assert summary["flops_per_token"] == expected / 8
+        assert summary["lm_head_flops_on"] == ("loss tokens" if fused else "every token")
+    assert expected == 201_744_384
+
+    class Config:  # the Recorder's view of a train.py Config
+        out_dir, steps, timing_warmup_steps, comm_profile_steps, lora_rank = tmp_path / "rec", 2, 0, 0, 0
+        report_to, log_every, model = "none", 1, "qwen3-tiny"
+
+    from common.metrics import Recorder
+
+    for chunk, fused in ((None, False), (0, False), (64, True)):  # None: an experiment without the flag
+        if chunk is not None:
+            Config.loss_chunk_tokens = chunk
+        recorder = Recorder("test", Config, torch.device("cpu"), model_config("qwen3-tiny"), None, 1)
+        recorder.collector.close()
+        gc.callbacks.remove(recorder.metrics._time_gc)
+        assert recorder.metrics.head_on_loss_tokens is fused, chunk
+
+
 @pytest.mark.parametrize("packing", [True, False])
 def test_attention_is_counted_per_document_of_each_step(tokenizer, small_data, packing):
     """The step's documents against a brute-force count of the (query, key) pairs that share a conversation in its
