@@ -481,3 +481,49 @@ def test_every_committed_gpu_run_carries_the_flops_of_its_steps():
         if summary["flops_per_token"] is not None:
             records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
             assert all(record["flops"] > record["tokens"] * summary["model"]["parameters"] for record in records), run
+        if (summary["config"].get("loss_chunk_tokens") or 0) > 0 and summary["flops_per_token"] is not None:
+            assert summary["lm_head_flops_on"] == "loss tokens", run  # recorded so, or recounted once
+
+
+def test_the_recount_of_a_fused_loss_run_gives_what_the_recorder_now_records(tmp_path, monkeypatch):
+    """assets/recount_head_flops.py on a run recorded with the head on every token gives the files the Recorder
+    writes now (per-step FLOPs and MFU, the summary's averages, warm-up and profiled steps left out as the run did);
+    a summary that does not follow from its steps is refused; the committed runs need no recount."""
+    import sys
+
+    from conftest import REPO_ROOT
+
+    sys.path.insert(0, str(REPO_ROOT / "assets"))
+    import recount_head_flops
+
+    monkeypatch.setattr(common.metrics, "peak_memory_gib", lambda device: 1.0)
+    monkeypatch.setattr(common.metrics, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    steps = [([100, 300], 150, 200.0), ([400], 90, 100.0), ([50] * 8, 300, 300.0), ([250, 5], 20, 120.0)]
+
+    def recorded(fused: bool):
+        logger = MetricsLogger(out_dir=tmp_path / str(fused), total_steps=4, warmup_steps=1, world_size=1,
+                               device=torch.device("cuda"), model_config=model_config("qwen3-0.6b"), is_main=True,
+                               head_on_loss_tokens=fused)
+        for step, (documents, loss_tokens, step_ms) in enumerate(steps, start=1):
+            logger.log_step(step, 1.0, 1e-3, 1.0, sum(documents), loss_tokens, step_ms, None,
+                            print_fn=lambda line: None, documents=documents)
+        summary = logger.averages(profiled=[3])
+        gc.callbacks.remove(logger._time_gc)  # write_summary would, which this run does not call
+        summary.update(hardware=dict(device_kind="cuda", device_name="NVIDIA H100 80GB HBM3", world_size=1),
+                       config=dict(model="Qwen/Qwen3-0.6B-Base", loss_chunk_tokens=1024, lora_rank=0),
+                       model=dict(parameters=596_049_920))
+        return summary, logger.records
+
+    before, before_steps = recorded(False)
+    now, now_steps = recorded(True)
+    assert recount_head_flops.needs_recount(before)
+    summary, records = recount_head_flops.recount(before, before_steps)
+    assert [r["flops"] for r in records] == pytest.approx([r["flops"] for r in now_steps], rel=1e-12)
+    assert [r["mfu"] for r in records] == pytest.approx([r["mfu"] for r in now_steps], rel=1e-12)
+    assert summary["flops_per_token"] == pytest.approx(now["flops_per_token"], rel=1e-12)
+    assert summary["mfu"] == pytest.approx(now["mfu"], rel=1e-12) and summary["mfu"] < before["mfu"]
+    assert summary["mfu_head_every_token"] == before["mfu"] and summary["lm_head_flops_on"] == "loss tokens"
+    assert not recount_head_flops.needs_recount(summary)
+    with pytest.raises(ValueError, match="is not its timed steps'"):
+        recount_head_flops.recount(dict(before, mfu=before["mfu"] * 1.01), before_steps)
+    assert recount_head_flops.main(["--check"]) == 0
