@@ -34,6 +34,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
     Qwen3MoeConfig
 from transformers.utils import logging as transformers_logging
 
+from common.cli import FlagError, InputError
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # peft's get_peft_model asks transformers 5 for a deprecated attribute on every LoRA run; the warning is about
 # peft's code, not the user's, and nothing they can change.
@@ -110,14 +112,14 @@ def resolve_model_name(name: str) -> tuple[str, str | None]:
         if Path(name).expanduser().is_dir():
             return str(Path(name).expanduser().resolve()), None
         if looks_like_path(name):
-            raise SystemExit(f"--model {name}: no such folder (--model takes a preset, a hub id such as "
-                             f"{DEFAULT_GPU_MODEL}, or a folder written by save_pretrained)")
+            raise FlagError(f"--model {name}: no such folder (--model takes a preset, a hub id such as "
+                            f"{DEFAULT_GPU_MODEL}, or a folder written by save_pretrained)")
         if not is_preset(name) and is_preset(name.lower()):
-            raise SystemExit(f"--model {name}: presets are written in lower case: --model {name.lower()} (random "
-                             f"init); the pretrained weights are a hub id, e.g. {DEFAULT_GPU_MODEL}")
+            raise FlagError(f"--model {name}: presets are written in lower case: --model {name.lower()} (random "
+                            f"init); the pretrained weights are a hub id, e.g. {DEFAULT_GPU_MODEL}")
         close = difflib.get_close_matches(name, [*PRESETS, *MOE_PRESETS], n=1, cutoff=0.8)
         if not is_preset(name) and "/" not in name and close:
-            raise SystemExit(f"--model {name}: no such preset; did you mean {close[0]}?")
+            raise FlagError(f"--model {name}: no such preset; did you mean {close[0]}?")
         return name, None
     if torch.cuda.is_available():
         return DEFAULT_GPU_MODEL, f"--model auto: a GPU is present, using {DEFAULT_GPU_MODEL}"
@@ -138,7 +140,7 @@ def refuse_moe(config: PretrainedConfig) -> None:
     """The dense strategies do not know the router's auxiliary loss, nor that an expert a step does not route to
     gets no gradient: a mixture of experts runs in single-ft or ep-ft, and elsewhere stops before training."""
     if is_moe(config):
-        raise SystemExit(f"this experiment trains dense models; {config.name_or_path or config.model_type} is a "
+        raise InputError(f"this experiment trains dense models; {config.name_or_path or config.model_type} is a "
                          f"mixture of experts ({config.num_experts} experts): use experiments/single-ft or "
                          f"experiments/ep-ft")
 
@@ -345,7 +347,7 @@ def record_adapter_base(save_dir: str | Path, model_name: str, seed: int) -> Non
 def check_vocabulary(name: str, tokenizer, model) -> None:
     """The vocabulary may be larger than the tokenizer's (padded for speed, or a preset's unused rows), not smaller."""
     if len(tokenizer) > model.config.vocab_size:
-        raise SystemExit(f"tokenizer of '{name}' has {len(tokenizer)} tokens but the model only "
+        raise InputError(f"tokenizer of '{name}' has {len(tokenizer)} tokens but the model only "
                          f"{model.config.vocab_size} embedding rows: the model and tokenizer do not belong together")
 
 
