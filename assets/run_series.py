@@ -12,7 +12,9 @@ only source of every number in blogs/ and devlog/ (assets/make_posts.py). A seri
 baseline also keeps their tables (sweep.csv, sweep.md, peer_baseline.json, peer_baseline.md).
 
 Run the series on an idle machine from a clean checkout: each summary.json records the commit (with "-dirty" when
-tracked files had uncommitted changes), and the timings of runs that shared the machine with other work say nothing.
+tracked files had uncommitted changes, and the hash of those changes), and the timings of runs that shared the machine
+with other work say nothing. A checkout with uncommitted changes or untracked files (devlog/data/ aside) is refused,
+so that a committed run is reproducible from its commit; --allow-dirty runs anyway (for a try, not for devlog/data).
 """
 
 from __future__ import annotations
@@ -228,6 +230,14 @@ def run_series(name: str, day: str, dry_run: bool, force: bool) -> list[str]:
     return failures
 
 
+def uncommitted_changes() -> list[str]:
+    """The paths git reports changed or untracked (not ignored) in this checkout, devlog/data/ aside (where the
+    series keep their runs); [] outside a git checkout."""
+    status = subprocess.run(["git", "status", "--porcelain", "--", ".", ":(exclude)devlog/data"], cwd=REPO_ROOT,
+                            capture_output=True, text=True)
+    return [line[3:] for line in status.stdout.splitlines()] if status.returncode == 0 else []
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("series", nargs="*", help=f"series to run: {', '.join(SERIES)}, or all")
@@ -235,12 +245,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--list", action="store_true", help="list the series and their commands")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     parser.add_argument("--force", action="store_true", help="rerun runs that devlog/data already holds")
+    parser.add_argument("--allow-dirty", action="store_true",
+                        help="run from a checkout with uncommitted changes (its runs record <sha>-dirty)")
     args = parser.parse_args(argv)
     names = list(SERIES) if args.series == ["all"] or args.list else args.series
     unknown = [name for name in names if name not in SERIES]
     if unknown or not names:
         parser.error(f"unknown series {', '.join(unknown)}; choose from {', '.join(SERIES)} or all" if unknown
                      else "name a series (or all), or --list")
+    if not (args.dry_run or args.list or args.allow_dirty) and (changes := uncommitted_changes()):
+        sys.exit(f"uncommitted changes ({', '.join(changes[:3])}{', ...' if len(changes) > 3 else ''}): the runs "
+                 f"would record a commit that does not hold what they ran; commit first, or --allow-dirty for a try")
     failures = []
     for name in names:
         failures += run_series(name, args.date, args.dry_run or args.list, args.force)

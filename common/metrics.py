@@ -32,6 +32,7 @@ Definitions (the same in every experiment):
 from __future__ import annotations
 
 import gc
+import hashlib
 import importlib.util
 import json
 import math
@@ -51,9 +52,9 @@ import torch
 import torch.distributed as dist
 from transformers import PretrainedConfig
 
-from common.models import REPO_ROOT, training_flops
-
+from common.cli import FlagError
 from common.dist import print0
+from common.models import REPO_ROOT, training_flops
 
 # Kineto, the profiler behind comm_ms, writes USDT markers on every start and stop and, on a machine without a GPU,
 # an "ERROR ... gpuGetDeviceCount failed" line: noise that makes a working run look broken. Level 6 is above all of
@@ -196,6 +197,27 @@ def git_commit(repo: Path) -> str | None:
     except (OSError, subprocess.CalledProcessError):
         return None
     return head + ("-dirty" if dirty else "")
+
+
+def git_diff_hash(repo: Path) -> str | None:
+    """What a tree differs from its commit by, as 16 hex digits of a SHA-256 over `git diff HEAD` (every tracked
+    change, binary files too) and the names of the untracked files git does not ignore; None on a clean tree or outside
+    a git checkout. Two runs with the same commit and the same hash ran the same tracked files (an untracked file is
+    known by its name only). devlog/data/ is left out: assets/run_series.py writes the committed runs there while a
+    series runs, and they are what a run produces, not what it runs."""
+    def git(*args: str, cwd: Path) -> bytes:
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, check=True).stdout
+
+    try:
+        top = Path(git("rev-parse", "--show-toplevel", cwd=repo).decode().strip())
+        diff = git("diff", "HEAD", "--binary", "--no-color", "--no-ext-diff", cwd=top)
+        untracked = git("ls-files", "--others", "--exclude-standard", "-z", "--", ".", ":(exclude)devlog/data",
+                        cwd=top)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    if not diff and not untracked:
+        return None
+    return hashlib.sha256(diff + b"\0untracked:\0" + untracked).hexdigest()[:16]
 
 
 def _cpu_model() -> str:
@@ -577,7 +599,7 @@ class MetricsLogger:
     def check_report_to(report_to: str) -> None:
         """Stops with one line when --report-to cannot work here; each experiment calls it before anything loads."""
         if report_to not in ("none", "tensorboard"):
-            raise SystemExit(f"--report-to must be none or tensorboard, got {report_to!r}")
+            raise FlagError(f"--report-to must be none or tensorboard, got {report_to!r}")
         if report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
             raise SystemExit("--report-to tensorboard needs the tensorboard package: uv sync --group tensorboard")
 
@@ -866,9 +888,10 @@ class Recorder:
         self.metrics.log_eval(step, loss)
 
     def finish(self, **fields) -> dict:
-        """summary.json: the run's identity (experiment, command, commit, config, hardware, model, data), the averages
-        over the measured steps, the state bytes of every rank, and `fields`, what this strategy measured. Every
-        rank calls it (the state bytes are gathered); rank 0 writes and prints."""
+        """summary.json: the run's identity (experiment, command, commit and, on a dirty tree, the hash of its diff
+        as commit_diff, config, hardware, model, data), the averages over the measured steps, the state bytes of every
+        rank, and `fields`, what this strategy measured. Every rank calls it (the state bytes are gathered); rank 0
+        writes and prints."""
         from dataclasses import asdict
 
         from common.dist import all_ranks
@@ -879,7 +902,8 @@ class Recorder:
         gathered = all_ranks(measured)
         summary = self.metrics.write_summary(
             comm_timer=self.comm, experiment=self.experiment, command=launch_command(),
-            commit=git_commit(self.script_dir) if self.script_dir else None, config=asdict(self.config),
+            commit=git_commit(self.script_dir) if self.script_dir else None,
+            commit_diff=git_diff_hash(self.script_dir) if self.script_dir else None, config=asdict(self.config),
             hardware=hardware_info(self.device, world_size=self.world_size), model=self.model,
             t_eff=self.rows_per_step * self.config.seq_len,
             state_bytes_per_rank=None if measured is None else gathered,

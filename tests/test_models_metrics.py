@@ -527,3 +527,78 @@ def test_the_recount_of_a_fused_loss_run_gives_what_the_recorder_now_records(tmp
     with pytest.raises(ValueError, match="is not its timed steps'"):
         recount_head_flops.recount(dict(before, mfu=before["mfu"] * 1.01), before_steps)
     assert recount_head_flops.main(["--check"]) == 0
+
+
+def test_a_dirty_tree_is_told_apart_by_the_hash_of_its_diff(tmp_path):
+    """git_commit marks uncommitted changes "-dirty"; git_diff_hash names which: the same changes give the same hash
+    (from any folder of the checkout), other changes or another untracked file another one, an ignored file none, a
+    clean tree None."""
+    import subprocess
+
+    from common.metrics import git_commit, git_diff_hash
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "train.py").write_text("lr = 1e-3\n")
+    (tmp_path / "sub" / "keep.txt").write_text("kept\n")
+    (tmp_path / ".gitignore").write_text("runs/\n")
+    git("add", ".")
+    git("commit", "-q", "-m", "first")
+    assert git_diff_hash(tmp_path) is None and not git_commit(tmp_path).endswith("-dirty")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "summary.json").write_text("{}")  # ignored: the tree is still clean
+    (tmp_path / "devlog" / "data" / "a-series").mkdir(parents=True)
+    (tmp_path / "devlog" / "data" / "a-series" / "summary.json").write_text("{}")  # what run_series keeps
+    assert git_diff_hash(tmp_path) is None
+
+    (tmp_path / "train.py").write_text("lr = 2e-3\n")
+    first = git_diff_hash(tmp_path)
+    assert git_commit(tmp_path).endswith("-dirty") and len(first) == 16
+    assert git_diff_hash(tmp_path / "sub") == first  # where the script lives does not change the tree's hash
+    (tmp_path / "train.py").write_text("lr = 3e-3\n")
+    assert git_diff_hash(tmp_path) not in (None, first)
+    (tmp_path / "train.py").write_text("lr = 2e-3\n")
+    assert git_diff_hash(tmp_path) == first  # the same change, the same hash
+    (tmp_path / "sub" / "notes.txt").write_text("new\n")  # untracked, not ignored
+    with_untracked = git_diff_hash(tmp_path)
+    assert with_untracked not in (None, first)
+    (tmp_path / "train.py").write_text("lr = 1e-3\n")  # back to the commit: only the untracked file differs
+    assert git_diff_hash(tmp_path) not in (None, first, with_untracked)
+    assert not git_commit(tmp_path).endswith("-dirty")  # "-dirty" counts tracked files only; the hash sees both
+    assert git_diff_hash(tmp_path.parent / "nowhere") is None
+
+
+def test_run_series_runs_from_a_commit_only(monkeypatch, tmp_path):
+    """assets/run_series.py refuses a checkout with uncommitted changes (its runs would record a commit that does not
+    hold what they ran) unless --allow-dirty; a dry run lists the commands either way; devlog/data/ (where the series
+    keep their runs) does not count as a change."""
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+
+    sys.path.insert(0, str(REPO_ROOT / "assets"))
+    import run_series
+
+    ran = []
+    monkeypatch.setattr(run_series, "run_series", lambda name, day, dry_run, force: ran.append((name, dry_run)) or [])
+    monkeypatch.setattr(run_series, "uncommitted_changes", lambda: ["common/loss.py", "README.md"])
+    with pytest.raises(SystemExit, match=r"uncommitted changes \(common/loss.py, README.md\): .* commit first"):
+        run_series.main(["workload"])
+    assert ran == []
+    run_series.main(["workload", "--dry-run"])
+    run_series.main(["workload", "--allow-dirty"])
+    assert ran == [("workload", True), ("workload", False)]
+
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "devlog" / "data" / "s").mkdir(parents=True)
+    (tmp_path / "devlog" / "data" / "s" / "summary.json").write_text("{}")
+    monkeypatch.undo()  # the real uncommitted_changes, on a checkout that holds only a kept run
+    monkeypatch.setattr(run_series, "REPO_ROOT", tmp_path)
+    assert run_series.uncommitted_changes() == []
+    (tmp_path / "notes.txt").write_text("x")
+    assert run_series.uncommitted_changes() == ["notes.txt"]
