@@ -115,12 +115,33 @@ def memory_runs() -> list[Run]:
     return specs
 
 
+# The bytes each data-parallel strategy hands its collectives in bf16 (what the GPU runs use), on two gloo ranks, which
+# count them exactly: each strategy's own precision layout (DDP reduces fp32 gradients, FSDP2 gathers bf16 weights and
+# reduces fp32, DeepSpeed's bf16 mode gathers bf16 weights and all-reduces fp32 gradients), at m = 1 and 4
+# micro-batches. 5 steps: 2 of warm-up, then 2 under the profiler that counts the collectives, then 1.
+BF16_BYTES = ("--model", "qwen3-tiny", "--seq-len", "256", "--dtype", "bf16", "--steps", "5", "--eval-fraction", "0",
+              "--timing-warmup-steps", "2", "--comm-profile-steps", "2")
+
+
+def bf16_bytes_runs() -> list[Run]:
+    specs = []
+    for m in (1, 4):
+        ga = (*BF16_BYTES, "--grad-accum", str(m))
+        specs += [Run(f"ddp-ft-ga{m}", "ddp-ft", 2, ga), Run(f"fsdp-ft-ga{m}", "fsdp-ft", 2, ga),
+                  Run(f"zero-ft-1-ga{m}", "zero-ft", 2, (*ga, "--zero-stage", "1")),
+                  Run(f"zero-ft-2-ga{m}", "zero-ft", 2, (*ga, "--zero-stage", "2"))]
+    gather_once = ("--no-reshard-after-forward", "--no-reshard-after-backward")
+    specs.append(Run("fsdp-ft-ga4-gather-once", "fsdp-ft", 2, (*BF16_BYTES, "--grad-accum", "4", *gather_once)))
+    return specs
+
+
 SHORT = (*TINY, "--steps", "12")
 MOE = ("--model", "qwen3-moe-tiny", "--seq-len", "256", "--dtype", "fp32", "--steps", "40")
 SERIES: dict[str, list[Run] | Tool] = {
     "workload": workload_runs(),
     "lora": lora_runs(),
     "memory-0.6b": memory_runs(),
+    "bf16-bytes": bf16_bytes_runs(),
     "ddp": [Run(f"ddp-ft-bucket{mb}", "ddp-ft", 2, (*TINY, "--steps", "20", "--grad-accum", "2", "--bucket-cap-mb",
                                                      str(mb))) for mb in (1, 5, 25)]
            + [Run(f"ddp-ft-ga{ga}{suffix}", "ddp-ft", 2, (*TINY, "--steps", "20", "--grad-accum", str(ga), *flag))
