@@ -154,8 +154,8 @@ def test_command_line_run_writes_the_results_contract(tmp_path, small_data, caps
                            r"step_ms \d+ \| comm_ms (\d+|-) \| tok/s [\d,]+ \| mfu (\d\.\d\d|-) \| mem \d+\.\d GiB \| eta \d+m\d\ds$")
     assert [int(m.group(1)) for m in map(step_line.match, lines) if m] == [1, 2, 3]
     summary = json.loads((out / "summary.json").read_text())
-    for key in ("experiment", "command", "config", "hardware", "model", "step_ms", "comm_ms", "tokens_per_s",
-                "tokens_per_s_per_device", "peak_mem_gib", "mfu", "t_eff", "final_loss", "eval_loss",
+    for key in ("experiment", "command", "commit", "commit_diff", "config", "hardware", "model", "step_ms", "comm_ms",
+                "tokens_per_s", "tokens_per_s_per_device", "peak_mem_gib", "mfu", "t_eff", "final_loss", "eval_loss",
                 "packing_efficiency", "n_conversations", "n_truncated", "warmup_steps_excluded", "flops_per_token",
                 "mfu_dense"):
         assert key in summary, key

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from common.cli import parse_config, plan_run, resolve_paths, run, stop_early
+from common.cli import InputError, parse_config, plan_run, resolve_paths, run, stop_early
 
 stop_early(__name__, __file__)  # --help and a flag mistake answer now, before torch and transformers load
 import torch  # noqa: E402
@@ -209,7 +209,7 @@ def shard_experts(model: nn.Module, mesh) -> list[ExpertParallelExperts]:
         if experts is None:  # a dense layer (mlp_only_layers): replicated like attention
             continue
         if experts.num_experts % mesh.size():
-            raise SystemExit(f"{experts.num_experts} experts do not split evenly over {mesh.size()} ranks")
+            raise InputError(f"{experts.num_experts} experts do not split evenly over {mesh.size()} ranks")
         layer.mlp.experts = ExpertParallelExperts(experts, mesh, group)
         sharded.append(layer.mlp.experts)
     return sharded
@@ -237,10 +237,10 @@ def main(argv: list[str] | None = None) -> dict:
     MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
     # What ep-ft does not train stops the run before anything starts (a hub model is checked once loaded).
     if config.lora_rank or config.qlora:
-        raise SystemExit("ep-ft trains every parameter: LoRA on its sharded experts is not built here (single-ft "
+        raise InputError("ep-ft trains every parameter: LoRA on its sharded experts is not built here (single-ft "
                          "--lora-rank trains LoRA on a mixture of experts in one process)")
     if is_preset(config.model) and not is_moe(model_config(config.model)):
-        raise SystemExit(dense_refusal(config.model))
+        raise InputError(dense_refusal(config.model))
 
     # ---------------------------------------------------------------------------------------------------------
     # Processes and device: one process per device, started by torchrun (NCCL/RCCL on GPUs, gloo on CPU).
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
                           subset=config.data_config, columns=config.data_columns,
                           train_empty_think=config.train_empty_think)
     except DataError as error:
-        raise SystemExit(f"bad training data: {error}") from None
+        raise InputError(f"bad training data: {error}") from None
     print0(describe(data.stats, config.seq_len, config.packing))
     if config.show_sample:
         print0(sample_text(data, tokenizer))
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = load_model(config.model, tokenizer, attention.impl, dtype=torch.float32, device=device,
                            allow_moe=True)
     if not is_moe(model.config):
-        raise SystemExit(dense_refusal(config.model))
+        raise InputError(dense_refusal(config.model))
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("ep",))
     ep_layers = shard_experts(model, mesh)
     if config.activation_checkpointing:

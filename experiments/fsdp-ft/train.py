@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from common.cli import parse_config, plan_run, resolve_paths, run, stop_early
+from common.cli import InputError, parse_config, plan_run, resolve_paths, run, stop_early
 
 stop_early(__name__, __file__)  # --help and a flag mistake answer now, before torch and transformers load
 import torch  # noqa: E402
@@ -122,7 +122,7 @@ def resolve(config: Config) -> Config:
         config.lora_alpha = 2.0 * config.lora_rank
     resolve_paths(config, EXPERIMENT)  # --data found, --out-dir under the working directory, --resume
     if not config.reshard_after_backward and config.reshard_after_forward:
-        raise SystemExit("--no-reshard-after-backward keeps the gathered weights from one micro-batch to the next only "
+        raise InputError("--no-reshard-after-backward keeps the gathered weights from one micro-batch to the next only "
                          "if forward keeps them too: add --no-reshard-after-forward")
     return config
 
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = parse_config(Config, argv)  # a flag mistake stops with one line (common/cli.py)
     MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
     if config.qlora:
-        raise SystemExit("--qlora is not offered by fsdp-ft: fully_shard would have to shard bitsandbytes' packed "
+        raise InputError("--qlora is not offered by fsdp-ft: fully_shard would have to shard bitsandbytes' packed "
                          "4-bit weights (bnb_4bit_quant_storage=bf16), which is unverified here; use ddp-ft --qlora "
                          "(a 4-bit Qwen3-4B fits one 24 GB GPU)")
 
@@ -210,14 +210,14 @@ def main(argv: list[str] | None = None) -> dict:
                                 rank=0, world_size=1)
     # --cpu-offload: loading the CPU shards and their gradient norm are collectives on CPU tensors, not for NCCL.
     if config.cpu_offload and "cpu:" not in dist.get_backend_config():
-        raise SystemExit(f"--cpu-offload needs a process group with a CPU backend, e.g. 'cpu:gloo,cuda:nccl'; this "
+        raise InputError(f"--cpu-offload needs a process group with a CPU backend, e.g. 'cpu:gloo,cuda:nccl'; this "
                          f"one is '{dist.get_backend_config()}' (common/dist.py creates it)")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     # HSDP (--replicate-degree R): a 2-D mesh, R replicas x world/R shards; only the gradient all-reduce crosses
     # between shard groups (README).
     replicas = config.replicate_degree
     if replicas < 1 or world_size % replicas:
-        raise SystemExit(f"--replicate-degree {replicas} must divide the world size {world_size}")
+        raise InputError(f"--replicate-degree {replicas} must divide the world size {world_size}")
     shard_size = world_size // replicas
     mesh = (init_device_mesh(device.type, (replicas, shard_size), mesh_dim_names=("replicate", "shard"))
             if replicas > 1 else init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",)))
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
                           subset=config.data_config, columns=config.data_columns,
                           train_empty_think=config.train_empty_think)
     except DataError as error:
-        raise SystemExit(f"bad training data: {error}") from None
+        raise InputError(f"bad training data: {error}") from None
     print0(describe(data.stats, config.seq_len, config.packing))
     if config.show_sample:
         print0(sample_text(data, tokenizer))

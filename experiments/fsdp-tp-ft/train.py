@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from common.cli import parse_config, plan_run, resolve_paths, run, stop_early
+from common.cli import InputError, parse_config, plan_run, resolve_paths, run, stop_early
 
 stop_early(__name__, __file__)  # --help and a flag mistake answer now, before torch and transformers load
 import torch  # noqa: E402
@@ -130,10 +130,10 @@ def resolve(config: Config) -> Config:
         config.lora_alpha = 2.0 * config.lora_rank
     resolve_paths(config, EXPERIMENT)  # --data found, --out-dir under the working directory, --resume
     if config.compile:
-        raise SystemExit(f"{EXPERIMENT} refuses --compile: it uses tp-ft's plan, whose compiled decoder layer fails in "
+        raise InputError(f"{EXPERIMENT} refuses --compile: it uses tp-ft's plan, whose compiled decoder layer fails in "
                          "backward inside DTensor's redistribution (torch 2.15 on CPU; see tp-ft's README)")
     if config.loss_chunk_tokens:
-        raise SystemExit(f"{EXPERIMENT} has no --loss-chunk-tokens: loss parallelism already splits the logits over "
+        raise InputError(f"{EXPERIMENT} has no --loss-chunk-tokens: loss parallelism already splits the logits over "
                          "the vocabulary; chunking them too is not built yet (see tp-ft's README)")
     return config
 
@@ -178,7 +178,7 @@ def check_divisible(config, tp: int) -> None:
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
         value = getattr(config, field)
         if value % tp:
-            raise SystemExit(f"tensor parallelism over {tp} ranks needs {field} ({value}) divisible by {tp}; "
+            raise InputError(f"tensor parallelism over {tp} ranks needs {field} ({value}) divisible by {tp}; "
                              f"choose a --tp-degree that divides it")
 
 
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     tp = config.tp_degree if world_size > 1 else 1
     if config.tp_degree < 1 or world_size % tp:
-        raise SystemExit(f"--tp-degree {config.tp_degree} must divide the world size {world_size}: run torchrun "
+        raise InputError(f"--tp-degree {config.tp_degree} must divide the world size {world_size}: run torchrun "
                          f"--nproc_per_node=<a multiple of {config.tp_degree}>")
     dp = world_size // tp
     # Row-major: rank = dp_index x tp + tp_index, so the tp ranks of a row are consecutive, one node's GPUs when
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> dict:
                           subset=config.data_config, columns=config.data_columns,
                           train_empty_think=config.train_empty_think)
     except DataError as error:
-        raise SystemExit(f"bad training data: {error}") from None
+        raise InputError(f"bad training data: {error}") from None
     print0(describe(data.stats, config.seq_len, config.packing))
     if config.show_sample:
         print0(sample_text(data, tokenizer))

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from common.cli import parse_config, plan_run, resolve_paths, run, stop_early
+from common.cli import InputError, parse_config, plan_run, resolve_paths, run, stop_early
 
 stop_early(__name__, __file__)  # --help and a flag mistake answer now, before torch and transformers load
 import torch  # noqa: E402
@@ -120,22 +120,22 @@ def resolve(config: Config, world_size: int) -> Config:
         config.lora_alpha = 2.0 * config.lora_rank
     resolve_paths(config, EXPERIMENT)  # --data found, --out-dir under the working directory, --resume
     if config.loss_chunk_tokens:
-        raise SystemExit(f"{EXPERIMENT} has no --loss-chunk-tokens yet: the last stage would have to take the labels "
+        raise InputError(f"{EXPERIMENT} has no --loss-chunk-tokens yet: the last stage would have to take the labels "
                          "and apply the tied LM head inside the chunked loss instead of returning logits to the "
                          "schedule's loss function (see the README)")
     if config.stages is None:
         config.stages = world_size
     if config.stages < 1 or world_size % config.stages:
-        raise SystemExit(f"--stages {config.stages} must divide the number of processes ({world_size}): "
+        raise InputError(f"--stages {config.stages} must divide the number of processes ({world_size}): "
                          f"run torchrun --nproc_per_node=<a multiple of {config.stages}>")
     # bf16 accumulates gradients in fp32 (as single-ft) only in DeepSpeed's ZeRO-1 BF16_Optimizer (README).
     if config.zero_stage is None:
         config.zero_stage = 1 if config.dtype == "bf16" else 0
     if config.zero_stage not in (0, 1):
-        raise SystemExit(f"--zero-stage must be 0 or 1 (DeepSpeed's pipeline engine rejects ZeRO-2 and 3), "
+        raise InputError(f"--zero-stage must be 0 or 1 (DeepSpeed's pipeline engine rejects ZeRO-2 and 3), "
                          f"got {config.zero_stage}")
     if config.dtype == "bf16" and config.zero_stage == 0:
-        raise SystemExit("--dtype bf16 needs --zero-stage 1 here: DeepSpeed accumulates bf16 gradients in fp32 only "
+        raise InputError("--dtype bf16 needs --zero-stage 1 here: DeepSpeed accumulates bf16 gradients in fp32 only "
                          "in its ZeRO-1 bf16 optimizer (with one data-parallel replica it shards nothing)")
     return config
 
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
                           subset=config.data_config, columns=config.data_columns,
                           train_empty_think=config.train_empty_think)
     except DataError as error:
-        raise SystemExit(f"bad training data: {error}") from None
+        raise InputError(f"bad training data: {error}") from None
     print0(describe(data.stats, config.seq_len, config.packing))
     if config.show_sample:
         print0(sample_text(data, tokenizer))

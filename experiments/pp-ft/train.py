@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from common.cli import parse_config, plan_run, resolve_paths, run, stop_early
+from common.cli import InputError, parse_config, plan_run, resolve_paths, run, stop_early
 
 stop_early(__name__, __file__)  # --help and a flag mistake answer now, before torch and transformers load
 import torch  # noqa: E402
@@ -119,15 +119,15 @@ def resolve(config: Config) -> Config:
         config.lora_alpha = 2.0 * config.lora_rank
     resolve_paths(config, EXPERIMENT)  # --data found, --out-dir under the working directory, --resume
     if config.loss_chunk_tokens:
-        raise SystemExit(f"{EXPERIMENT} has no --loss-chunk-tokens yet: the last stage would have to take the labels "
+        raise InputError(f"{EXPERIMENT} has no --loss-chunk-tokens yet: the last stage would have to take the labels "
                          "and apply the tied LM head inside the chunked loss instead of returning logits to the "
                          "schedule's loss function (see the README)")
     if config.stages_per_rank is None:
         config.stages_per_rank = 2 if config.schedule in ("interleaved-1f1b", "zbv") else 1
     if config.schedule in ("gpipe", "1f1b") and config.stages_per_rank != 1:
-        raise SystemExit(f"--schedule {config.schedule} runs one stage per rank; for more use interleaved-1f1b")
+        raise InputError(f"--schedule {config.schedule} runs one stage per rank; for more use interleaved-1f1b")
     if config.schedule == "zbv" and config.stages_per_rank != 2:
-        raise SystemExit("--schedule zbv places exactly 2 stages per rank (a V); leave --stages-per-rank at 2")
+        raise InputError("--schedule zbv places exactly 2 stages per rank (a V); leave --stages-per-rank at 2")
     return config
 
 
@@ -154,14 +154,14 @@ def pipeline_layout(n_layers: int, n_ranks: int, stages_per_rank: int, schedule:
     """
     n_stages = n_ranks * stages_per_rank
     if n_layers < n_stages:
-        raise SystemExit(f"{n_stages} pipeline stages need at least one decoder layer each; the model has {n_layers}")
+        raise InputError(f"{n_stages} pipeline stages need at least one decoder layer each; the model has {n_layers}")
     if split:
         try:
             bounds = [int(value) for value in split.split(",")]
         except ValueError:
-            raise SystemExit(f"--split {split!r}: expected comma-separated layer indices, e.g. 14 or 7,14,21") from None
+            raise InputError(f"--split {split!r}: expected comma-separated layer indices, e.g. 14 or 7,14,21") from None
         if len(bounds) != n_stages - 1 or bounds != sorted(set(bounds)) or not 0 < bounds[0] <= bounds[-1] < n_layers:
-            raise SystemExit(f"--split {split!r}: {n_stages} stages need {n_stages - 1} increasing layer indices "
+            raise InputError(f"--split {split!r}: {n_stages} stages need {n_stages - 1} increasing layer indices "
                              f"between 1 and {n_layers - 1} (the first layer of stages 1..{n_stages - 1})")
     else:
         # Even split; the remainder goes to the first stages, since the last one also carries the LM head.
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict:
     if config.stages is None:
         config.stages = world_size * v
     if config.stages < 1 or config.stages % v or world_size % (config.stages // v):
-        raise SystemExit(f"--stages {config.stages} must be a multiple of --stages-per-rank {v} whose quotient (ranks "
+        raise InputError(f"--stages {config.stages} must be a multiple of --stages-per-rank {v} whose quotient (ranks "
                          f"per pipeline) divides the number of processes ({world_size}): run torchrun "
                          f"--nproc_per_node=<a multiple of {max(1, config.stages // v)}>")
     pp_size = config.stages // v
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> dict:
     # `rank` is this rank's place in its pipeline (what stage_rank below refers to); `replica` which rows it reads.
     rank, replica = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     if replicas > 1 and config.schedule == "zbv":
-        raise SystemExit("--schedule zbv does not combine with data-parallel replicas here: its weight-gradient pass "
+        raise InputError("--schedule zbv does not combine with data-parallel replicas here: its weight-gradient pass "
                          "does not fire DDP's hooks (the steps come out wrong); use 1f1b, gpipe or interleaved-1f1b")
     record_collectives_in(config.out_dir)  # CUDA: where NCCL's flight recorder dumps on a timeout
     print0(f"config: {json.dumps(asdict(config))}")
@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> dict:
                           subset=config.data_config, columns=config.data_columns,
                           train_empty_think=config.train_empty_think)
     except DataError as error:
-        raise SystemExit(f"bad training data: {error}") from None
+        raise InputError(f"bad training data: {error}") from None
     print0(describe(data.stats, config.seq_len, config.packing))
     if config.show_sample:
         print0(sample_text(data, tokenizer))
@@ -513,7 +513,7 @@ def main(argv: list[str] | None = None) -> dict:
                                   n_microbatches=config.grad_accum, loss_fn=trace.time_loss(loss_fn, n_stages - 1),
                                   scale_grads=False)
     except ValueError as error:
-        raise SystemExit(f"--schedule {config.schedule} with {n_stages} stages and --grad-accum {config.grad_accum}: "
+        raise InputError(f"--schedule {config.schedule} with {n_stages} stages and --grad-accum {config.grad_accum}: "
                          f"{error} (more micro-batches also shrink the bubble)") from None
 
     # ---------------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from common.cli import parse_config, plan_run, resolve_paths, run, stop_early
+from common.cli import InputError, parse_config, plan_run, resolve_paths, run, stop_early
 
 stop_early(__name__, __file__)  # --help and a flag mistake answer now, before torch and transformers load
 import torch  # noqa: E402
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = parse_config(Config, argv)  # a flag mistake stops with one line (common/cli.py)
     MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
     if config.qlora and (problem := qlora_unavailable(config.merge_lora, config.dtype)):
-        raise SystemExit(problem)  # before anything starts or loads
+        raise InputError(problem)  # before anything starts or loads
 
     # ---------------------------------------------------------------------------------------------------------
     # Process and device: a single process here; init_distributed still picks the device (cuda:0 or cpu).
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
                           subset=config.data_config, columns=config.data_columns,
                           train_empty_think=config.train_empty_think)
     except DataError as error:
-        raise SystemExit(f"bad training data: {error}") from None
+        raise InputError(f"bad training data: {error}") from None
     print0(describe(data.stats, config.seq_len, config.packing))
     if config.show_sample:
         print0(sample_text(data, tokenizer))

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from common.cli import parse_config, plan_run, resolve_paths, run, stop_early
+from common.cli import InputError, parse_config, plan_run, resolve_paths, run, stop_early
 
 stop_early(__name__, __file__)  # --help and a flag mistake answer now, before torch and transformers load
 import torch  # noqa: E402
@@ -111,10 +111,10 @@ def resolve(config: Config) -> Config:
         config.lora_alpha = 2.0 * config.lora_rank
     resolve_paths(config, EXPERIMENT)  # --data found, --out-dir under the working directory, --resume
     if config.compile:
-        raise SystemExit(f"{EXPERIMENT} refuses --compile: a compiled decoder layer under this plan fails in backward "
+        raise InputError(f"{EXPERIMENT} refuses --compile: a compiled decoder layer under this plan fails in backward "
                          "inside DTensor's redistribution (torch 2.15); tp-sp-ft's plan compiles (see the README)")
     if config.loss_chunk_tokens:
-        raise SystemExit(f"{EXPERIMENT} has no --loss-chunk-tokens: loss parallelism already splits the logits over "
+        raise InputError(f"{EXPERIMENT} has no --loss-chunk-tokens: loss parallelism already splits the logits over "
                          "the vocabulary; chunking them too is not built yet (see the README)")
     return config
 
@@ -134,7 +134,7 @@ def check_divisible(config, tp: int) -> None:
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
         value = getattr(config, field)
         if value % tp:
-            raise SystemExit(f"tensor parallelism over {tp} ranks needs {field} ({value}) divisible by {tp}; "
+            raise InputError(f"tensor parallelism over {tp} ranks needs {field} ({value}) divisible by {tp}; "
                              f"run with a --nproc_per_node that divides it")
 
 
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
                           subset=config.data_config, columns=config.data_columns,
                           train_empty_think=config.train_empty_think)
     except DataError as error:
-        raise SystemExit(f"bad training data: {error}") from None
+        raise InputError(f"bad training data: {error}") from None
     print0(describe(data.stats, config.seq_len, config.packing))
     if config.show_sample:
         print0(sample_text(data, tokenizer))

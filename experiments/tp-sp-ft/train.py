@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from common.cli import parse_config, plan_run, resolve_paths, run, stop_early
+from common.cli import InputError, parse_config, plan_run, resolve_paths, run, stop_early
 
 stop_early(__name__, __file__)  # --help and a flag mistake answer now, before torch and transformers load
 import torch  # noqa: E402
@@ -123,7 +123,7 @@ def resolve(config: Config) -> Config:
         config.lora_alpha = 2.0 * config.lora_rank
     resolve_paths(config, EXPERIMENT)  # --data found, --out-dir under the working directory, --resume
     if config.loss_chunk_tokens:
-        raise SystemExit(f"{EXPERIMENT} has no --loss-chunk-tokens: loss parallelism already splits the logits over "
+        raise InputError(f"{EXPERIMENT} has no --loss-chunk-tokens: loss parallelism already splits the logits over "
                          "the vocabulary; chunking them too is not built yet (see the README)")
     return config
 
@@ -143,7 +143,7 @@ def check_divisible(config, tp: int) -> None:
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
         value = getattr(config, field)
         if value % tp:
-            raise SystemExit(f"tensor parallelism over {tp} ranks needs {field} ({value}) divisible by {tp}; "
+            raise InputError(f"tensor parallelism over {tp} ranks needs {field} ({value}) divisible by {tp}; "
                              f"run with a --nproc_per_node that divides it")
 
 
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
     tp_mesh = init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",))
     config = resolve(config)
     if config.seq_len % tp:
-        raise SystemExit(f"sequence parallelism gives each of the {tp} ranks seq_len/{tp} tokens of every row: "
+        raise InputError(f"sequence parallelism gives each of the {tp} ranks seq_len/{tp} tokens of every row: "
                          f"--seq-len {config.seq_len} must be divisible by {tp}")
     # The default out-dir carries a time stamp: take rank 0's, so that every rank writes into the same folder.
     out_dir = [config.out_dir]
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
                           subset=config.data_config, columns=config.data_columns,
                           train_empty_think=config.train_empty_think)
     except DataError as error:
-        raise SystemExit(f"bad training data: {error}") from None
+        raise InputError(f"bad training data: {error}") from None
     print0(describe(data.stats, config.seq_len, config.packing))
     if config.show_sample:
         print0(sample_text(data, tokenizer))

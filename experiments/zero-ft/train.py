@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from common.cli import parse_config, plan_run, resolve_paths, run, stop_early
+from common.cli import InputError, parse_config, plan_run, resolve_paths, run, stop_early
 
 stop_early(__name__, __file__)  # --help and a flag mistake answer now, before torch and transformers load
 import torch  # noqa: E402
@@ -120,9 +120,9 @@ def resolve(config: Config) -> Config:
         config.lora_alpha = 2.0 * config.lora_rank
     resolve_paths(config, EXPERIMENT)  # --data found, --out-dir under the working directory, --resume
     if config.zero_stage not in (1, 2, 3):
-        raise SystemExit(f"--zero-stage must be 1, 2 or 3, got {config.zero_stage} (stage 0 is plain DDP: see ddp-ft)")
+        raise InputError(f"--zero-stage must be 1, 2 or 3, got {config.zero_stage} (stage 0 is plain DDP: see ddp-ft)")
     if config.compile and config.zero_stage == 3:
-        raise SystemExit("--compile needs --zero-stage 1 or 2: ZeRO-3 gathers each projection's weight in hooks that "
+        raise InputError("--compile needs --zero-stage 1 or 2: ZeRO-3 gathers each projection's weight in hooks that "
                          "break a compiled decoder layer into small graphs between the gathers (see README.md)")
     return config
 
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
                           subset=config.data_config, columns=config.data_columns,
                           train_empty_think=config.train_empty_think)
     except DataError as error:
-        raise SystemExit(f"bad training data: {error}") from None
+        raise InputError(f"bad training data: {error}") from None
     print0(describe(data.stats, config.seq_len, config.packing))
     if config.show_sample:
         print0(sample_text(data, tokenizer))
