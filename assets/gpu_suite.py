@@ -539,8 +539,9 @@ def parity(run_dir: Path, reference_dir: Path) -> float | None:
 # ---------------------------------------------------------------------------------------------------------------
 # The entry and the archive
 
-# peak_mem beside predicted_now: common.memory's peak for each run's settings (tests/test_memory.py holds every
-# committed GPU run to it)
+# peak_mem beside predicted_now: common.memory's peak for each run's settings, computed from its summary.json
+# (tests/test_memory.py holds every committed GPU run to it); predicted_peak, the one a run recorded when it started,
+# only where runs recorded one (they no longer do: predictions are made outside the run)
 TARGET_COLUMNS = ("run,seq,micro,ga,lora,t_eff,step_ms,step_ms_median,step_ms_max,tok_s,tok_s_median,mfu,peak_mem,"
                   "predicted_now,predicted_peak,field:gc_ms_max:.1f,field:recompiles:d,field:warmup_steps_observed:d")
 LADDER_COLUMNS = ("run,seq,micro,lora,t_eff,step_ms,step_ms_median,step_ms_max,tok_s,tok_s_median,mfu,peak_mem,"
@@ -603,6 +604,8 @@ def write_entry(root: Path, entry: Path, series: str, plan: Plan, done: dict[str
             ref = f" ref={data}/{references[0].name}" if references else ""
             columns = (TARGET_COLUMNS if ladder.startswith("targets") else LADDER_COLUMNS)
             columns = columns.replace("mfu,", "rel:tok_s,mfu,") if ref else columns
+            if not any("predicted_peak_mem_gib" in load_run(root / data / rung.name).summary for rung in measured):
+                columns = columns.replace(",predicted_peak,", ",")
             lines += [f"<!-- generated:table runs={names} cols={columns}{ref} -->", "<!-- /generated -->", ""]
             twins = [rung for rung in measured if references and rung.reference == references[0].name
                      and parity(root / data / rung.name, root / data / references[0].name) is not None]

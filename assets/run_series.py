@@ -12,7 +12,9 @@ only source of every number in blogs/ and devlog/ (assets/make_posts.py). A seri
 baseline also keeps their tables (sweep.csv, sweep.md, peer_baseline.json, peer_baseline.md).
 
 Run the series on an idle machine from a clean checkout: each summary.json records the commit (with "-dirty" when
-tracked files had uncommitted changes), and the timings of runs that shared the machine with other work say nothing.
+tracked files had uncommitted changes, and the hash of those changes), and the timings of runs that shared the machine
+with other work say nothing. A checkout with uncommitted changes or untracked files (devlog/data/ aside) is refused,
+so that a committed run is reproducible from its commit; --allow-dirty runs anyway (for a try, not for devlog/data).
 """
 
 from __future__ import annotations
@@ -113,12 +115,33 @@ def memory_runs() -> list[Run]:
     return specs
 
 
+# The bytes each data-parallel strategy hands its collectives in bf16 (what the GPU runs use), on two gloo ranks, which
+# count them exactly: each strategy's own precision layout (DDP reduces fp32 gradients, FSDP2 gathers bf16 weights and
+# reduces fp32, DeepSpeed's bf16 mode gathers bf16 weights and all-reduces fp32 gradients), at m = 1 and 4
+# micro-batches. 5 steps: 2 of warm-up, then 2 under the profiler that counts the collectives, then 1.
+BF16_BYTES = ("--model", "qwen3-tiny", "--seq-len", "256", "--dtype", "bf16", "--steps", "5", "--eval-fraction", "0",
+              "--timing-warmup-steps", "2", "--comm-profile-steps", "2")
+
+
+def bf16_bytes_runs() -> list[Run]:
+    specs = []
+    for m in (1, 4):
+        ga = (*BF16_BYTES, "--grad-accum", str(m))
+        specs += [Run(f"ddp-ft-ga{m}", "ddp-ft", 2, ga), Run(f"fsdp-ft-ga{m}", "fsdp-ft", 2, ga),
+                  Run(f"zero-ft-1-ga{m}", "zero-ft", 2, (*ga, "--zero-stage", "1")),
+                  Run(f"zero-ft-2-ga{m}", "zero-ft", 2, (*ga, "--zero-stage", "2"))]
+    gather_once = ("--no-reshard-after-forward", "--no-reshard-after-backward")
+    specs.append(Run("fsdp-ft-ga4-gather-once", "fsdp-ft", 2, (*BF16_BYTES, "--grad-accum", "4", *gather_once)))
+    return specs
+
+
 SHORT = (*TINY, "--steps", "12")
 MOE = ("--model", "qwen3-moe-tiny", "--seq-len", "256", "--dtype", "fp32", "--steps", "40")
 SERIES: dict[str, list[Run] | Tool] = {
     "workload": workload_runs(),
     "lora": lora_runs(),
     "memory-0.6b": memory_runs(),
+    "bf16-bytes": bf16_bytes_runs(),
     "ddp": [Run(f"ddp-ft-bucket{mb}", "ddp-ft", 2, (*TINY, "--steps", "20", "--grad-accum", "2", "--bucket-cap-mb",
                                                      str(mb))) for mb in (1, 5, 25)]
            + [Run(f"ddp-ft-ga{ga}{suffix}", "ddp-ft", 2, (*TINY, "--steps", "20", "--grad-accum", str(ga), *flag))
@@ -228,6 +251,14 @@ def run_series(name: str, day: str, dry_run: bool, force: bool) -> list[str]:
     return failures
 
 
+def uncommitted_changes() -> list[str]:
+    """The paths git reports changed or untracked (not ignored) in this checkout, devlog/data/ aside (where the
+    series keep their runs); [] outside a git checkout."""
+    status = subprocess.run(["git", "status", "--porcelain", "--", ".", ":(exclude)devlog/data"], cwd=REPO_ROOT,
+                            capture_output=True, text=True)
+    return [line[3:] for line in status.stdout.splitlines()] if status.returncode == 0 else []
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("series", nargs="*", help=f"series to run: {', '.join(SERIES)}, or all")
@@ -235,12 +266,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--list", action="store_true", help="list the series and their commands")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     parser.add_argument("--force", action="store_true", help="rerun runs that devlog/data already holds")
+    parser.add_argument("--allow-dirty", action="store_true",
+                        help="run from a checkout with uncommitted changes (its runs record <sha>-dirty)")
     args = parser.parse_args(argv)
     names = list(SERIES) if args.series == ["all"] or args.list else args.series
     unknown = [name for name in names if name not in SERIES]
     if unknown or not names:
         parser.error(f"unknown series {', '.join(unknown)}; choose from {', '.join(SERIES)} or all" if unknown
                      else "name a series (or all), or --list")
+    if not (args.dry_run or args.list or args.allow_dirty) and (changes := uncommitted_changes()):
+        sys.exit(f"uncommitted changes ({', '.join(changes[:3])}{', ...' if len(changes) > 3 else ''}): the runs "
+                 f"would record a commit that does not hold what they ran; commit first, or --allow-dirty for a try")
     failures = []
     for name in names:
         failures += run_series(name, args.date, args.dry_run or args.list, args.force)

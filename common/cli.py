@@ -10,7 +10,8 @@ script's source (ast and tokenize; it imports neither torch nor transformers), s
   and, when it defaults to on, also `--no-flag`.
 A run that stops (SystemExit with a message) under torchrun prints its line on rank 0 only and leaves it in
 torchrun's error file, so the launcher's failure summary ends with the same line instead of "To enable traceback
-see ...": `run(main)` at the bottom of each script.
+see ...": `run(main)` at the bottom of each script. A refusal of the input (InputError: bad flags, bad training data,
+a model or world size the strategy cannot take) is the same on every rank: rank 0 alone reports it, exit status 2.
 """
 
 from __future__ import annotations
@@ -33,8 +34,14 @@ PACKAGE_ROOT = Path(__file__).resolve().parent  # common/ (installed or in the r
 PROJECT_ROOT = PACKAGE_ROOT.parent  # the repository, when common/ is used from a clone (an editable install)
 
 
-class FlagError(SystemExit):
-    """A mistake on the command line alone (the same on every rank): exit status 2, as argparse's."""
+class InputError(SystemExit):
+    """A refusal of the run's input, reached the same way on every rank: the flags, the training data, what the model
+    or the number of processes allows. Exit status 2, as argparse's; under torchrun rank 0 reports it and the other
+    ranks leave quietly (report_stop), so the launcher's failure summary lists it once."""
+
+
+class FlagError(InputError):
+    """A mistake on the command line alone (the same on every rank)."""
 
 
 @dataclass(frozen=True)
@@ -257,9 +264,9 @@ def report_stop(stop: SystemExit) -> int:
     message = str(message)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     launched = error_file and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if isinstance(stop, FlagError) and launched and _rank() != 0:
-        # The same argv gives every rank the same mistake: rank 0 reports it; the others leave quietly, exit status 0,
-        # so that torchrun's summary lists one failure, not one per rank.
+    if isinstance(stop, InputError) and launched and _rank() != 0:
+        # The same argv and data give every rank the same refusal: rank 0 reports it; the others leave quietly, exit
+        # status 0, so that torchrun's summary lists one failure, not one per rank.
         return 0
     if error_file:
         # torchrun's failure summary shows the record's "py_callstack" as the failure's traceback: our line.
@@ -267,9 +274,9 @@ def report_stop(stop: SystemExit) -> int:
         Path(error_file).write_text(json.dumps({"message": record}))
     if _rank() == 0 or not error_file:
         print(message, file=sys.stderr, flush=True)
-    if isinstance(stop, FlagError):
+    if isinstance(stop, InputError):
         if launched:
-            time.sleep(1.0)  # the other ranks, stopping on the same mistake, leave first (not killed as failures)
+            time.sleep(1.0)  # the other ranks, stopping on the same refusal, leave first (not killed as failures)
         return 2
     return 1
 

@@ -1,7 +1,9 @@
 """What each strategy's collectives carry per optimizer step, from the model's shape and the run's settings.
 
 The formulas here predict the `collective_bytes_per_step` that torch.profiler measures (common/metrics.py), and the
-tests hold each experiment's measured calls and bytes to them. Conventions, the same as the measurement's:
+tests hold each experiment's measured calls and bytes to them. No training run calls them: `predict_collectives`
+computes a recorded run's from its summary.json (config, world size, the model rebuilt on the meta device).
+Conventions, the same as the measurement's:
 - bytes are those of the buffer one rank hands to the collective: the whole tensor for an all-reduce, a broadcast,
   a send or a receive; the local shard for an all-gather; the full (unreduced) input for a reduce-scatter;
 - keys are the logical collectives ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv");
@@ -12,10 +14,11 @@ tests hold each experiment's measured calls and bytes to them. Conventions, the 
 
 from __future__ import annotations
 
+import functools
 import math
 
 from common.memory import DEEPSPEED_MAX_LIVE_PARAMETERS, DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD, \
-    DEEPSPEED_PREFETCH_BUCKET_ELEMENTS, DEEPSPEED_REDUCE_BUCKET_ELEMENTS
+    DEEPSPEED_PREFETCH_BUCKET_ELEMENTS, DEEPSPEED_REDUCE_BUCKET_ELEMENTS, EXPERIMENT_STRATEGY, run_model
 
 
 def wire_bytes(kind: str, buffer_bytes: float, world_size: int) -> float:
@@ -379,6 +382,38 @@ def deepspeed_pipeline_collectives(n_stages: int, stage: int, *, microbatches: i
     return result
 
 
+def bubble_textbook(schedule: str, n_ranks: int, n_microbatches: int, stages_per_rank: int) -> tuple[float, str]:
+    """The idle share of a step if every stage took the same time and communication were free.
+
+    GPipe and 1F1B: (p-1)/(m+p-1). Each rank idles for p-1 micro-batch slots while the pipeline fills and drains,
+    out of m+p-1 slots. GPipe (Huang et al. 2019, arXiv:1811.06965: bubble overhead O((K-1)/(M+K-1)) for K stages and
+    M micro-batches); 1F1B has the same bubble but keeps at most p micro-batches in flight (Narayanan et al. 2021,
+    arXiv:2104.04473, section 2.2.1: bubble/ideal = (p-1)/m, i.e. (p-1)/(m+p-1) of the total).
+    Interleaved 1F1B with v stages per rank: each slot is v times shorter, so (p-1)/(v*m+p-1) (ibid. section 2.2.2:
+    bubble/ideal = (p-1)/(v*m)).
+    ZBV: 0 when a forward, an input-gradient backward and a weight-gradient backward take the same time and
+    m >= 2p (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", arXiv:2401.10241, section 6); real stages
+    are not that even, so some bubble remains.
+    """
+    p, m, v = n_ranks, n_microbatches, stages_per_rank
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1), "(p-1)/(m+p-1)"
+    if schedule == "interleaved-1f1b":
+        return (p - 1) / (v * m + p - 1), "(p-1)/(v*m+p-1)"
+    return 0.0, "0 if T_F = T_B = T_W (zero bubble)"
+
+
+def predict_bubble(summary: dict) -> tuple[float, str] | None:
+    """bubble_textbook for a recorded pipeline run (summary.json's `pipeline`), beside its measured bubble_fraction;
+    None for a run without a pipeline. pp-ds-ft runs DeepSpeed's 1F1B over its stages, one per rank."""
+    pipeline = summary.get("pipeline")
+    if not pipeline:
+        return None
+    schedule = "1f1b" if pipeline["schedule"] == "deepspeed-1f1b" else pipeline["schedule"]
+    return bubble_textbook(schedule, pipeline.get("ranks") or pipeline["stages"], pipeline["microbatches"],
+                           pipeline.get("stages_per_rank") or 1)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Expert parallelism (ep)
 
@@ -421,3 +456,109 @@ def ep_collectives_mean(forwards_per_step: list[list[tuple[list[int], int]]], ba
                             **shape) for forwards in forwards_per_step]
     return as_backend({kind: {key: sum(step[kind][key] for step in steps) / len(steps) for key in ("calls", "bytes")}
                        for kind in steps[0]}, backend)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# From a recorded run: the formula for its summary.json, computed where it is shown (posts, plots, tests)
+
+
+def backend_of(summary: dict) -> str:
+    """The backend a run's collectives ran on, as the experiments choose it: gloo on CPU, NCCL (RCCL) on a GPU."""
+    return "gloo" if summary["hardware"]["device_kind"] == "cpu" else "nccl"
+
+
+@functools.cache
+def meta_model(name: str, lora_rank: int = 0, lora_alpha: float = 0.0):
+    """The run's model on the meta device (shapes, no memory), with its LoRA adapters: the parameters in the order
+    the experiments register them, which is what the formulas read (buckets, units, groups)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from common.models import add_lora, model_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config(name))
+        return add_lora(model, lora_rank, lora_alpha) if lora_rank else model
+
+
+def decoder_layers(model) -> list:
+    """The decoder layers, LoRA adapters included (the modules fsdp-ft shards one by one)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+
+
+def predict_collectives(summary: dict) -> dict | list[dict] | None:
+    """This module's formula for the collectives of one profiled step of a recorded run (summary.json), in the
+    backend's names, beside its measured `collective_bytes_per_step`: a dict, or for the pipelines one per rank
+    (`collective_bytes_per_step_per_rank`). None where no formula models the run; each experiment's README says
+    what is left out (one rank, LoRA or bf16 where named below, HSDP, offload, pipeline replicas, ...)."""
+    config, experiment, world = summary["config"], summary["experiment"], summary["hardware"]["world_size"]
+    if experiment not in EXPERIMENT_STRATEGY:
+        raise ValueError(f"{experiment} is not one of this repository's experiments: nothing to predict")
+    if experiment == "single-ft":
+        return {}  # one process: no collective
+    lora, bf16 = config.get("lora_rank", 0), config["dtype"] == "bf16"
+    model = meta_model(run_model(summary), lora, config.get("lora_alpha", 0.0))
+    geometry = model.config
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    backend = backend_of(summary)
+    formula = None
+    if experiment == "ddp-ft" and world > 1:
+        formula = ddp_collectives([4 * p.numel() for p in reversed(trainable)],  # fp32 gradients, backward's order
+                                  bucket_cap_bytes=int(config["bucket_cap_mb"] * 2**20),
+                                  grad_accum=config["grad_accum"],
+                                  reduce_every_micro_batch=config["reduce_every_micro_batch"])
+    elif experiment == "fsdp-ft" and world > 1 and config.get("replicate_degree", 1) == 1 and \
+            not (config["cpu_offload"] and backend != "gloo"):
+        layers = decoder_layers(model)
+        in_layers = {id(p) for layer in layers for p in layer.parameters()}
+        units = [[(tuple(p.shape), p.requires_grad) for p in model.parameters() if id(p) not in in_layers]]
+        units += [[(tuple(p.shape), p.requires_grad) for p in layer.parameters()] for layer in layers]
+        formula = fsdp_collectives(
+            units, world_size=world, grad_accum=config["grad_accum"],
+            reshard_after_forward=config["reshard_after_forward"],
+            reshard_after_backward=config.get("reshard_after_backward", True),
+            reduce_every_micro_batch=config["reduce_every_micro_batch"], gather_bytes=2 if bf16 else 4)
+    elif experiment == "zero-ft" and world > 1 and not lora and (not config["cpu_offload"] or
+                                                                 config["zero_stage"] == 2):
+        groups = [group for group in ([p for p in trainable if p.ndim >= 2], [p for p in trainable if p.ndim < 2])
+                  if group]
+        order = [p for group in groups for p in group] if config["zero_stage"] == 1 else list(reversed(trainable))
+        formula = zero_collectives(
+            config["zero_stage"], group_numels=[sum(p.numel() for p in group) for group in groups],
+            reduction_numels=[p.numel() for p in order], parameter_numels=[p.numel() for p in model.parameters()],
+            world_size=world, grad_accum=config["grad_accum"], bf16=bf16)
+    elif experiment in ("tp-ft", "tp-sp-ft") and world > 1 and not lora and not bf16:
+        formula = tp_collectives(
+            layers=geometry.num_hidden_layers, hidden=geometry.hidden_size, head_dim=geometry.head_dim,
+            vocab=geometry.vocab_size, tokens=config["micro_batch_size"] * config["seq_len"],
+            grad_accum=config["grad_accum"], world_size=summary.get("tensor_parallel") or world,
+            sequence_parallel=experiment == "tp-sp-ft", loss_parallel=config["loss_parallel"],
+            sync_qk_norm_grads=config["sync_qk_norm_grads"])
+    elif experiment == "pp-ft" and summary["pipeline"].get("replicas", 1) == 1:
+        return [as_backend(pipeline_collectives(
+            summary["pipeline"]["stage_rank"], rank, microbatches=config["grad_accum"],
+            micro_batch_size=config["micro_batch_size"], seq_len=config["seq_len"], hidden=geometry.hidden_size,
+            vocab=geometry.vocab_size, tied_gradients=not lora), backend) for rank in range(world)]
+    elif experiment == "pp-ds-ft" and summary["pipeline"]["data_parallel"] == 1 and not bf16:
+        # DeepSpeed's layer list: the embedding, the decoder layers, the final norm, the tied LM head (a copy).
+        embedding = model.get_input_embeddings()
+        layer_trainable = [sum(p.numel() for p in module.parameters() if p.requires_grad)
+                           for module in (embedding, *decoder_layers(model), model.get_decoder().norm, embedding)]
+        starts = summary["pipeline"]["stage_starts"]
+        return [as_backend(deepspeed_pipeline_collectives(
+            len(starts) - 1, stage, microbatches=config["grad_accum"], micro_batch_size=config["micro_batch_size"],
+            seq_len=config["seq_len"], hidden=geometry.hidden_size, vocab=geometry.vocab_size,
+            stage_trainable=sum(layer_trainable[starts[stage]:starts[stage + 1]]), tied_gradients=not lora,
+            zero_stage=config["zero_stage"], optimizer_groups=2), backend) for stage in range(len(starts) - 1)]
+    elif experiment == "ep-ft" and world > 1 and summary.get("routed_rows_profiled") and \
+            not config["activation_checkpointing"]:
+        sparse = [layer.mlp.experts for layer in decoder_layers(model) if hasattr(layer.mlp, "experts")]
+        experts = {id(p) for module in sparse for p in module.parameters()}
+        return ep_collectives_mean(
+            summary["routed_rows_profiled"], backend, hidden=geometry.hidden_size, experts=geometry.num_experts,
+            element_bytes=2 if bf16 else 4, bucket_bytes=int(config["dense_bucket_mb"] * 2**20),
+            dense_grad_bytes=[4 * p.numel() for p in model.parameters() if id(p) not in experts],  # fp32 gradients
+            logged_values=2 + len(sparse) * geometry.num_experts)  # loss, aux loss, tokens per expert per layer
+    return formula and as_backend(formula, backend)

@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from common.cli import FlagError
+
 # A collective that waits this long for a peer ends the run. Long enough for what one rank legitimately does while the
 # others wait (rank 0 reading or writing a model, the first step's compilation, a loaded 2-core CI machine), short
 # enough that a lost rank costs minutes, not the hours until a job's time limit. PyTorch's own default for NCCL.
@@ -68,7 +70,7 @@ def init_distributed(collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S)
     """
     global _created_group
     if not collective_timeout_s > 0:
-        raise SystemExit(f"--collective-timeout-s must be a number of seconds > 0, got {collective_timeout_s}")
+        raise FlagError(f"--collective-timeout-s must be a number of seconds > 0, got {collective_timeout_s}")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

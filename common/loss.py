@@ -22,10 +22,10 @@ holds from forward to backward: the gradient of the loss tokens' hidden states (
 trained, an fp32 weight gradient ([V, d], 0.6 GB for Qwen3-0.6B); for one chunk at a time, its logits and their
 gradient in the compute dtype (run eagerly, as on the CPU, fp32 temporaries of the chunk's shape too). The scale
 (1 / the step's loss tokens) comes in as a tensor, so nothing is read back to the host, and on a GPU the per-chunk
-arithmetic is compiled (a reduction and one element-wise kernel) whatever the scale's value. This is the scheme of Liger-Kernel's fused linear
-cross-entropy and, in spirit, of cut-cross-entropy (which never writes the logits at all); the GPU suite's probe
-times the three on the real shapes (assets/gpu_suite.py). Those two are Triton kernels, which do not run on CPU;
-this is plain PyTorch, so the CPU tests run the same code the GPU runs (uncompiled).
+arithmetic is compiled (a reduction and one element-wise kernel) whatever the scale's value. This is the scheme of
+Liger-Kernel's fused linear cross-entropy and, in spirit, of cut-cross-entropy (which never writes the logits at all);
+the GPU suite's probe times the three on the real shapes (assets/gpu_suite.py). Those two are Triton kernels, which do
+not run on CPU; this is plain PyTorch, so the CPU tests run the same code the GPU runs (uncompiled).
 
 `chunked_token_loss_sum` is the reference: it keeps only the loss tokens' hidden states for backward and recomputes
 each chunk's logits there (torch.utils.checkpoint): 8*d*V FLOPs per loss token. tests/test_loss.py holds both to the

@@ -16,7 +16,9 @@ Definitions (the same in every experiment):
 - peak memory: torch.cuda.max_memory_reserved() per device; on CPU the process's peak resident set size.
 - MFU: the step's training FLOPs / step time / (dense bf16 peak per device x devices). The FLOPs are those of the
   work the step does (common/models.py's training_flops): 6 per trained weight and 4 per frozen one per token, and
-  attention per document of each packed row, from the step's conversation lengths (`flops` in metrics.jsonl). In
+  attention per document of each packed row, from the step's conversation lengths (`flops` in metrics.jsonl); the
+  LM head on every real token, or, under the fused loss (--loss-chunk-tokens), on the step's loss tokens only, the
+  only ones it runs on (summary.json's `lm_head_flops_on` says which). In
   summary.json, the timed steps' FLOPs over their time; `flops_per_token` is their FLOPs per real token, and
   `mfu_dense` the MFU of the model's figure with every token attending to its whole row (model.flops_per_token).
   A GPU missing from the peak table gets null, said once on rank 0.
@@ -30,6 +32,7 @@ Definitions (the same in every experiment):
 from __future__ import annotations
 
 import gc
+import hashlib
 import importlib.util
 import json
 import math
@@ -49,9 +52,9 @@ import torch
 import torch.distributed as dist
 from transformers import PretrainedConfig
 
-from common.models import REPO_ROOT, training_flops
-
+from common.cli import FlagError
 from common.dist import print0
+from common.models import REPO_ROOT, training_flops
 
 # Kineto, the profiler behind comm_ms, writes USDT markers on every start and stop and, on a machine without a GPU,
 # an "ERROR ... gpuGetDeviceCount failed" line: noise that makes a working run look broken. Level 6 is above all of
@@ -194,6 +197,27 @@ def git_commit(repo: Path) -> str | None:
     except (OSError, subprocess.CalledProcessError):
         return None
     return head + ("-dirty" if dirty else "")
+
+
+def git_diff_hash(repo: Path) -> str | None:
+    """What a tree differs from its commit by, as 16 hex digits of a SHA-256 over `git diff HEAD` (every tracked
+    change, binary files too) and the names of the untracked files git does not ignore; None on a clean tree or outside
+    a git checkout. Two runs with the same commit and the same hash ran the same tracked files (an untracked file is
+    known by its name only). devlog/data/ is left out: assets/run_series.py writes the committed runs there while a
+    series runs, and they are what a run produces, not what it runs."""
+    def git(*args: str, cwd: Path) -> bytes:
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, check=True).stdout
+
+    try:
+        top = Path(git("rev-parse", "--show-toplevel", cwd=repo).decode().strip())
+        diff = git("diff", "HEAD", "--binary", "--no-color", "--no-ext-diff", cwd=top)
+        untracked = git("ls-files", "--others", "--exclude-standard", "-z", "--", ".", ":(exclude)devlog/data",
+                        cwd=top)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    if not diff and not untracked:
+        return None
+    return hashlib.sha256(diff + b"\0untracked:\0" + untracked).hexdigest()[:16]
 
 
 def _cpu_model() -> str:
@@ -514,6 +538,7 @@ class MetricsLogger:
     world_size: int
     is_main: bool
     lora_rank: int = 0  # --lora-rank (QLoRA's too): the base model is frozen, 4 FLOPs per weight and token, not 6
+    head_on_loss_tokens: bool = False  # --loss-chunk-tokens: the LM head runs on the loss tokens only (common/loss.py)
     report_to: str = "none"  # --report-to: "tensorboard" also writes every step's metrics as TensorBoard scalars
     log_every: int = 1  # --log-every: print every N-th step line (and the first and the last); every step is recorded
     steps_per_epoch: float | None = None  # optimizer steps per pass over the training rows: the records' `epoch`
@@ -574,7 +599,7 @@ class MetricsLogger:
     def check_report_to(report_to: str) -> None:
         """Stops with one line when --report-to cannot work here; each experiment calls it before anything loads."""
         if report_to not in ("none", "tensorboard"):
-            raise SystemExit(f"--report-to must be none or tensorboard, got {report_to!r}")
+            raise FlagError(f"--report-to must be none or tensorboard, got {report_to!r}")
         if report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
             raise SystemExit("--report-to tensorboard needs the tensorboard package: uv sync --group tensorboard")
 
@@ -582,12 +607,14 @@ class MetricsLogger:
                  step_ms: float, comm_ms: float | None, print_fn=print, extra: dict | None = None,
                  documents: list[int] | None = None) -> dict:
         """`tokens` are the real tokens of the whole step on all ranks, `documents` the lengths of the conversations
-        they make up (SFTData.step_documents): the step's FLOPs and MFU follow from them (none without them).
+        they make up (SFTData.step_documents): the step's FLOPs and MFU follow from them (none without them) and,
+        under the fused loss, from `loss_tokens` (all ranks too), the tokens its LM head runs on.
         `extra`: more fields for the record (a mixture of experts: aux_loss, expert_tokens). Returns the record."""
         if documents is not None and sum(documents) != tokens:
             raise ValueError(f"log_step: the step's documents hold {sum(documents):,} tokens, not its {tokens:,}")
         tokens_per_s = tokens / (step_ms / 1000.0)
-        flops = None if documents is None else self.flops.of_documents(documents)
+        flops = None if documents is None else \
+            self.flops.of_documents(documents, loss_tokens if self.head_on_loss_tokens else None)
         compiled = frames_compiled()
         record = dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=tokens, loss_tokens=loss_tokens,
                       step_ms=step_ms, comm_ms=comm_ms, tokens_per_s=tokens_per_s,
@@ -696,6 +723,7 @@ class MetricsLogger:
             summary["collectives_per_step"] = comm_timer.collectives_per_step()
             summary["collective_bytes_per_step"] = comm_timer.collective_bytes_per_step()
         summary.update(self.averages(profiled))
+        summary["lm_head_flops_on"] = "loss tokens" if self.head_on_loss_tokens else "every token"
         # The model's figure with every token attending to its whole row (the count of tools that do not see
         # documents), for comparison with theirs.
         dense = (fields.get("model") or {}).get("flops_per_token")
@@ -815,7 +843,8 @@ class Recorder:
         self.metrics = MetricsLogger(
             out_dir=config.out_dir, total_steps=config.steps,
             warmup_steps=min(config.timing_warmup_steps, max(0, config.steps - 1)), model_config=model_config,
-            lora_rank=config.lora_rank, device=device, world_size=world_size, is_main=rank == 0,
+            lora_rank=config.lora_rank, head_on_loss_tokens=getattr(config, "loss_chunk_tokens", 0) > 0,
+            device=device, world_size=world_size, is_main=rank == 0,
             report_to=config.report_to, log_every=config.log_every, steps_per_epoch=steps_per_epoch,
             resume=getattr(config, "resume", None))
         self.comm = CollectiveTimer(device, first_step=config.timing_warmup_steps, n_steps=config.comm_profile_steps)
@@ -859,9 +888,10 @@ class Recorder:
         self.metrics.log_eval(step, loss)
 
     def finish(self, **fields) -> dict:
-        """summary.json: the run's identity (experiment, command, commit, config, hardware, model, data), the averages
-        over the measured steps, the state bytes of every rank, and `fields`, what this strategy measured. Every
-        rank calls it (the state bytes are gathered); rank 0 writes and prints."""
+        """summary.json: the run's identity (experiment, command, commit and, on a dirty tree, the hash of its diff
+        as commit_diff, config, hardware, model, data), the averages over the measured steps, the state bytes of every
+        rank, and `fields`, what this strategy measured. Every rank calls it (the state bytes are gathered); rank 0
+        writes and prints."""
         from dataclasses import asdict
 
         from common.dist import all_ranks
@@ -872,7 +902,8 @@ class Recorder:
         gathered = all_ranks(measured)
         summary = self.metrics.write_summary(
             comm_timer=self.comm, experiment=self.experiment, command=launch_command(),
-            commit=git_commit(self.script_dir) if self.script_dir else None, config=asdict(self.config),
+            commit=git_commit(self.script_dir) if self.script_dir else None,
+            commit_diff=git_diff_hash(self.script_dir) if self.script_dir else None, config=asdict(self.config),
             hardware=hardware_info(self.device, world_size=self.world_size), model=self.model,
             t_eff=self.rows_per_step * self.config.seq_len,
             state_bytes_per_rank=None if measured is None else gathered,

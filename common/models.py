@@ -34,6 +34,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
     Qwen3MoeConfig
 from transformers.utils import logging as transformers_logging
 
+from common.cli import FlagError, InputError
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # peft's get_peft_model asks transformers 5 for a deprecated attribute on every LoRA run; the warning is about
 # peft's code, not the user's, and nothing they can change.
@@ -110,14 +112,14 @@ def resolve_model_name(name: str) -> tuple[str, str | None]:
         if Path(name).expanduser().is_dir():
             return str(Path(name).expanduser().resolve()), None
         if looks_like_path(name):
-            raise SystemExit(f"--model {name}: no such folder (--model takes a preset, a hub id such as "
-                             f"{DEFAULT_GPU_MODEL}, or a folder written by save_pretrained)")
+            raise FlagError(f"--model {name}: no such folder (--model takes a preset, a hub id such as "
+                            f"{DEFAULT_GPU_MODEL}, or a folder written by save_pretrained)")
         if not is_preset(name) and is_preset(name.lower()):
-            raise SystemExit(f"--model {name}: presets are written in lower case: --model {name.lower()} (random "
-                             f"init); the pretrained weights are a hub id, e.g. {DEFAULT_GPU_MODEL}")
+            raise FlagError(f"--model {name}: presets are written in lower case: --model {name.lower()} (random "
+                            f"init); the pretrained weights are a hub id, e.g. {DEFAULT_GPU_MODEL}")
         close = difflib.get_close_matches(name, [*PRESETS, *MOE_PRESETS], n=1, cutoff=0.8)
         if not is_preset(name) and "/" not in name and close:
-            raise SystemExit(f"--model {name}: no such preset; did you mean {close[0]}?")
+            raise FlagError(f"--model {name}: no such preset; did you mean {close[0]}?")
         return name, None
     if torch.cuda.is_available():
         return DEFAULT_GPU_MODEL, f"--model auto: a GPU is present, using {DEFAULT_GPU_MODEL}"
@@ -138,7 +140,7 @@ def refuse_moe(config: PretrainedConfig) -> None:
     """The dense strategies do not know the router's auxiliary loss, nor that an expert a step does not route to
     gets no gradient: a mixture of experts runs in single-ft or ep-ft, and elsewhere stops before training."""
     if is_moe(config):
-        raise SystemExit(f"this experiment trains dense models; {config.name_or_path or config.model_type} is a "
+        raise InputError(f"this experiment trains dense models; {config.name_or_path or config.model_type} is a "
                          f"mixture of experts ({config.num_experts} experts): use experiments/single-ft or "
                          f"experiments/ep-ft")
 
@@ -345,7 +347,7 @@ def record_adapter_base(save_dir: str | Path, model_name: str, seed: int) -> Non
 def check_vocabulary(name: str, tokenizer, model) -> None:
     """The vocabulary may be larger than the tokenizer's (padded for speed, or a preset's unused rows), not smaller."""
     if len(tokenizer) > model.config.vocab_size:
-        raise SystemExit(f"tokenizer of '{name}' has {len(tokenizer)} tokens but the model only "
+        raise InputError(f"tokenizer of '{name}' has {len(tokenizer)} tokens but the model only "
                          f"{model.config.vocab_size} embedding rows: the model and tokenizer do not belong together")
 
 
@@ -469,13 +471,19 @@ def lora_parameters(config: PretrainedConfig, rank: int) -> dict[str, int]:
 class TrainingFlops:
     """Training FLOPs (forward + backward) of a model, in its two parts: the weights, paid per token, and attention,
     paid per (query, key) pair inside one document. `common.models.training_flops` builds it from the config."""
-    per_token: float  # every matrix multiply with a weight, per token
+    per_token: float  # every matrix multiply with a weight, per token, the LM head's included
     per_pair: float  # attention's scores and weighted sum, per (query, key) pair of one document, all layers
+    lm_head: float = 0.0  # the LM head's part of per_token: what a token the head does not run on leaves out
 
-    def of_documents(self, lengths) -> float:
+    def of_documents(self, lengths, head_tokens: int | None = None) -> float:
         """FLOPs of a step whose documents (packed conversations, all ranks) have these lengths; a row's padding is
-        no document and counts nothing."""
-        return self.per_token * sum(lengths) + self.per_pair * sum(n * n for n in lengths)
+        no document and counts nothing. `head_tokens`: how many of those tokens the LM head runs on, where it does
+        not run on all of them (the fused loss of --loss-chunk-tokens: the step's loss tokens); None: all."""
+        tokens = sum(lengths)
+        if head_tokens is not None and not 0 <= head_tokens <= tokens:
+            raise ValueError(f"of_documents: the LM head cannot run on {head_tokens:,} of {tokens:,} tokens")
+        skipped = 0 if head_tokens is None else tokens - head_tokens
+        return self.per_token * tokens - self.lm_head * skipped + self.per_pair * sum(n * n for n in lengths)
 
     def dense_per_token(self, seq_len: int) -> float:
         """Per token if every token attended to its whole row of seq_len, document boundaries ignored: the count of
@@ -498,6 +506,8 @@ def training_flops(config: PretrainedConfig, lora_rank: int = 0) -> TrainingFlop
       2 FLOPs less per weight there. A mixture of experts' adapted experts run as W + B A, which takes a weight
       gradient: 6 per weight of the k experts, as in full fine-tuning. QLoRA's 4-bit weights count as the bf16
       matrix multiplies they are dequantized into.
+    The fused loss (--loss-chunk-tokens, common/loss.py) runs the LM head on loss tokens only: a step's count then
+    leaves the head out for every other token (`TrainingFlops.of_documents`' head_tokens, `lm_head` per token).
     Attention, per (query, key) pair of a document: the scores Q K^T and the sum A V, 2 hd FLOPs each per head
     forward, three times that with backward: 12 L H hd. Packed conversations do not attend to each other, so a step
     costs this times the sum over its documents of length^2 (`TrainingFlops.of_documents`), not rows x seq_len^2.
@@ -514,13 +524,15 @@ def training_flops(config: PretrainedConfig, lora_rank: int = 0) -> TrainingFlop
     per_layer, lm_head = sum(weights.values()), V * d
     if not lora_rank:
         per_token = 6.0 * (L * per_layer + lm_head)
+        head = 6.0 * lm_head
     else:
         adapters = lora_parameters(config, lora_rank)
         trained_experts = weights.get("experts", 0)  # W + B A: the experts' matrix multiply takes a weight gradient
         first_qkv = sum(weights[name] + lora_rank * d for name in ("q_proj", "k_proj", "v_proj"))  # + their A
         per_token = (4.0 * (L * (per_layer - trained_experts) + lm_head) + 6.0 * L * trained_experts
                      + 6.0 * L * sum(adapters.values()) - 2.0 * first_qkv)
-    return TrainingFlops(per_token=per_token, per_pair=12.0 * L * H * hd)
+        head = 4.0 * lm_head
+    return TrainingFlops(per_token=per_token, per_pair=12.0 * L * H * hd, lm_head=head)
 
 
 def flops_per_token(config: PretrainedConfig, seq_len: int, lora_rank: int = 0) -> float:

@@ -2,12 +2,12 @@
 
 pp-ft hands its stages and its loss function to `PipelineTrace`, which times every compute action of this rank's
 stages inside the schedule, and calls `start(step, labels)` / `stop()` around `schedule.step`; `finish(rec)`
-gathers every rank's numbers into summary.json's pipeline fields:
+gathers every rank's numbers into summary.json's pipeline fields (the textbook bubble beside them is a prediction,
+common.comm.predict_bubble, computed from summary.json where it is shown):
 
 - bubble_fraction(_per_rank), busy_ms_per_rank, schedule_ms_per_rank: per rank, busy = compute inside the schedule,
   idle = the rest of the schedule's wall time (waiting for a neighbour's activation or gradient, plus any transfer
   that does not overlap with compute), averaged over the measured steps that torch.profiler did not slow down;
-- bubble_fraction_textbook, bubble_formula: the idle share if every stage took the same time (`bubble_textbook`);
 - schedule_trace: every rank's actions of one step on one time axis (the last measured step not profiled);
 - peak_mem_gib_per_rank, collective_bytes_per_step_per_rank (`per_rank_measures`, pp-ds-ft's too): stages hold
   different layers and, under 1F1B, a different number of micro-batches' activations, and the step line shows only
@@ -23,27 +23,6 @@ import torch.distributed as dist
 
 from common.dist import all_ranks, print0
 from common.metrics import memory_label, peak_memory_gib, synchronize
-
-
-def bubble_textbook(schedule: str, n_ranks: int, n_microbatches: int, stages_per_rank: int) -> tuple[float, str]:
-    """The idle share of a step if every stage took the same time and communication were free.
-
-    GPipe and 1F1B: (p-1)/(m+p-1). Each rank idles for p-1 micro-batch slots while the pipeline fills and drains,
-    out of m+p-1 slots. GPipe (Huang et al. 2019, arXiv:1811.06965: bubble overhead O((K-1)/(M+K-1)) for K stages and
-    M micro-batches); 1F1B has the same bubble but keeps at most p micro-batches in flight (Narayanan et al. 2021,
-    arXiv:2104.04473, section 2.2.1: bubble/ideal = (p-1)/m, i.e. (p-1)/(m+p-1) of the total).
-    Interleaved 1F1B with v stages per rank: each slot is v times shorter, so (p-1)/(v*m+p-1) (ibid. section 2.2.2:
-    bubble/ideal = (p-1)/(v*m)).
-    ZBV: 0 when a forward, an input-gradient backward and a weight-gradient backward take the same time and
-    m >= 2p (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", arXiv:2401.10241, section 6); real stages
-    are not that even, so some bubble remains.
-    """
-    p, m, v = n_ranks, n_microbatches, stages_per_rank
-    if schedule in ("gpipe", "1f1b"):
-        return (p - 1) / (m + p - 1), "(p-1)/(m+p-1)"
-    if schedule == "interleaved-1f1b":
-        return (p - 1) / (v * m + p - 1), "(p-1)/(v*m+p-1)"
-    return 0.0, "0 if T_F = T_B = T_W (zero bubble)"
 
 
 class BusyTimer:
@@ -136,13 +115,11 @@ class PipelineTrace:
     """The bubble and the schedule trace of a torch.distributed.pipelining run (see the module's docstring).
 
     `config` gives the schedule, the micro-batches (grad_accum), the stages per rank, the steps and the timing
-    warm-up and profiled window (as common.metrics.Recorder uses them); `n_ranks` is the ranks of one pipeline."""
+    warm-up and profiled window (as common.metrics.Recorder uses them)."""
 
-    def __init__(self, device: torch.device, config, n_ranks: int):
+    def __init__(self, device: torch.device, config):
         self.device, self.config = device, config
         self.busy = BusyTimer(device)
-        self.textbook, self.formula = bubble_textbook(config.schedule, n_ranks, config.grad_accum,
-                                                      config.stages_per_rank)
         self.records: list[tuple[int, float, float]] = []  # (step, busy_ms, pipeline_ms) of this rank per step
         self.trace_step = None
         self.traced = (None, None)  # the traced step's actions and schedule wall time
@@ -200,12 +177,11 @@ class PipelineTrace:
                 print0(f"bubble rank {r}: busy {b:,.0f} ms, idle {t - b:,.0f} ms of {t:,.0f} ms in the schedule "
                        f"-> {fraction:.1%}")
         if bubble_fraction is not None:
-            print0(f"bubble: measured {bubble_fraction:.1%} (mean over ranks) | textbook {self.formula} = "
-                   f"{self.textbook:.1%}")
+            print0(f"bubble: measured {bubble_fraction:.1%} (mean over ranks)")
         traced = all_ranks(self.traced)
         trace = (schedule_trace(self.trace_step + 1, [actions for actions, _ in traced], [ms for _, ms in traced],
                                 self.device) if self.traced[0] is not None else None)
         return dict(bubble_fraction=bubble_fraction, bubble_fraction_per_rank=bubble_per_rank,
                     busy_ms_per_rank=[b for b, _ in per_rank], schedule_ms_per_rank=[t for _, t in per_rank],
-                    bubble_fraction_textbook=self.textbook, bubble_formula=self.formula, schedule_trace=trace,
+                    schedule_trace=trace,
                     **per_rank_measures(rec))

@@ -124,7 +124,8 @@ def run(sizes_mb: list[float], iters: int, expect_world_size: int | None = None,
     problems = checks(infos, results, expect_world_size, min_busbw_gbps)
     report = dict(world_size=world, ranks=infos, collectives=results, problems=problems)
     if dist.get_rank() == 0:
-        print_fn(f"preflight: {world} ranks on {len({i['host'] for i in infos})} node(s), backend {infos[0]['backend']}")
+        hosts = len({info["host"] for info in infos})
+        print_fn(f"preflight: {world} ranks on {hosts} node(s), backend {infos[0]['backend']}")
         for info in infos:
             links = info.get("peer_access")
             print_fn(f"  rank {info['rank']}: {info['host']} local rank {info['local_rank']} {info['device']} "

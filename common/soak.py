@@ -115,7 +115,8 @@ def start_load(n: int) -> list[subprocess.Popen]:
 
 
 def report(results: list[dict], args: argparse.Namespace) -> str:
-    lines = [f"soak: {args.runs} run(s) of each experiment's default{f' with --steps {args.steps}' if args.steps else ''}"
+    steps = f" with --steps {args.steps}" if args.steps else ""
+    lines = [f"soak: {args.runs} run(s) of each experiment's default{steps}"
              f" on {args.nproc} ranks, {args.load} core(s) kept busy beside them, timeout {args.timeout_s:g} s",
              "", "| experiment | runs | " + " | ".join(OUTCOMES) + " | median wall |",
              "|---|---:|" + "---:|" * len(OUTCOMES) + "---:|"]
@@ -129,7 +130,8 @@ def report(results: list[dict], args: argparse.Namespace) -> str:
                      f" | {format_duration(seconds[len(seconds) // 2])} |")
     totals = {outcome: sum(r["outcome"] == outcome for r in results) for outcome in OUTCOMES}
     lines += ["", f"total: {len(results)} runs, " + ", ".join(f"{n} {outcome}" for outcome, n in totals.items())]
-    lines += [f"- {r['experiment']}: {r['outcome']}, {r['detail']} ({r['log']})" for r in results if r["outcome"] != "ok"]
+    lines += [f"- {r['experiment']}: {r['outcome']}, {r['detail']} ({r['log']})"
+              for r in results if r["outcome"] != "ok"]
     return "\n".join(lines)
 
 

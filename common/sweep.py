@@ -18,9 +18,9 @@ and sweep.csv there.
 Tokens per optimizer step: T_eff = seq_len x micro_batch_size x grad_accum x data-parallel ranks (the seed
 document's definition). Only ddp-ft, fsdp-ft and zero-ft give each rank its own rows; tensor- and
 pipeline-parallel ranks work on the same rows, so for them T_eff does not grow with --nproc. fsdp-tp-ft is in
-between: its --nproc / tp rows of the mesh each read their own rows (tp: --tp-degree in --extra-args, else 2). Grids can give a
-target T_eff (--tokens-per-step) instead of --grad-accums: each cell then gets the grad-accum that reaches it
-for its own number of data-parallel ranks, so a 1-rank and a 2-rank cell do the same optimizer step.
+between: its --nproc / tp rows of the mesh each read their own rows (tp: --tp-degree in --extra-args, else 2). Grids can
+give a target T_eff (--tokens-per-step) instead of --grad-accums: each cell then gets the grad-accum that reaches it for
+its own number of data-parallel ranks, so a 1-rank and a 2-rank cell do the same optimizer step.
 
 Scaling efficiency (seed definition): tokens/s on N ranks / (N x tokens/s on 1 rank), for two cells that do the
 same optimizer step (same model, seq_len, micro-batch, T_eff, checkpointing, dtype, extra args) on 1 and N ranks.
@@ -121,10 +121,10 @@ GRIDS: dict[str, Grid] = {
     "cpu-small": Grid(strategies=["single-ft", "ddp-ft", "fsdp-ft"], micro_batch_sizes=[1, 2],
                       checkpointing=[False], dtypes=["fp32"], model="qwen3-tiny", seq_len=128, steps=4,
                       tokens_per_step=512),
-    # The setting of a published 2x MI100 Qwen3-0.6B SFT demo: T_eff = 1024 x 1 x 50 x 2 = 102,400 tokens per step on two GPUs. 102,400 is
-    # 100 rows of 1024, which splits exactly into micro x GA x data-parallel ranks for micro 1, 2 and 5 (so every
-    # strategy does exactly the same step, and single-ft, at GA 100/micro, is the 1-rank reference). 34 steps =
-    # 2 timing warm-up steps + 32 measured steps.
+    # The setting of a published 2x MI100 Qwen3-0.6B SFT demo: T_eff = 1024 x 1 x 50 x 2 = 102,400 tokens per step on
+    # two GPUs. 102,400 is 100 rows of 1024, which splits exactly into micro x GA x data-parallel ranks for micro 1, 2
+    # and 5 (so every strategy does exactly the same step, and single-ft, at GA 100/micro, is the 1-rank reference). 34
+    # steps = 2 timing warm-up steps + 32 measured steps.
     "t-eff-100k": Grid(strategies=["single-ft", "ddp-ft", "fsdp-ft", "zero-ft:2", "pp-ft:1f1b"],
                        micro_batch_sizes=[1, 2, 5], checkpointing=[True], dtypes=["bf16"],
                        model="Qwen/Qwen3-0.6B-Base", seq_len=1024, steps=34, tokens_per_step=102_400),

@@ -147,26 +147,38 @@ def test_plan_run_turns_epochs_into_steps_and_says_when_data_repeats_or_warm_up_
 # process itself run as one: torchrun's output, the Hub unreachable, a copy of a script outside the repository)
 
 
+# What the README's "Start your own project from a script" says a copy of one script can leave out of common/.
+NOT_RUNTIME = ("memory", "comm.py", "sweep.py", "soak.py", "preflight.py")
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     elsewhere = root / "my-project"
     elsewhere.mkdir()
     shutil.copy(REPO_ROOT / "experiments" / "fsdp-ft" / "train.py", elsewhere / "train.py")
-    # An installed copy of the package, as pyproject.toml's wheel builds it: common/ and the files force-included.
+    # An installed copy of the package, as pyproject.toml's wheel builds it (common/ and the files force-included),
+    # less what the README's copy-out leaves behind: the predictions and the commands no train.py imports.
     site = root / "site"
-    shutil.copytree(REPO_ROOT / "common", site / "common", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO_ROOT / "common", site / "common",
+                    ignore=shutil.ignore_patterns("__pycache__", *NOT_RUNTIME))
     wheel = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["hatch"]["build"]["targets"]["wheel"]
     for source, target in wheel["force-include"].items():
         copy = shutil.copytree if (REPO_ROOT / source).is_dir() else shutil.copy
         (site / target).parent.mkdir(parents=True, exist_ok=True)
         copy(REPO_ROOT / source, site / target)
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    bad_data = root / "bad.jsonl"
+    good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    bad = {"messages": [{"role": "usr", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    bad_data.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
     commands = {
         "offline hub id": dict(args=[SINGLE, "--model", "Qwen/Qwen3-0.6B-Base"],
                                env={**OFFLINE, "HF_HOME": str(root / "hf-home")}),
         "torchrun flag": dict(args=[*torchrun, SINGLE, "--stpes", 3]),
         "torchrun stop": dict(args=[*torchrun, SINGLE, "--model", "/no/such/dir"]),
+        "torchrun bad data": dict(args=[*torchrun, REPO_ROOT / "experiments" / "ddp-ft" / "train.py",
+                                        "--data", bad_data, "--out-dir", root / "bad-data-run"]),
         "copied script": dict(args=["train.py", "--steps", 2, "--seq-len", 64, "--micro-batch-size", 2,
                                     "--eval-fraction", 0.01, "--log-every", 5],
                               cwd=elsewhere, env={"PYTHONPATH": str(site)}),
@@ -203,7 +215,24 @@ def test_under_torchrun_the_reason_is_said_once_and_ends_the_output(launched):
     assert stop.returncode != 0
     assert [line for line in stop.stderr.splitlines() if line == expected] == [expected]  # rank 0 only
     assert stderr_lines(stop)[-2].strip() == f"traceback : {expected}"
+    assert "<NO_OTHER_FAILURES>" in stop.stderr  # a flag mistake: rank 1 left quietly
     assert "To enable traceback" not in stop.stderr
+
+
+def test_under_torchrun_bad_training_data_is_reported_once_by_rank_0(launched):
+    """Both ranks of ddp-ft read the same file and refuse it at the same line; rank 0 alone says so, exit status 2
+    (an input refusal, as a flag mistake), and the launcher's summary lists one failure, not one per rank."""
+    result = launched["results"]["torchrun bad data"]
+    bad_data = launched["root"] / "bad.jsonl"
+    expected = (f"bad training data: {bad_data}:2: message 0: unknown role 'usr' (expected one of system, user, "
+                f"assistant)")
+    assert result.returncode != 0
+    assert [line for line in result.stderr.splitlines() if line == expected] == [expected]  # rank 0's line
+    summary = result.stderr.split("Failures:", 1)[1]
+    assert summary.count(expected) == 1 and "<NO_OTHER_FAILURES>" in summary
+    assert re.search(r"rank\s*: 0 \(local_rank: 0\)\s+exitcode\s*: 2 ", summary)
+    assert stderr_lines(result)[-2].strip() == f"traceback : {expected}"
+    assert not (launched["root"] / "bad-data-run").exists()  # refused before anything was written
 
 
 def test_a_copied_script_runs_from_an_empty_folder_with_an_installed_common(launched):
@@ -214,7 +243,7 @@ def test_a_copied_script_runs_from_an_empty_folder_with_an_installed_common(laun
     summary = json.loads(runs[0].read_text())
     # The default data and the presets' tokenizer came from the installed package, not from a repository.
     assert summary["config"]["data"] == str(launched["site"] / "common" / "assets" / "data" / "sft_en.jsonl")
-    assert summary["commit"] is None and summary["n_conversations"] == 4000
+    assert summary["commit"] is None and summary["commit_diff"] is None and summary["n_conversations"] == 4000
     # Quiet output: no progress bars; the first step line explains its dashes; the end says where the files went.
     assert "Loading weights" not in result.stderr and "Writing model shards" not in result.stderr
     lines = result.stdout.splitlines()

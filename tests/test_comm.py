@@ -2,9 +2,11 @@
 rules (DDP's buckets, DeepSpeed's bucket flushes, FSDP2's padding, what ZeRO-3's formula leaves out).
 
 The formulas are held to torch.profiler's measurement by the 2-rank launches of test_ddp_fsdp.py, test_zero_ft.py and
-test_tp_ft.py (`assert_formula_matches`); the helpers those files share live here.
+test_tp_ft.py (`assert_formula_matches`); the helpers those files share live here. No run computes a formula: the
+launches and the committed runs are held to predict_collectives(summary), computed from what summary.json recorded.
 """
 
+import json
 import math
 
 import pytest
@@ -12,8 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.comm import (as_backend, ddp_buckets, ddp_collectives, fsdp_collectives, fsdp_shard_numel,
-                         tp_collectives, wire_bytes, zero_bucket_flushes, zero_collectives)
+                         predict_collectives, tp_collectives, wire_bytes, zero_bucket_flushes, zero_collectives)
 from common.models import load_tokenizer, model_config
+from conftest import REPO_ROOT
 
 MIB = 2**20
 
@@ -30,11 +33,39 @@ def tiny_parameters() -> list[tuple[str, tuple[int, ...]]]:
 
 
 def assert_formula_matches(summary: dict) -> None:
-    """The profiled steps' calls and bytes per backend collective (rank 0) are exactly common/comm.py's formula."""
-    measured, formula = summary["collective_bytes_per_step"], summary["collective_bytes_formula"]
+    """The profiled steps' calls and bytes per backend collective (rank 0) are exactly common/comm.py's formula,
+    computed from the run's summary.json (predict_collectives)."""
+    measured, formula = summary["collective_bytes_per_step"], predict_collectives(summary)
     assert measured and formula is not None, (measured, formula)
     assert summary["profiled_steps"] and min(summary["profiled_steps"]) >= 3  # steady state (DDP rebuilds at step 2)
     assert measured == formula, (summary["experiment"], summary["config"], measured, formula)
+
+
+def committed_runs_measured_as_their_formula() -> list:
+    """The committed runs whose profiled collectives equalled, call for call and byte for byte, the formula they
+    recorded when they ran (runs made before summary.json stopped recording it)."""
+    runs = []
+    for path in sorted(REPO_ROOT.glob("devlog/data/*/*/summary.json")):
+        summary = json.loads(path.read_text())
+        per_rank = "collective_bytes_formula_per_rank" in summary
+        recorded = summary.get("collective_bytes_formula_per_rank" if per_rank else "collective_bytes_formula")
+        measured = summary.get("collective_bytes_per_step_per_rank" if per_rank else "collective_bytes_per_step")
+        if recorded and measured == recorded:
+            runs.append(pytest.param(path, id=str(path.parent.relative_to(REPO_ROOT / "devlog" / "data"))))
+    return runs
+
+
+@pytest.mark.parametrize("path", committed_runs_measured_as_their_formula())
+def test_the_formula_from_a_committed_summary_is_what_its_run_measured(path):
+    """predict_collectives rebuilds each formula's inputs from summary.json alone (the config, the world size, the
+    model on the meta device: its parameters' order, units and groups): for every committed run whose measurement
+    equalled the formula its script computed, the one computed from its summary equals the measurement too."""
+    summary = json.loads(path.read_text())
+    measured = summary.get("collective_bytes_per_step_per_rank") or summary["collective_bytes_per_step"]
+    if summary["experiment"] == "ep-ft" and "routed_rows_profiled" not in summary:
+        assert predict_collectives(summary) is None  # its rows are routing's: recorded by ep-ft since, not then
+    else:
+        assert predict_collectives(summary) == measured
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.checkpoint import load_checkpoint
+from common.memory import predict_run, predict_state_bytes
 from common.data import build_data, evaluate
 from conftest import REPO_ROOT, load_experiment, load_infer, read_losses, torchrun
 from test_comm import assert_formula_matches, tiny_parameters
@@ -219,7 +220,7 @@ def test_lora_on_a_bf16_base_tracks_fp32_and_holds_the_prediction(experiment, re
     counters = 4 * 2 * 4 * 7 // shards * shards  # AdamW's step: one fp32 scalar per adapter tensor, on every rank
     for held in run["state_bytes_per_rank"]:
         assert held["weights"] == (2 * base + 4 * adapters) / shards
-        assert {**held, "optimizer": held["optimizer"] - counters} == run["predicted_state_bytes"]
+        assert {**held, "optimizer": held["optimizer"] - counters} == predict_state_bytes(run)[0]
 
 
 @pytest.mark.parametrize("experiment", ["ddp", "fsdp"])
@@ -391,7 +392,7 @@ def test_model_state_bytes_are_the_predicted_ones(reference, ddp, fsdp):
     counters = 4 * len(shapes)  # AdamW's `step`: one fp32 scalar per parameter tensor, not in common/memory
     for run, world, sharded in [(reference / "full", 1, 1), (ddp / "1x2", 2, 1), (fsdp / "1x2", 2, 2)]:
         result = summary(run)
-        per_rank, predicted = result["state_bytes_per_rank"], result["predicted_state_bytes"]
+        per_rank, predicted = result["state_bytes_per_rank"], predict_state_bytes(result)[0]
         assert len(per_rank) == world and result["state_bytes_step"] == 2, run
         for measured in per_rank:
             # single-ft and DDP: every rank holds 4 Psi of weights and of gradients (DDP's are views into its
@@ -401,10 +402,10 @@ def test_model_state_bytes_are_the_predicted_ones(reference, ddp, fsdp):
             assert measured == {**predicted, "optimizer": predicted["optimizer"] + counters}, run
     # --cpu-offload: the same shards, in host memory, where common/memory predicts them.
     offloaded = summary(fsdp / "options")
-    assert offloaded["predicted_state_bytes"] == dict.fromkeys(("weights", "grads", "optimizer", "master"), 0)
+    assert predict_state_bytes(offloaded)[0] == dict.fromkeys(("weights", "grads", "optimizer", "master"), 0)
     for measured in offloaded["state_bytes_per_rank"]:
         assert measured == summary(fsdp / "1x2")["state_bytes_per_rank"][0]
-        assert sum(measured.values()) == offloaded["predicted_cpu_bytes"] + counters
+        assert sum(measured.values()) == int(predict_run(offloaded).cpu_bytes) + counters
 
 
 def test_the_readme_main_command_runs_clean(tmp_path):
@@ -475,7 +476,7 @@ def test_four_ranks_hsdp_resharding_and_pipeline_replicas(four_ranks, reference)
     assert hsdp["config"]["replicate_degree"] == 2 and hsdp["hardware"]["world_size"] == 4
     assert read_losses(four_ranks / "hsdp") == pytest.approx(expected, rel=1e-5)
     # A rank of HSDP holds what FSDP over its 2-rank shard group holds: half of every parameter.
-    assert hsdp["state_bytes_per_rank"][0]["weights"] == pytest.approx(hsdp["predicted_state_bytes"]["weights"],
+    assert hsdp["state_bytes_per_rank"][0]["weights"] == pytest.approx(predict_state_bytes(hsdp)[0]["weights"],
                                                                        rel=0.01)
     # After step 3 of a checkpoint written by 2 ranks (or by HSDP) and read by 4 plain FSDP ranks: the same steps.
     assert read_losses(four_ranks / "2-to-4") == pytest.approx(expected[3:], rel=1e-5)
@@ -495,7 +496,7 @@ def test_four_ranks_fsdp_x_tp_and_pipeline_x_data_parallel(four_ranks, reference
     # Every rank holds 1/4 of each split weight (projections, tied embedding) and 1/2 of each norm, with their
     # gradients and AdamW moments: common/memory's fsdp-tp layout, plus AdamW's 4-byte step counter per tensor.
     counters = 4 * len(tiny_parameters())
-    predicted = run["predicted_state_bytes"]
+    predicted = predict_state_bytes(run)[0]
     assert len(run["state_bytes_per_rank"]) == 4
     for measured in run["state_bytes_per_rank"]:
         assert measured == {**predicted, "optimizer": predicted["optimizer"] + counters}

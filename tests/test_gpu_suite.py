@@ -143,6 +143,8 @@ def test_dry_run_keeps_each_run_in_the_entry_and_one_archive_and_only_merges(tmp
     entry = entry_file.read_text()
     assert entry.startswith("# 2026-01-01 the GPU suite on cpu-dry-run")
     assert "| single-ft-s64-full-fast-m2 | 64 | 2 | 1 |" in entry  # the table region was filled
+    # The peak predicted for each run's summary.json; no "at the run" column, as the runs predict nothing themselves.
+    assert "peak_mem,predicted_now," in entry and "predicted_peak" not in entry
     assert "| single-ft-s64-full-fast-m2 | 6 |" in entry  # and the parity region
     assert "`peer-s64-full` (skipped: trl or datasets not installed (python3 assets/gpu_suite.py --wheels))" in entry
     assert "- reference, float32, with backward:" in entry and "Top kernels:" in entry

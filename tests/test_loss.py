@@ -166,6 +166,20 @@ def run(tmp_path, name, data, *args):
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def records(tmp_path, name):
+    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_head_counted_on_loss_tokens(tmp_path, head_flops_per_token):
+    """The chunked run's steps count the LM head (qwen3-tiny's V x d = 8,192 x 256, times `head_flops_per_token`)
+    on their loss tokens alone: the plain run's count of the same steps less the head on every other token."""
+    for plain, chunked in zip(records(tmp_path, "plain"), records(tmp_path, "chunked"), strict=True):
+        assert (chunked["tokens"], chunked["loss_tokens"]) == (plain["tokens"], plain["loss_tokens"])
+        assert 0 < chunked["loss_tokens"] < chunked["tokens"]
+        skipped = chunked["tokens"] - chunked["loss_tokens"]
+        assert chunked["flops"] == plain["flops"] - head_flops_per_token * 8192 * 256 * skipped
+
+
 @pytest.mark.slow
 def test_single_ft_fused_loss_gives_the_same_steps(tmp_path, small_data, monkeypatch):
     args = ("--steps", 3, "--micro-batch-size", 2, "--grad-accum", 2)
@@ -179,6 +193,7 @@ def test_single_ft_fused_loss_gives_the_same_steps(tmp_path, small_data, monkeyp
     assert len(plain_losses) == 3
     assert chunked_losses == pytest.approx(plain_losses, rel=1e-5)
     assert plain_losses[-1] != pytest.approx(plain_losses[0], rel=1e-3)  # the steps really trained
+    assert_head_counted_on_loss_tokens(tmp_path, 6)
 
 
 @pytest.mark.slow
@@ -188,6 +203,7 @@ def test_single_ft_fused_loss_with_lora(tmp_path, small_data):
     chunked_losses = run(tmp_path, "chunked", small_data, *args, "--loss-chunk-tokens", 64)
     assert chunked_losses == pytest.approx(plain_losses, rel=1e-5)
     assert plain_losses[-1] != pytest.approx(plain_losses[0], rel=1e-4)
+    assert_head_counted_on_loss_tokens(tmp_path, 4)  # a frozen head: no weight gradient
 
 
 @pytest.mark.slow

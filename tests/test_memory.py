@@ -1128,8 +1128,8 @@ def test_the_ladders_first_fit_is_the_recommendation_for_any_memory(argv, capsys
 
 @pytest.mark.slow
 def test_the_recommended_command_runs_what_was_priced(small_data, tmp_path):
-    """The command the CLI prints, run as printed (one step, on the small data): its summary's prediction, which the
-    experiment computes from its own flags, is the peak the CLI printed."""
+    """The command the CLI prints, run as printed (one step, on the small data): the prediction for its summary.json
+    (predict_run, from the flags the run resolved), is the peak the CLI printed."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     answer = subprocess.run([sys.executable, "-m", "common.memory", "--model", "qwen3-tiny", "--gpus", "1",
                              "--gpu-mem-gib", "24", "--seq-len", "128", "--rows-per-gpu", "2"],
@@ -1146,7 +1146,7 @@ def test_the_recommended_command_runs_what_was_priced(small_data, tmp_path):
                              capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=600)
     assert trained.returncode == 0, trained.stderr[-2000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert round(summary["predicted_peak_mem_gib"], 2) == peak
+    assert round(predict_run(summary).total_gib, 2) == peak
 
 
 def test_multi_node_layouts_shard_inside_a_node_first(capsys):

@@ -144,6 +144,83 @@ def test_training_flops_are_what_a_step_multiplies(tokenizer, preset, lora_rank)
     assert flops.of_documents(lengths) == counted["aten.mm"] + 3 * forward
 
 
+@pytest.mark.parametrize("lora_rank", [0, 8])
+def test_the_fused_loss_runs_the_lm_head_on_loss_tokens_only(tokenizer, lora_rank):
+    """torch's FLOP counter over the decoder and common/loss.py's fused loss (what --loss-chunk-tokens runs): the
+    weights' matrix multiplies are the count with the LM head on the loss tokens alone, 6 V d each (4 under LoRA,
+    whose head is frozen), and nothing for the other tokens."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from common.data import IGNORE_INDEX
+    from common.loss import fused_linear_cross_entropy
+
+    torch.manual_seed(0)
+    attention = setup_attention(torch.device("cpu"), "varlen", print_fn=lambda line: None)
+    model = load_model("qwen3-tiny", tokenizer, attention.impl)
+    if lora_rank:
+        model = adapted(model, lora_rank)
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    lengths = [7, 19, 3, 11]
+    position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    labels = torch.randint(0, 8000, position_ids.shape)
+    labels[0, ::3] = IGNORE_INDEX  # 14 of the 40 tokens carry no loss
+    loss_tokens = int((labels != IGNORE_INDEX).sum())
+    def inplace_addmm(accumulator, first, second, *args, out_shape=None, **kwargs):  # the counter knows addmm only
+        return 2 * first[0] * first[1] * second[1]
+
+    with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: inplace_addmm}) as counter:
+        hidden = decoder(input_ids=torch.randint(0, 8000, position_ids.shape), position_ids=position_ids,
+                         attention_mask=None, use_cache=False,
+                         **attention.forward_kwargs(position_ids, torch.device("cpu"))).last_hidden_state
+        fused_linear_cross_entropy(hidden, head.weight, labels, 16, torch.tensor(1.0)).backward()
+    counted = {str(op): flops for op, flops in counter.get_flop_counts()["Global"].items()}
+    flops = training_flops(model.config, lora_rank)
+    weights = counted["aten.mm"] + counted.get("aten.addmm_", 0)  # the head's weight gradient: addmm_, in fp32
+    assert flops.lm_head == (4 if lora_rank else 6) * 8192 * 256  # V x d of qwen3-tiny
+    assert weights == flops.per_token * sum(lengths) - flops.lm_head * (sum(lengths) - loss_tokens)
+    forward = sum(flops for op, flops in counted.items() if "scaled_dot_product" in op and "backward" not in op)
+    assert flops.of_documents(lengths, loss_tokens) == weights + 3 * forward
+    with pytest.raises(ValueError, match="cannot run on 41 of 40 tokens"):
+        flops.of_documents(lengths, 41)
+
+
+def test_a_steps_flops_by_hand_with_and_without_the_fused_loss(tmp_path, monkeypatch):
+    """qwen3-tiny (d 256, 4 layers, 8 heads of 32, 4 KV heads, MLP 768, vocabulary 8,192, tied head), one step of two
+    conversations of 3 and 5 tokens, 4 of them loss tokens, counted by hand; the Recorder turns the fused loss's
+    count on from --loss-chunk-tokens."""
+    monkeypatch.setattr(common.metrics, "peak_memory_gib", lambda device: 1.0)
+    per_layer = 256 * 256 + 2 * 256 * 128 + 256 * 256 + 3 * 256 * 768  # q, k, v, o; gate, up, down
+    head = 8192 * 256
+    pairs = 12 * 4 * 8 * 32 * (3 * 3 + 5 * 5)  # scores and weighted sum, forward and backward, per (query, key)
+    every_token = 6 * (4 * per_layer + head) * 8 + pairs
+    assert every_token == 252_076_032
+    for fused, expected in ((False, every_token), (True, every_token - 6 * head * (8 - 4))):
+        logger = MetricsLogger(out_dir=tmp_path / str(fused), total_steps=1, warmup_steps=0,
+                               model_config=model_config("qwen3-tiny"), device=torch.device("cpu"), world_size=1,
+                               is_main=True, head_on_loss_tokens=fused)
+        record = logger.log_step(1, 1.0, 1e-3, 1.0, tokens=8, loss_tokens=4, step_ms=10.0, comm_ms=None,
+                                 print_fn=lambda line: None, documents=[3, 5])
+        summary = logger.write_summary()
+        assert record["flops"] == expected
+        assert summary["flops_per_token"] == expected / 8
+        assert summary["lm_head_flops_on"] == ("loss tokens" if fused else "every token")
+    assert expected == 201_744_384
+
+    class Config:  # the Recorder's view of a train.py Config
+        out_dir, steps, timing_warmup_steps, comm_profile_steps, lora_rank = tmp_path / "rec", 2, 0, 0, 0
+        report_to, log_every, model = "none", 1, "qwen3-tiny"
+
+    from common.metrics import Recorder
+
+    for chunk, fused in ((None, False), (0, False), (64, True)):  # None: an experiment without the flag
+        if chunk is not None:
+            Config.loss_chunk_tokens = chunk
+        recorder = Recorder("test", Config, torch.device("cpu"), model_config("qwen3-tiny"), None, 1)
+        recorder.collector.close()
+        gc.callbacks.remove(recorder.metrics._time_gc)
+        assert recorder.metrics.head_on_loss_tokens is fused, chunk
+
+
 @pytest.mark.parametrize("packing", [True, False])
 def test_attention_is_counted_per_document_of_each_step(tokenizer, small_data, packing):
     """The step's documents against a brute-force count of the (query, key) pairs that share a conversation in its
@@ -404,3 +481,124 @@ def test_every_committed_gpu_run_carries_the_flops_of_its_steps():
         if summary["flops_per_token"] is not None:
             records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
             assert all(record["flops"] > record["tokens"] * summary["model"]["parameters"] for record in records), run
+        if (summary["config"].get("loss_chunk_tokens") or 0) > 0 and summary["flops_per_token"] is not None:
+            assert summary["lm_head_flops_on"] == "loss tokens", run  # recorded so, or recounted once
+
+
+def test_the_recount_of_a_fused_loss_run_gives_what_the_recorder_now_records(tmp_path, monkeypatch):
+    """assets/recount_head_flops.py on a run recorded with the head on every token gives the files the Recorder
+    writes now (per-step FLOPs and MFU, the summary's averages, warm-up and profiled steps left out as the run did);
+    a summary that does not follow from its steps is refused; the committed runs need no recount."""
+    import sys
+
+    from conftest import REPO_ROOT
+
+    sys.path.insert(0, str(REPO_ROOT / "assets"))
+    import recount_head_flops
+
+    monkeypatch.setattr(common.metrics, "peak_memory_gib", lambda device: 1.0)
+    monkeypatch.setattr(common.metrics, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    steps = [([100, 300], 150, 200.0), ([400], 90, 100.0), ([50] * 8, 300, 300.0), ([250, 5], 20, 120.0)]
+
+    def recorded(fused: bool):
+        logger = MetricsLogger(out_dir=tmp_path / str(fused), total_steps=4, warmup_steps=1, world_size=1,
+                               device=torch.device("cuda"), model_config=model_config("qwen3-0.6b"), is_main=True,
+                               head_on_loss_tokens=fused)
+        for step, (documents, loss_tokens, step_ms) in enumerate(steps, start=1):
+            logger.log_step(step, 1.0, 1e-3, 1.0, sum(documents), loss_tokens, step_ms, None,
+                            print_fn=lambda line: None, documents=documents)
+        summary = logger.averages(profiled=[3])
+        gc.callbacks.remove(logger._time_gc)  # write_summary would, which this run does not call
+        summary.update(hardware=dict(device_kind="cuda", device_name="NVIDIA H100 80GB HBM3", world_size=1),
+                       config=dict(model="Qwen/Qwen3-0.6B-Base", loss_chunk_tokens=1024, lora_rank=0),
+                       model=dict(parameters=596_049_920))
+        return summary, logger.records
+
+    before, before_steps = recorded(False)
+    now, now_steps = recorded(True)
+    assert recount_head_flops.needs_recount(before)
+    summary, records = recount_head_flops.recount(before, before_steps)
+    assert [r["flops"] for r in records] == pytest.approx([r["flops"] for r in now_steps], rel=1e-12)
+    assert [r["mfu"] for r in records] == pytest.approx([r["mfu"] for r in now_steps], rel=1e-12)
+    assert summary["flops_per_token"] == pytest.approx(now["flops_per_token"], rel=1e-12)
+    assert summary["mfu"] == pytest.approx(now["mfu"], rel=1e-12) and summary["mfu"] < before["mfu"]
+    assert summary["mfu_head_every_token"] == before["mfu"] and summary["lm_head_flops_on"] == "loss tokens"
+    assert not recount_head_flops.needs_recount(summary)
+    with pytest.raises(ValueError, match="is not its timed steps'"):
+        recount_head_flops.recount(dict(before, mfu=before["mfu"] * 1.01), before_steps)
+    assert recount_head_flops.main(["--check"]) == 0
+
+
+def test_a_dirty_tree_is_told_apart_by_the_hash_of_its_diff(tmp_path):
+    """git_commit marks uncommitted changes "-dirty"; git_diff_hash names which: the same changes give the same hash
+    (from any folder of the checkout), other changes or another untracked file another one, an ignored file none, a
+    clean tree None."""
+    import subprocess
+
+    from common.metrics import git_commit, git_diff_hash
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "train.py").write_text("lr = 1e-3\n")
+    (tmp_path / "sub" / "keep.txt").write_text("kept\n")
+    (tmp_path / ".gitignore").write_text("runs/\n")
+    git("add", ".")
+    git("commit", "-q", "-m", "first")
+    assert git_diff_hash(tmp_path) is None and not git_commit(tmp_path).endswith("-dirty")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "summary.json").write_text("{}")  # ignored: the tree is still clean
+    (tmp_path / "devlog" / "data" / "a-series").mkdir(parents=True)
+    (tmp_path / "devlog" / "data" / "a-series" / "summary.json").write_text("{}")  # what run_series keeps
+    assert git_diff_hash(tmp_path) is None
+
+    (tmp_path / "train.py").write_text("lr = 2e-3\n")
+    first = git_diff_hash(tmp_path)
+    assert git_commit(tmp_path).endswith("-dirty") and len(first) == 16
+    assert git_diff_hash(tmp_path / "sub") == first  # where the script lives does not change the tree's hash
+    (tmp_path / "train.py").write_text("lr = 3e-3\n")
+    assert git_diff_hash(tmp_path) not in (None, first)
+    (tmp_path / "train.py").write_text("lr = 2e-3\n")
+    assert git_diff_hash(tmp_path) == first  # the same change, the same hash
+    (tmp_path / "sub" / "notes.txt").write_text("new\n")  # untracked, not ignored
+    with_untracked = git_diff_hash(tmp_path)
+    assert with_untracked not in (None, first)
+    (tmp_path / "train.py").write_text("lr = 1e-3\n")  # back to the commit: only the untracked file differs
+    assert git_diff_hash(tmp_path) not in (None, first, with_untracked)
+    assert not git_commit(tmp_path).endswith("-dirty")  # "-dirty" counts tracked files only; the hash sees both
+    assert git_diff_hash(tmp_path.parent / "nowhere") is None
+
+
+def test_run_series_runs_from_a_commit_only(monkeypatch, tmp_path):
+    """assets/run_series.py refuses a checkout with uncommitted changes (its runs would record a commit that does not
+    hold what they ran) unless --allow-dirty; a dry run lists the commands either way; devlog/data/ (where the series
+    keep their runs) does not count as a change."""
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+
+    sys.path.insert(0, str(REPO_ROOT / "assets"))
+    import run_series
+
+    ran = []
+    monkeypatch.setattr(run_series, "run_series", lambda name, day, dry_run, force: ran.append((name, dry_run)) or [])
+    monkeypatch.setattr(run_series, "uncommitted_changes", lambda: ["common/loss.py", "README.md"])
+    with pytest.raises(SystemExit, match=r"uncommitted changes \(common/loss.py, README.md\): .* commit first"):
+        run_series.main(["workload"])
+    assert ran == []
+    run_series.main(["workload", "--dry-run"])
+    run_series.main(["workload", "--allow-dirty"])
+    assert ran == [("workload", True), ("workload", False)]
+
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "devlog" / "data" / "s").mkdir(parents=True)
+    (tmp_path / "devlog" / "data" / "s" / "summary.json").write_text("{}")
+    monkeypatch.undo()  # the real uncommitted_changes, on a checkout that holds only a kept run
+    monkeypatch.setattr(run_series, "REPO_ROOT", tmp_path)
+    assert run_series.uncommitted_changes() == []
+    (tmp_path / "notes.txt").write_text("x")
+    assert run_series.uncommitted_changes() == ["notes.txt"]

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from common.comm import predict_collectives
+from common.memory import predict_state_bytes
 from conftest import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "assets"))
@@ -35,7 +37,7 @@ SINGLE, DDP, PP = f"{SERIES}/single-ft", f"{SERIES}/ddp-ft", f"{SERIES}/pp-ft"
 SINGLE_LOSSES = [5.0, 4.0, 3.0, 2.5, 2.0, 1.9, 1.8]
 # Relative differences from single-ft: 1e-7 at step 2, 2e-7 at step 3, 3e-5 at step 6 (past the first 5 steps).
 DDP_LOSSES = [5.0, 4.0000004, 3.0000006, 2.5, 2.0, 1.900057, 1.8]
-WEIGHTS = 20_971_520  # 20 MiB of fp32 weights
+WEIGHTS = 4 * 5_245_440  # qwen3-tiny's fp32 weights
 
 
 def summary(experiment: str, world: int, **fields) -> dict:
@@ -50,6 +52,7 @@ def summary(experiment: str, world: int, **fields) -> dict:
         experiment=experiment, commit="abc123def456",
         command=f"{launcher} experiments/{experiment}/train.py --steps 7 --seq-len 64 --out-dir runs/{experiment}",
         config=config, t_eff=256, memory_measure="peak RSS of the process (CPU)", warmup_steps_excluded=2,
+        attention=dict(impl="sdpa", sdpa_backends=["flash", "math"], reason="CPU"),
         hardware=dict(device_kind="cpu", device_name="x86_64", device_count=1, world_size=world, torch="2.9.0",
                       cuda=None, hip=None, cpu="Test CPU", cpu_cores=2, python="3.11.7",
                       packages=dict(transformers="5.0.0", peft="0.18.0", deepspeed="0.18.0")),
@@ -93,28 +96,29 @@ EXPERIMENT_B = EXPERIMENT_A.replace("total += helper(step)", "total += helper(st
 @pytest.fixture
 def site(tmp_path: Path) -> Path:
     """A repository with three runs, two experiments and a blog index; pages are added by each test."""
-    ddp_collectives = {"gloo:all_reduce": {"calls": 2.0, "bytes": 2.0 * WEIGHTS}}
+    # Measured as common/comm.py predicts: one 25 MiB bucket holds every gradient, then the step loss.
+    ddp_collectives = {"gloo:all_reduce": {"calls": 2.0, "bytes": WEIGHTS + 4.0}}
     write_run(tmp_path, SINGLE, summary(
         "single-ft", 1, step_ms=281.4, comm_ms=0.0, tokens_per_s=3563.2, tokens_per_s_per_device=3563.2,
-        peak_mem_gib=0.971, final_loss=1.8, eval_loss=4.166546, state_bytes_per_rank=[state(WEIGHTS)],
-        predicted_state_bytes=state(WEIGHTS)), SINGLE_LOSSES)
+        peak_mem_gib=0.971, final_loss=1.8, eval_loss=4.166546, state_bytes_per_rank=[state(WEIGHTS)]),
+        SINGLE_LOSSES)
     write_run(tmp_path, DDP, summary(
-        "ddp-ft", 2, config=dict(bucket_cap_mb=25.0), step_ms=283.0, comm_ms=65.2, profiled_step_ms=326.0,
-        tokens_per_s=3666.0, tokens_per_s_per_device=1833.0, peak_mem_gib=1.104, final_loss=1.8,
-        eval_loss=4.166543, collective_bytes_per_step=ddp_collectives, collective_bytes_formula=ddp_collectives,
-        state_bytes_per_rank=[state(WEIGHTS), state(WEIGHTS)], predicted_state_bytes=state(WEIGHTS)), DDP_LOSSES)
-    pp_ranks = [{"gloo:send": {"calls": 4.0, "bytes": 262144.0}, "gloo:recv": {"calls": 4.0, "bytes": 262144.0}}] * 2
-    write_run(tmp_path, PP, summary(
-        "pp-ft", 2, config=dict(schedule="1f1b", stages_per_rank=1, split=None), step_ms=383.0, comm_ms=219.0,
-        tokens_per_s=2621.0, tokens_per_s_per_device=1310.5, peak_mem_gib=0.97, final_loss=1.8, eval_loss=4.1,
-        pipeline=dict(schedule="1f1b", ranks=2, stages_per_rank=1, microbatches=4),
-        bubble_fraction=0.274, bubble_fraction_per_rank=[0.48, 0.06], bubble_fraction_textbook=0.2,
-        bubble_formula="(p-1)/(m+p-1)", busy_ms_per_rank=[100.0, 190.0], collective_bytes_per_step=pp_ranks[0],
-        collective_bytes_per_step_per_rank=pp_ranks,
-        collective_bytes_formula_per_rank=[pp_ranks[0], {"gloo:send": {"calls": 4.0, "bytes": 131072.0},
-                                                         "gloo:recv": {"calls": 4.0, "bytes": 262144.0}}],
-        state_bytes_per_rank=[state(WEIGHTS // 2), state(WEIGHTS // 2)],
-        predicted_state_bytes_per_rank=[state(WEIGHTS // 2), state(WEIGHTS // 4)]), SINGLE_LOSSES)
+        "ddp-ft", 2, config=dict(bucket_cap_mb=25.0, reduce_every_micro_batch=False), step_ms=283.0, comm_ms=65.2,
+        profiled_step_ms=326.0, tokens_per_s=3666.0, tokens_per_s_per_device=1833.0, peak_mem_gib=1.104,
+        final_loss=1.8, eval_loss=4.166543, collective_bytes_per_step=ddp_collectives,
+        state_bytes_per_rank=[state(WEIGHTS), state(WEIGHTS)]), DDP_LOSSES)
+    pp = summary(
+        "pp-ft", 2, config=dict(schedule="1f1b", stages_per_rank=1, split=None, grad_accum=4), step_ms=383.0,
+        comm_ms=219.0, tokens_per_s=2621.0, tokens_per_s_per_device=1310.5, peak_mem_gib=0.97, final_loss=1.8,
+        eval_loss=4.1, pipeline=dict(schedule="1f1b", ranks=2, stages_per_rank=1, microbatches=4, stage_rank=[0, 1],
+                                     replicas=1),
+        bubble_fraction=0.274, bubble_fraction_per_rank=[0.48, 0.06], busy_ms_per_rank=[100.0, 190.0],
+        state_bytes_per_rank=[state(WEIGHTS // 2), state(WEIGHTS // 2)])
+    # Measured as the formula says, but rank 1 sent half the bytes of its activation gradients: a mismatch to mark.
+    pp_ranks = predict_collectives(pp)
+    pp_ranks[1]["gloo:send"] = {"calls": 4, "bytes": pp_ranks[1]["gloo:send"]["bytes"] / 2}
+    pp.update(collective_bytes_per_step=pp_ranks[0], collective_bytes_per_step_per_rank=pp_ranks)
+    write_run(tmp_path, PP, pp, SINGLE_LOSSES)
     for name, source in (("a", EXPERIMENT_A), ("b", EXPERIMENT_B)):
         (tmp_path / "experiments" / name).mkdir(parents=True)
         (tmp_path / "experiments" / name / "train.py").write_text(source)
@@ -409,7 +413,7 @@ def test_table_values_formats_and_the_pages_provenance(site):
         "|---|---:|---:|---:|---:|---:|---:|---|---:|",
         "| ddp-ft | 2 | 283 | 65 | 3,666 | 1.03x | 1.10 | all_reduce 2 | 25 |",
         "| single-ft | 1 | 281 | 0 | 3,563 | 1.00x | 0.97 | none | - |",
-        "| pp-ft | 2 | 383 | 219 | 2,621 | 0.74x | 0.97 | recv 4, send 4 | - |",
+        "| pp-ft | 2 | 383 | 219 | 2,621 | 0.74x | 0.97 | all_reduce 2, broadcast 1, recv 4, send 4 | - |",
     ]
     assert "Runs" not in text and "<details>" not in text  # a table ends with its rows: provenance is the page's
     # One collapsed block per page lists every run the page quotes (the reference run too), where it ran and how.
@@ -471,7 +475,7 @@ def test_value_field_and_expression(site):
                                             "make_posts: 3 page(s), 8 region(s): all match the committed files"])
     values = [part.split("-->")[1] for part in page.read_text().split("<!-- /generated -->")[:7]]
     # G: the steps the averages count are 3 to 7 (2 warm-up steps): their median loss 2.0, less their number, 5.
-    assert values == ["0.06", "20,971,520", "2", "2.9%", f"{5.0 - 3.0000006 + 1:.4f}", "1.85", "-3.00"]
+    assert values == ["0.06", f"{WEIGHTS:,}", "2", "2.9%", f"{5.0 - 3.0000006 + 1:.4f}", "1.85", "-3.00"]
 
 
 @pytest.mark.parametrize("expression, message", [
@@ -505,16 +509,26 @@ def test_parity(site):
 
 
 def test_collectives_state_and_bubble(site):
+    """The formula, the predicted states and the textbook bubble beside each run are computed from its summary.json
+    (common.comm, common.memory), which records none of them."""
     rows = generated(site, f"collectives runs={DDP},{PP}").splitlines()
     assert rows[0] == ("| run | rank | collective | calls/step | calls (formula) | MiB/step | MiB (formula) "
                        "| wire MiB/step per rank | match |")
-    assert rows[2] == "| ddp-ft | 0 | gloo:all_reduce | 2 | 2 | 40.00 | 40.00 | 40.00 | ✓ |"  # 2 (W-1)/W = 1
-    assert rows[5] == "| pp-ft | 1 | gloo:recv | 4 | 4 | 0.25 | 0.25 | 0.25 | ✓ |"
-    assert rows[6] == "| pp-ft | 1 | gloo:send | 4 | 4 | 0.25 | 0.12 | 0.25 | ✗ |"
+    mib = (WEIGHTS + 4) / 2**20
+    # one bucket and the loss; a ring all-reduce sends 2 (W-1)/W = 1 times its buffer
+    assert rows[2] == f"| ddp-ft | 0 | gloo:all_reduce | 2 | 2 | {mib:.2f} | {mib:.2f} | {mib:.2f} | ✓ |"
+    # pp-ft rank 1: all_reduce, broadcast, recv, send; m = 4 micro-batches of 64 x 256 fp32 hidden states each way.
+    assert rows[9] == "| pp-ft | 1 | gloo:recv | 4 | 4 | 0.25 | 0.25 | 0.25 | ✓ |"
+    assert rows[10] == "| pp-ft | 1 | gloo:send | 4 | 4 | 0.12 | 0.25 | 0.12 | ✗ |"
 
     rows = generated(site, f"state runs={DDP},{PP}").splitlines()
     assert rows[2] == "| ddp-ft | 0 | 20.0 / 20.0 | 20.0 / 20.0 | 40.0 / 40.0 | 0.0 / 0.0 | 80.0 / 80.0 | 1.000 |"
-    assert rows[5] == "| pp-ft | 1 | 10.0 / 5.0 | 10.0 / 5.0 | 20.0 / 10.0 | 0.0 / 0.0 | 40.0 / 20.0 | 2.000 |"
+    pp = json.loads((site / PP / "summary.json").read_text())
+    predicted = predict_state_bytes(pp)[1]  # the last stage: half the layers, the norm and the LM head's copy
+    assert predicted["weights"] > WEIGHTS // 2
+    cells = " | ".join(f"{WEIGHTS * share / 2 ** 21:,.1f} / {predicted[kind] / 2**20:,.1f}"
+                       for kind, share in (("weights", 1), ("grads", 1), ("optimizer", 2)))
+    assert rows[5].startswith(f"| pp-ft | 1 | {cells} | 0.0 / 0.0 |")
 
     rows = generated(site, f"bubble runs={PP}").splitlines()
     assert rows[2] == "| pp-ft | 1f1b | 2 | 1 | 4 | 0.274 | 0.48 / 0.06 | 0.200 | (p-1)/(m+p-1) |"
@@ -739,10 +753,11 @@ def test_figure_data_functions_read_the_summaries(site):
     ddp = [row for row in rows if row["run"] == "ddp-ft"]
     assert [row["reference"] for row in ddp] == ["single-ft"] * 7
     assert ddp[5]["relative_difference"] == pytest.approx(3e-5)
+    predicted = predict_state_bytes(runs[2].summary)[1]
     assert make_plots.state_bytes_data(runs)[-4:] == [
-        dict(run="pp-ft", rank=1, kind=kind, measured_bytes=value, predicted_bytes=predicted)
-        for kind, value, predicted in (("weights", WEIGHTS // 2, WEIGHTS // 4), ("grads", WEIGHTS // 2, WEIGHTS // 4),
-                                       ("optimizer", WEIGHTS + 8, WEIGHTS // 2 + 8), ("master", 0, 0))]
+        dict(run="pp-ft", rank=1, kind=kind, measured_bytes=value, predicted_bytes=predicted[kind])
+        for kind, value in (("weights", WEIGHTS // 2), ("grads", WEIGHTS // 2), ("optimizer", WEIGHTS + 8),
+                            ("master", 0))]
     written = list(csv.DictReader(make_plots.csv_text(make_plots.pp_bubble_data(runs)).splitlines()))
     assert written == [dict(run="pp-ft", schedule="1f1b", p="2", v="1", m="4", split="", bubble="0.274",
                             bubble_per_rank="0.48;0.06", textbook="0.2", formula="(p-1)/(m+p-1)",

@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common.comm import pipeline_collectives
+from common.comm import pipeline_collectives, predict_bubble, predict_collectives
+from common.memory import predict_state_bytes
 from common.data import build_data, evaluate
 from common.models import load_model, load_tokenizer, model_config
 from conftest import load_experiment, read_losses, torchrun
@@ -199,7 +200,7 @@ def test_bubble_is_measured_per_rank_next_to_the_textbook_value(pp):
     textbook = {"gpipe": 1 / 5, "1f1b": 1 / 5, "interleaved-1f1b": 1 / 9, "zbv": 0.0}  # p = 2, m = 4, v = 2
     for schedule in SCHEDULES:
         summary = json.loads((pp / schedule / "summary.json").read_text())
-        assert summary["bubble_fraction_textbook"] == pytest.approx(textbook[schedule])
+        assert predict_bubble(summary)[0] == pytest.approx(textbook[schedule])
         per_rank = summary["bubble_fraction_per_rank"]
         assert len(per_rank) == 2 and all(0.0 < fraction < 1.0 for fraction in per_rank), (schedule, per_rank)
         for busy, total, fraction in zip(summary["busy_ms_per_rank"], summary["schedule_ms_per_rank"], per_rank):
@@ -311,7 +312,7 @@ def test_one_process_runs_the_pipeline_on_one_rank(tmp_path, small_data, single,
         [*map(str, common_args(small_data, out)), "--steps", "2", "--schedule", schedule])
     assert "one process" in capsys.readouterr().out
     assert read_losses(out) == pytest.approx([r["loss"] for r in single["records"][:2]], rel=1e-5)
-    assert summary["bubble_fraction_textbook"] == 0.0
+    assert predict_bubble(summary)[0] == 0.0
     assert not torch.distributed.is_initialized()  # the group is gone, so later in-process runs start clean
 
 
@@ -342,7 +343,7 @@ def test_lora_computes_single_ft_lora_steps(pp, single, schedule):
     assert summary["model"]["trainable_parameters"] == single["lora_summary"]["model"]["trainable_parameters"]
     assert sum(summary["model"]["trainable_parameters_per_rank"]) == summary["model"]["trainable_parameters"]
     # The frozen tied weight needs no gradient sum: no V x d all-reduce (and nothing profiled here).
-    assert summary["collective_bytes_formula_per_rank"][0]["gloo:all_reduce"] == {"calls": 1, "bytes": 4}
+    assert predict_collectives(summary)[0]["gloo:all_reduce"] == {"calls": 1, "bytes": 4}
 
 
 def test_lora_resume_equals_the_uninterrupted_run(pp):
@@ -459,7 +460,7 @@ def test_state_bytes_match_the_memory_model(pp, run, lora):
     included (the last rank holds 1 x V x d more); AdamW's state as predicted plus its 4-byte step counter per
     trainable tensor."""
     summary = summary_of(pp / run)
-    measured, predicted = summary["state_bytes_per_rank"], summary["predicted_state_bytes_per_rank"]
+    measured, predicted = summary["state_bytes_per_rank"], predict_state_bytes(summary)
     assert summary["state_bytes_step"] == 2
     per_layer = trainable_tensors_per_layer(lora)
     layers = summary["pipeline"]["stage_layers"]
@@ -478,7 +479,7 @@ def test_state_bytes_match_the_memory_model(pp, run, lora):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_collective_bytes_match_the_formula(pp, schedule):
     summary = summary_of(pp / schedule)
-    measured, formula = summary["collective_bytes_per_step_per_rank"], summary["collective_bytes_formula_per_rank"]
+    measured, formula = summary["collective_bytes_per_step_per_rank"], predict_collectives(summary)
     assert measured == formula  # per rank, calls and bytes of every backend collective
     # The formula's closed forms (common/comm.py): m = 4 micro-batches of 128 x 256 fp32 hidden states each way
     # per boundary a rank sits on; the tied gradient (8192 x 256 fp32) only when its two copies are on two ranks.
@@ -545,4 +546,4 @@ def test_deepspeed_lora_exports_load(pp_ds, single, small_data):
 def test_deepspeed_collective_bytes_match_the_formula(pp_ds, run):
     summary = summary_of(pp_ds / run)
     assert summary["profiled_steps"] == [PROFILED_STEP]
-    assert summary["collective_bytes_per_step_per_rank"] == summary["collective_bytes_formula_per_rank"]
+    assert summary["collective_bytes_per_step_per_rank"] == predict_collectives(summary)

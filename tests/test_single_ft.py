@@ -13,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from common.memory import predict_state_bytes
 from common.data import build_data, evaluate
 from common.models import model_config, training_flops
 from conftest import REPO_ROOT, load_experiment, load_infer
@@ -125,7 +126,7 @@ def test_lora_on_a_bf16_base_tracks_fp32_and_holds_what_was_predicted(tmp_path, 
     (held,) = summary["state_bytes_per_rank"]
     assert held["weights"] == 2 * base + 4 * adapters and held["grads"] == 4 * adapters
     assert fp32_summary["state_bytes_per_rank"][0]["weights"] == 4 * (base + adapters)
-    assert {**held, "optimizer": held["optimizer"] - 4 * 2 * 4 * 7} == summary["predicted_state_bytes"]
+    assert {**held, "optimizer": held["optimizer"] - 4 * 2 * 4 * 7} == predict_state_bytes(summary)[0]
     model = AutoModelForCausalLM.from_pretrained(export)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     data = build_data(small_data, AutoTokenizer.from_pretrained(export), 128, seed=0)
@@ -153,8 +154,8 @@ def test_command_line_run_writes_the_results_contract(tmp_path, small_data, caps
                            r"step_ms \d+ \| comm_ms (\d+|-) \| tok/s [\d,]+ \| mfu (\d\.\d\d|-) \| mem \d+\.\d GiB \| eta \d+m\d\ds$")
     assert [int(m.group(1)) for m in map(step_line.match, lines) if m] == [1, 2, 3]
     summary = json.loads((out / "summary.json").read_text())
-    for key in ("experiment", "command", "config", "hardware", "model", "step_ms", "comm_ms", "tokens_per_s",
-                "tokens_per_s_per_device", "peak_mem_gib", "mfu", "t_eff", "final_loss", "eval_loss",
+    for key in ("experiment", "command", "commit", "commit_diff", "config", "hardware", "model", "step_ms", "comm_ms",
+                "tokens_per_s", "tokens_per_s_per_device", "peak_mem_gib", "mfu", "t_eff", "final_loss", "eval_loss",
                 "packing_efficiency", "n_conversations", "n_truncated", "warmup_steps_excluded", "flops_per_token",
                 "mfu_dense"):
         assert key in summary, key

@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from common.memory import predict_state_bytes
 from common.data import build_data, evaluate
 from common.models import load_model, model_config
 from conftest import load_experiment, read_losses, torchrun
@@ -127,8 +128,8 @@ def test_lora_on_a_bf16_base_tracks_fp32_and_holds_the_prediction(tp_sp, single)
     run = summary(tp_sp / "lora-bf16")
     counters = 4 * 2 * 4 * 7  # AdamW's step: one fp32 scalar per adapter tensor
     for held in run["state_bytes_per_rank"]:
-        assert {**held, "optimizer": held["optimizer"] - counters} == run["predicted_state_bytes"]
-    assert run["predicted_state_bytes"]["grads"] == 4 * 4 * (
+        assert {**held, "optimizer": held["optimizer"] - counters} == predict_state_bytes(run)[0]
+    assert predict_state_bytes(run)[0]["grads"] == 4 * 4 * (
         LORA_RANK * ((256 + 256 / 2) + 2 * (256 + 128 / 2) + 2 * (256 + 768 / 2) + (256 / 2 + 256) + (768 / 2 + 256)))
 
 
@@ -236,7 +237,7 @@ def test_model_state_bytes_are_the_predicted_ones(experiment, request):
     split = psi - embedding - replicated  # the layers' seven projections
     counters = 4 * len(parameters)  # AdamW's step: one fp32 scalar per parameter tensor
     result = summary(request.getfixturevalue(experiment) / "full")
-    predicted = result["predicted_state_bytes"]
+    predicted = predict_state_bytes(result)[0]
     for measured in result["state_bytes_per_rank"]:
         # Each rank: 1/2 of every projection and of the vocabulary-split embedding (the tied LM head), the norms
         # whole; common/memory models the same split. AdamW's step counters are the only difference.

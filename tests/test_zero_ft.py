@@ -16,7 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.data import build_data, evaluate
-from common.memory import DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD, DEEPSPEED_REDUCE_BUCKET_ELEMENTS, estimate
+from common.memory import DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD, DEEPSPEED_REDUCE_BUCKET_ELEMENTS, estimate, \
+    predict_run, predict_state_bytes
 from conftest import load_experiment, read_losses, torchrun
 from test_comm import assert_formula_matches, tiny_parameters
 
@@ -228,7 +229,7 @@ def test_model_state_bytes_are_the_predicted_ones(launch):
     counters = 4 * 2  # AdamW's step counters: one per parameter group (one flat tensor each), not in common/memory
     runs = {stage: summary(root / f"stage{stage}") for stage in (1, 2, 3)}
     for stage, result in runs.items():
-        predicted = result["predicted_state_bytes"]
+        predicted = predict_state_bytes(result)[0]
         assert result["state_bytes_step"] == 2 and len(result["state_bytes_per_rank"]) == world
         for rank, measured in enumerate(result["state_bytes_per_rank"]):
             # Every stage: AdamW's moments of this rank's fp32 partition, and that partition itself, a master copy
@@ -255,9 +256,9 @@ def test_model_state_bytes_are_the_predicted_ones(launch):
     # in host memory, where common/memory predicts them (with its staging buffers besides).
     offload = summary(root / "stage2-offload")
     host = estimate("qwen3-tiny", "zero-2-offload", world, seq_len=128, precision="fp32")
-    assert offload["predicted_cpu_bytes"] == int(host.cpu_bytes)
+    assert int(predict_run(offload).cpu_bytes) == int(host.cpu_bytes)
     for measured in offload["state_bytes_per_rank"]:
-        assert measured["weights"] == offload["predicted_state_bytes"]["weights"] == 4 * psi
+        assert measured["weights"] == predict_state_bytes(offload)[0]["weights"] == 4 * psi
         assert measured["grads"] == 4 * psi // world
         host_states = measured["grads"] + measured["optimizer"] + measured["master"]
         assert host_states == host.cpu_bytes - host.cpu_buffers_bytes + counters == 16 * psi // world + counters

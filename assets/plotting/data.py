@@ -92,11 +92,37 @@ def memory_predicted_data(runs: list[Run]) -> list[dict]:
 
 
 def predicted_state(summary: dict, rank: int) -> dict | None:
-    """common.memory's model-state bytes by kind for one rank: pp predicts each rank, the others one for all."""
-    per_rank = summary.get("predicted_state_bytes_per_rank")
-    if per_rank:
-        return per_rank[rank] if rank < len(per_rank) else None
-    return summary.get("predicted_state_bytes")
+    """common.memory's model-state bytes by kind for one rank, for the run's settings as the code prices them now
+    (predict_state_bytes); None for a run it does not price."""
+    from common import memory  # imports torch and transformers: only for the runs that show a prediction
+
+    try:
+        per_rank = memory.predict_state_bytes(summary)
+    except ValueError:  # not one of ours (the peer baseline's TRL run)
+        return None
+    return per_rank[rank] if per_rank and rank < len(per_rank) else None
+
+
+def collective_formulas(summary: dict) -> list[dict | None]:
+    """common.comm's formula for each rank's collectives per step (one entry for all but the pipelines), computed
+    from the run's summary.json (predict_collectives). A run it cannot price now, as the ep-ft runs made before
+    summary.json kept their routed rows, shows the formula it recorded."""
+    from common import comm
+
+    try:
+        formula = comm.predict_collectives(summary)
+    except ValueError:
+        formula = None
+    if formula is None:
+        formula = summary.get("collective_bytes_formula_per_rank") or summary.get("collective_bytes_formula")
+    return formula if isinstance(formula, list) else [formula]
+
+
+def textbook_bubble(summary: dict) -> tuple[float | None, str | None]:
+    """The pipeline's idle share if its stages were equal, and the formula (common.comm.predict_bubble)."""
+    from common import comm
+
+    return comm.predict_bubble(summary) or (None, None)
 
 
 def state_bytes_data(runs: list[Run]) -> list[dict]:
@@ -151,7 +177,7 @@ def fsdp_collectives_data(runs: list[Run]) -> list[dict]:
         measured = run.summary.get("collective_bytes_per_step")
         if run.summary.get("experiment") != "fsdp-ft" or not measured:
             continue
-        formula = run.summary.get("collective_bytes_formula") or {}
+        formula = collective_formulas(run.summary)[0] or {}
         for key in sorted(set(measured) | set(formula)):
             rows.append(dict(run=run.label, grad_accum=run.config.get("grad_accum"),
                              reshard_after_forward=run.config.get("reshard_after_forward"),
@@ -201,11 +227,11 @@ def pp_bubble_data(runs: list[Run]) -> list[dict]:
             continue
         schedule, p, v, m = pipeline_shape(run.summary)
         busy = run.summary.get("busy_ms_per_rank") or []
+        textbook, formula = textbook_bubble(run.summary)
         rows.append(dict(run=run.label, schedule=schedule, p=p, v=v, m=m, split=run.config.get("split") or "",
                          bubble=run.summary["bubble_fraction"],
                          bubble_per_rank=";".join(repr(b) for b in run.summary.get("bubble_fraction_per_rank", [])),
-                         textbook=run.summary.get("bubble_fraction_textbook"),
-                         formula=run.summary.get("bubble_formula"),
+                         textbook=textbook, formula=formula,
                          busy_ms_per_rank=";".join(repr(b) for b in busy)))
     return rows
 

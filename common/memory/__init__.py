@@ -11,7 +11,8 @@ The model, in the order a reader needs it (each file's docstring derives its par
 - activations.py: what one decoder layer keeps for backward, per token, term by term (eager and compiled), and
   the loss's buffers (full logits, or one chunk of them).
 - estimate.py: one device's share under a strategy, its buffers, and the peak: the larger of the start of backward
-  and the optimizer step (`estimate`, what every experiment writes to summary.json as `predicted_peak_mem_gib`).
+  and the optimizer step (`estimate`); for a recorded run, from its summary.json: `predict_run` (the peak) and
+  `predict_state_bytes` (the model states of every rank), which no training run calls.
 - recommend.py: the decision tree and the command that runs what it priced; the multi-node layouts.
 - cli.py: `python -m common.memory`.
 """
@@ -22,6 +23,7 @@ from common.memory.cli import GPU_MEMORY_GIB, AnswerError, Asked, ask, build_par
     describe_precisions, format_table, format_zero_paper, main
 from common.memory.estimate import EXPERIMENT_STRATEGY, DeviceSlice, MemoryEstimate, PeakCheck, device_slices, \
     error_band, estimate, estimate_stages, estimate_stages_per_rank, gpu_peak_checks, predict_peak_gib, predict_run, \
+    predict_state_bytes, run_model, \
     uses_autocast, uses_bf16_optimizer
 from common.memory.recommend import DEFAULT_LORA_RANK, DEFAULT_ROWS_PER_GPU, FAST_FLAGS, LOSS_CHUNK_TOKENS, \
     OFFLOAD_LADDER, RUN_WITH, WHY, Ladder, NodeLayout, Recommendation, Rung, format_multi_node, \

@@ -40,10 +40,10 @@ the input ids and labels. tests/test_memory.py holds every GPU run committed und
      LM head) between forward and backward, and it all-gathers the next layer while the current one runs: root +
      2 layers of weights in the compute dtype (root + every layer with --no-reshard-after-forward, which keeps each
      layer gathered from its forward to its backward, and with the gather-once setting). A unit's gradients
-     arrive in c bytes and are copied into an fp32 reduce-scatter input (the reduce dtype); the root's
-     reduce-scatter waits for the embedding's gradient at the end of backward: max(c root + (c + 4) layer, (c + 4) root) of trainable parameters. With --grad-accum > 1
-     fsdp-ft reduce-scatters only in the last micro-batch: until then every unit keeps its unsharded gradients,
-     upcast to fp32 to accumulate: 4 T + (c + 4) layer (estimate(grad_accum=...)).
+     arrive in c bytes and are copied into an fp32 reduce-scatter input (the reduce dtype); the root's reduce-scatter
+     waits for the embedding's gradient at the end of backward: max(c root + (c + 4) layer, (c + 4) root) of trainable
+     parameters. With --grad-accum > 1 fsdp-ft reduce-scatters only in the last micro-batch: until then every unit keeps
+     its unsharded gradients, upcast to fp32 to accumulate: 4 T + (c + 4) layer (estimate(grad_accum=...)).
    - tp, tp-sp, pp: none counted (their all-gather and send/receive buffers are a few hidden-state tensors).
    - QLoRA: bitsandbytes dequantizes each 4-bit weight into a compute-dtype copy just before its product, in
      forward and again in backward, and frees it after: the largest projection's, d I c.
@@ -364,7 +364,7 @@ def estimate_stages_per_rank(config_like, stage_rank: list[int], *, seq_len: int
     last stage its own copy of the tied LM head, as pp-ft's stages do, so the sum holds for every placement (loop or
     V). Two known differences from the measured bytes: AdamW also keeps a 4-byte fp32 step counter per trainable
     tensor (optimizer), and a one-stage pipeline holds an LM head copy that the model, seeing the first and the last
-    stage on one device, does not count. A --split layout is not modelled (pp-ft records None)."""
+    stage on one device, does not count. A --split layout is not modelled (predict_state_bytes gives None)."""
     estimates = estimate_stages(config_like, "pp", len(stage_rank), seq_len=seq_len, micro_batch_size=micro_batch_size,
                                 lora_rank=lora_rank, precision=PROJECT_BF16 if dtype == "bf16" else PROJECT_FP32)
     per_rank = [dict(weights=0, grads=0, optimizer=0, master=0) for _ in range(max(stage_rank) + 1)]
@@ -518,10 +518,10 @@ def predict_peak_gib(config_like, strategy: str, world_size: int = 1, *, seq_len
                      activation_checkpointing: bool = False, lora_rank: int = 0, dtype: str = "bf16",
                      attention: str = "sdpa-packed", precision: BytesPerParam | None = None,
                      grad_accum: int = 1, loss_chunk_tokens: int = 0, compile: bool = False) -> float:
-    """Predicted peak GiB of one device, for an experiment's summary.json (`predicted_peak_mem_gib`), next to the
-    measured `torch.cuda.max_memory_reserved()`. `strategy` is one of STRATEGIES (zero-ft: f"zero-{stage}", with
-    --cpu-offload f"zero-{stage}-offload"; fsdp-ft --cpu-offload: "fsdp-offload"); `dtype` is the experiment's
-    --dtype, priced as strategy_precision says that strategy's experiment keeps it (zero-ft: DeepSpeed's layouts);
+    """Predicted peak GiB of one device, next to the measured `torch.cuda.max_memory_reserved()`. `strategy` is one
+    of STRATEGIES (zero-ft: f"zero-{stage}", with --cpu-offload f"zero-{stage}-offload"; fsdp-ft --cpu-offload:
+    "fsdp-offload"); `dtype` is the experiment's --dtype, priced as strategy_precision says that strategy's
+    experiment keeps it (zero-ft: DeepSpeed's layouts);
     `precision` overrides it where an engine keeps other dtypes (pp-ds-ft's DeepSpeed bf16: DEEPSPEED_BF16);
     `attention` is attention_kind() of the experiment's attention; `grad_accum` is the number of micro-batches whose
     gradients accumulate before they are reduced (fsdp-ft: --grad-accum, or 1 with --reduce-every-micro-batch)."""
@@ -536,30 +536,56 @@ EXPERIMENT_STRATEGY = {"single-ft": "single", "ddp-ft": "ddp", "fsdp-ft": "fsdp"
                        "tp-sp-ft": "tp-sp", "pp-ft": "pp", "pp-ds-ft": "pp", "fsdp-tp-ft": "fsdp-tp", "ep-ft": "ep"}
 
 
+def run_model(summary: dict) -> str:
+    """The model a recorded run trained, as model_config takes it. A model folder that only existed on the machine
+    the run ran on (the peer baseline saves a preset) is the preset with the run's parameter count."""
+    from pathlib import Path
+
+    from common.models import MOE_PRESETS, PRESETS, count_parameters, is_preset, model_config
+
+    model = summary["config"]["model"]
+    if not is_preset(model) and not Path(model).exists() and "/" in model.strip("/") and model.startswith(("/", ".")):
+        same = [name for name in (*PRESETS, *MOE_PRESETS)
+                if count_parameters(model_config(name))["total"] == summary["model"]["parameters"]]
+        if len(same) != 1:
+            raise ValueError(f"{model} is not on this machine, and no one preset has its "
+                             f"{summary['model']['parameters']:,} parameters")
+        model = same[0]
+    return model
+
+
 def predict_run(summary: dict) -> MemoryEstimate:
     """This model's prediction for the settings a recorded run had (its summary.json: experiment, model, batch
     layout, attention, the chunked loss, compile, LoRA, QLoRA), so that a run measured with an earlier prediction is
     held to the current one. A LoRA run's frozen bytes per weight are read off its own state bytes: runs made before
     the experiments loaded a LoRA base in bf16 held it in fp32. A model folder that only existed on the machine the
-    run ran on (the peer baseline saves a preset) is priced as the preset with the run's parameter count."""
+    run ran on (the peer baseline saves a preset) is priced as the preset with the run's parameter count
+    (run_model)."""
     from dataclasses import replace
-    from pathlib import Path
 
     from common.memory.activations import attention_kind
     from common.memory.states import DEEPSPEED_BF16, strategy_precision
-    from common.models import MOE_PRESETS, PRESETS, count_parameters, is_preset, model_config
+    from common.models import is_moe, model_config
+
+    from common.memory.states import STRATEGIES
 
     config, experiment = summary["config"], summary["experiment"]
     if experiment not in EXPERIMENT_STRATEGY:
         raise ValueError(f"{experiment} is not one of this repository's experiments: nothing to predict")
+    if config.get("lora_rank") and is_moe(model_config(run_model(summary))):
+        raise ValueError("no price for LoRA on a mixture of experts (peft also wraps the experts' 3-D weights)")
     strategy = EXPERIMENT_STRATEGY[experiment]
     if strategy == "zero":
         strategy = f"zero-{config['zero_stage']}" + ("-offload" if config.get("cpu_offload") else "")
+        if strategy not in STRATEGIES:  # an offload this model lacks: priced without it (the states on the device)
+            strategy = f"zero-{config['zero_stage']}"
     elif strategy == "fsdp" and config.get("cpu_offload"):
         strategy = "fsdp-offload"
     world = summary["hardware"]["world_size"]
     if experiment in ("pp-ft", "pp-ds-ft"):
         world = config.get("stages") or world
+    elif experiment == "fsdp-ft":  # HSDP: a rank holds what FSDP over its shard group of world / R ranks would
+        world //= config.get("replicate_degree") or 1
     precision = DEEPSPEED_BF16 if experiment == "pp-ds-ft" and config["dtype"] == "bf16" else \
         strategy_precision(strategy, config["dtype"])
     if config.get("lora_rank") and not config.get("qlora") and summary.get("state_bytes_per_rank"):
@@ -569,21 +595,36 @@ def predict_run(summary: dict) -> MemoryEstimate:
         if strategy not in UNIT_SHARDED + ("tp", "tp-sp", "pp"):  # whole on each rank: the bytes tell the dtype
             precision = replace(precision, frozen=round(frozen))
     grad_accum = 1 if config.get("reduce_every_micro_batch") else config["grad_accum"]
-    model = config["model"]
-    if not is_preset(model) and not Path(model).exists() and "/" in model.strip("/") and model.startswith(("/", ".")):
-        same = [name for name in (*PRESETS, *MOE_PRESETS)
-                if count_parameters(model_config(name))["total"] == summary["model"]["parameters"]]
-        if len(same) != 1:
-            raise ValueError(f"{model} is not on this machine, and no one preset has its "
-                             f"{summary['model']['parameters']:,} parameters")
-        model = same[0]
-    return estimate(model, strategy, world, seq_len=config["seq_len"],
+    return estimate(run_model(summary), strategy, world, seq_len=config["seq_len"],
                     micro_batch_size=config["micro_batch_size"], grad_accum=grad_accum,
                     activation_checkpointing=config["activation_checkpointing"], lora_rank=config.get("lora_rank", 0),
                     precision=precision, attention=attention_kind(summary["attention"], config.get("packing", True)),
                     loss_chunk_tokens=config.get("loss_chunk_tokens") or 0, compile=config.get("compile", False),
-                    qlora=config.get("qlora", False), tensor_parallel=config.get("tp_degree") or 2,
+                    qlora=config.get("qlora", False),
+                    tensor_parallel=summary.get("tensor_parallel") or config.get("tp_degree") or 2,
                     reshard_after_forward=config.get("reshard_after_forward", True))
+
+
+def predict_state_bytes(summary: dict) -> list[dict] | None:
+    """The model-state bytes (weights, grads, optimizer, master) this model predicts for every rank of a recorded
+    run, in global rank order, beside its measured `state_bytes_per_rank`: predict_run's device for every rank, or
+    pp-ft's sum over each rank's stages (estimate_stages_per_rank). None where the model does not price the run:
+    pp-ft's --split layouts, pp-ds-ft's stages (DeepSpeed's own partition); predict_run's ValueError where it prices
+    nothing."""
+    from common.models import model_config
+
+    config, world = summary["config"], summary["hardware"]["world_size"]
+    if summary["experiment"] == "pp-ds-ft":
+        return None
+    if summary["experiment"] == "pp-ft":
+        if config.get("split"):
+            return None
+        pipeline = summary["pipeline"]
+        return estimate_stages_per_rank(model_config(run_model(summary)), pipeline["stage_rank"],
+                                        seq_len=config["seq_len"], micro_batch_size=config["micro_batch_size"],
+                                        lora_rank=config.get("lora_rank", 0), dtype=config["dtype"],
+                                        replicas=pipeline.get("replicas", 1))
+    return [predict_run(summary).state_bytes()] * world
 
 
 @dataclass(frozen=True)

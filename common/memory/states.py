@@ -23,7 +23,7 @@ ZeRO-3 keeps gathered. (common/memory/__init__.py says how the parts fit togethe
      master copy (4) and AdamW m and v (8): 18 bytes per parameter. DEEPSPEED_FP32 (`--dtype fp32`): the module
      stays fp32 (4) and ZeRO still clones this rank's partition into a separate fp32 master copy (4), + 4 + 8 = 20.
    strategy_precision() is the one place that says which strategy keeps which: the command line (--dtype),
-   recommend() and every experiment's predict_peak_gib() take it from there; a BytesPerParam given instead
+   recommend() and predict_run() take it from there; a BytesPerParam given instead
    (--precision zero-paper) prices every strategy with that one convention.
    With LoRA only the adapter's parameters have gradients and optimizer state; a frozen weight costs `frozen` bytes:
    2 under --dtype bf16 (the experiments load a LoRA base in bf16, common.models.weights_dtype: it needs no master
@@ -205,7 +205,7 @@ def strategy_precision(strategy: str, dtype: str = "bf16") -> BytesPerParam:
     """The bytes per parameter that the experiment running `strategy` keeps under `--dtype dtype`: DeepSpeed's own
     layouts for zero-ft (DeepSpeed's bf16 mode, no autocast), fp32 weights that are their own master copy for
     every other experiment (autocast or FSDP2's mixed-precision policy make the bf16 copies). The one place the
-    command line, recommend() and the experiments' predict_peak_gib() take it from."""
+    command line, recommend() and predict_run() take it from."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if strategy in DEEPSPEED_STRATEGIES:

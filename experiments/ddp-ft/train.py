@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from common.cli import parse_config, plan_run, resolve_paths, run, stop_early
+from common.cli import InputError, parse_config, plan_run, resolve_paths, run, stop_early
 
 stop_early(__name__, __file__)  # --help and a flag mistake answer now, before torch and transformers load
 import torch  # noqa: E402
@@ -33,12 +33,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
-from common.comm import as_backend, ddp_collectives
 from common.data import DataError, build_data, describe, evaluate, sample_text, to_device, token_loss_sum
 from common.dist import init_distributed, print0, record_collectives_in, teardown
 from common.generate import generate, sample_prompt
 from common.loss import fused_linear_cross_entropy
-from common.memory import attention_kind, estimate
 from common.metrics import MetricsLogger, Recorder
 from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
     is_preset, load_model, load_model_4bit, load_tokenizer, qlora_unavailable, record_adapter_base, \
@@ -128,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = parse_config(Config, argv)  # a flag mistake stops with one line (common/cli.py)
     MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
     if config.qlora and (problem := qlora_unavailable(config.merge_lora, config.dtype)):
-        raise SystemExit(problem)  # before anything starts or loads
+        raise InputError(problem)  # before anything starts or loads
 
     # ---------------------------------------------------------------------------------------------------------
     # One process per device, started by torchrun; DDP needs a group even in a plain `python train.py`: one rank.
@@ -157,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
                           subset=config.data_config, columns=config.data_columns,
                           train_empty_think=config.train_empty_think)
     except DataError as error:
-        raise SystemExit(f"bad training data: {error}") from None
+        raise InputError(f"bad training data: {error}") from None
     print0(describe(data.stats, config.seq_len, config.packing))
     if config.show_sample:
         print0(sample_text(data, tokenizer))
@@ -301,24 +299,8 @@ def main(argv: list[str] | None = None) -> dict:
     rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    # common/memory's prediction for this device: its peak next to the measured one (comparable on a GPU, where
-    # both mean max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included),
-    # its model states next to the bytes counted above.
-    prediction = estimate(
-        model.module.config, "ddp", world_size, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
-        activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank, qlora=config.qlora,
-        precision=config.dtype, attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
-        loss_chunk_tokens=config.loss_chunk_tokens, compile=config.compile)
-    # common/comm.py's bytes for the profiled steps, from the gradients in backward's order (none for one rank).
-    grad_bytes_backward_order = [p.numel() * p.element_size() for p in reversed(trainable)]
-    formula = None if world_size == 1 else as_backend(ddp_collectives(
-        grad_bytes_backward_order, bucket_cap_bytes=int(config.bucket_cap_mb * 2**20), grad_accum=config.grad_accum,
-        reduce_every_micro_batch=config.reduce_every_micro_batch), dist.get_backend())
-    summary = rec.finish(
-        attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
-        predicted_peak_mem_gib=None if prediction is None else prediction.total_gib,
-        predicted_state_bytes=None if prediction is None else prediction.state_bytes(),
-        collective_bytes_formula=formula)
+    # summary.json: what was measured, and the settings the predictions read from it afterwards (not in this run).
+    summary = rec.finish(attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses)
 
     if config.save_hf and rank == 0:  # the replicas are identical: rank 0 writes its own
         save_dir = Path(config.save_hf)

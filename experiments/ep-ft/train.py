@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from common.cli import parse_config, plan_run, resolve_paths, run, stop_early
+from common.cli import InputError, parse_config, plan_run, resolve_paths, run, stop_early
 
 stop_early(__name__, __file__)  # --help and a flag mistake answer now, before torch and transformers load
 import torch  # noqa: E402
@@ -36,12 +36,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
-from common.comm import ep_collectives_mean
 from common.data import DataError, build_data, describe, evaluate, sample_text, to_device, token_loss_sum
 from common.dist import all_ranks, init_distributed, print0, record_collectives_in, teardown
 from common.generate import generate, sample_prompt
 from common.loss import fused_linear_cross_entropy
-from common.memory import attention_kind, estimate
 from common.metrics import MetricsLogger, Recorder
 from common.models import TINY_PRESETS, checkpoint_activations, count_parameters, flops_per_token, is_moe, is_preset, \
     load_model, load_tokenizer, model_config, share_export
@@ -211,7 +209,7 @@ def shard_experts(model: nn.Module, mesh) -> list[ExpertParallelExperts]:
         if experts is None:  # a dense layer (mlp_only_layers): replicated like attention
             continue
         if experts.num_experts % mesh.size():
-            raise SystemExit(f"{experts.num_experts} experts do not split evenly over {mesh.size()} ranks")
+            raise InputError(f"{experts.num_experts} experts do not split evenly over {mesh.size()} ranks")
         layer.mlp.experts = ExpertParallelExperts(experts, mesh, group)
         sharded.append(layer.mlp.experts)
     return sharded
@@ -239,10 +237,10 @@ def main(argv: list[str] | None = None) -> dict:
     MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
     # What ep-ft does not train stops the run before anything starts (a hub model is checked once loaded).
     if config.lora_rank or config.qlora:
-        raise SystemExit("ep-ft trains every parameter: LoRA on its sharded experts is not built here (single-ft "
+        raise InputError("ep-ft trains every parameter: LoRA on its sharded experts is not built here (single-ft "
                          "--lora-rank trains LoRA on a mixture of experts in one process)")
     if is_preset(config.model) and not is_moe(model_config(config.model)):
-        raise SystemExit(dense_refusal(config.model))
+        raise InputError(dense_refusal(config.model))
 
     # ---------------------------------------------------------------------------------------------------------
     # Processes and device: one process per device, started by torchrun (NCCL/RCCL on GPUs, gloo on CPU).
@@ -269,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
                           subset=config.data_config, columns=config.data_columns,
                           train_empty_think=config.train_empty_think)
     except DataError as error:
-        raise SystemExit(f"bad training data: {error}") from None
+        raise InputError(f"bad training data: {error}") from None
     print0(describe(data.stats, config.seq_len, config.packing))
     if config.show_sample:
         print0(sample_text(data, tokenizer))
@@ -285,7 +283,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = load_model(config.model, tokenizer, attention.impl, dtype=torch.float32, device=device,
                            allow_moe=True)
     if not is_moe(model.config):
-        raise SystemExit(dense_refusal(config.model))
+        raise InputError(dense_refusal(config.model))
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("ep",))
     ep_layers = shard_experts(model, mesh)
     if config.activation_checkpointing:
@@ -441,24 +439,10 @@ def main(argv: list[str] | None = None) -> dict:
     rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    prediction = estimate(model.config, "ep", world_size, seq_len=config.seq_len,
-                          micro_batch_size=config.micro_batch_size,
-                          activation_checkpointing=config.activation_checkpointing, precision=config.dtype,
-                          attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
-                          loss_chunk_tokens=config.loss_chunk_tokens, compile=config.compile)
-    # common/comm.py's formula for the profiled steps, from the rows they actually moved (routing decides them).
-    # Not with activation checkpointing, whose recomputed forwards exchange the rows a second time in backward.
-    formula = ep_collectives_mean(
-        profiled_forwards, dist.get_backend(), hidden=model.config.hidden_size, experts=model.config.num_experts,
-        element_bytes=2 if config.dtype == "bf16" else 4, bucket_bytes=int(config.dense_bucket_mb * 2**20),
-        dense_grad_bytes=[p.numel() * p.element_size() for p in dense],
-        logged_values=2 + len(ep_layers) * model.config.num_experts,
-    ) if profiled_forwards and world_size > 1 and not config.activation_checkpointing else None
+    # summary.json: what was measured, and the settings the predictions read from it afterwards (not in this run).
     summary = rec.finish(
         attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
-        predicted_peak_mem_gib=prediction.total_gib,
-        predicted_state_bytes=prediction.state_bytes(),
-        collective_bytes_formula=formula,
+        routed_rows_profiled=profiled_forwards,  # per profiled step and forward: rows sent to each rank, received
         # (token, expert) rows rank 0..W-1 dispatched to each rank over the training steps (its own in column r)
         dispatched_rows=all_ranks(rows_sent),
         expert_load=load_summary(rec.records))  # a mixture of experts: tokens per expert, imbalance

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from common.cli import parse_config, plan_run, resolve_paths, run, stop_early
+from common.cli import InputError, parse_config, plan_run, resolve_paths, run, stop_early
 
 stop_early(__name__, __file__)  # --help and a flag mistake answer now, before torch and transformers load
 import torch  # noqa: E402
@@ -40,12 +40,10 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
-from common.comm import as_backend, fsdp_collectives
 from common.data import DataError, build_data, describe, evaluate, sample_text, to_device, token_loss_sum
 from common.dist import init_distributed, print0, record_collectives_in, teardown
 from common.generate import generate, sample_prompt
 from common.loss import fused_linear_cross_entropy
-from common.memory import attention_kind, estimate
 from common.metrics import MetricsLogger, Recorder
 from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
     is_preset, load_model, load_tokenizer, model_config, record_adapter_base, refuse_moe, resolve_model_name, \
@@ -124,7 +122,7 @@ def resolve(config: Config) -> Config:
         config.lora_alpha = 2.0 * config.lora_rank
     resolve_paths(config, EXPERIMENT)  # --data found, --out-dir under the working directory, --resume
     if not config.reshard_after_backward and config.reshard_after_forward:
-        raise SystemExit("--no-reshard-after-backward keeps the gathered weights from one micro-batch to the next only "
+        raise InputError("--no-reshard-after-backward keeps the gathered weights from one micro-batch to the next only "
                          "if forward keeps them too: add --no-reshard-after-forward")
     return config
 
@@ -198,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = parse_config(Config, argv)  # a flag mistake stops with one line (common/cli.py)
     MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
     if config.qlora:
-        raise SystemExit("--qlora is not offered by fsdp-ft: fully_shard would have to shard bitsandbytes' packed "
+        raise InputError("--qlora is not offered by fsdp-ft: fully_shard would have to shard bitsandbytes' packed "
                          "4-bit weights (bnb_4bit_quant_storage=bf16), which is unverified here; use ddp-ft --qlora "
                          "(a 4-bit Qwen3-4B fits one 24 GB GPU)")
 
@@ -212,14 +210,14 @@ def main(argv: list[str] | None = None) -> dict:
                                 rank=0, world_size=1)
     # --cpu-offload: loading the CPU shards and their gradient norm are collectives on CPU tensors, not for NCCL.
     if config.cpu_offload and "cpu:" not in dist.get_backend_config():
-        raise SystemExit(f"--cpu-offload needs a process group with a CPU backend, e.g. 'cpu:gloo,cuda:nccl'; this "
+        raise InputError(f"--cpu-offload needs a process group with a CPU backend, e.g. 'cpu:gloo,cuda:nccl'; this "
                          f"one is '{dist.get_backend_config()}' (common/dist.py creates it)")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     # HSDP (--replicate-degree R): a 2-D mesh, R replicas x world/R shards; only the gradient all-reduce crosses
     # between shard groups (README).
     replicas = config.replicate_degree
     if replicas < 1 or world_size % replicas:
-        raise SystemExit(f"--replicate-degree {replicas} must divide the world size {world_size}")
+        raise InputError(f"--replicate-degree {replicas} must divide the world size {world_size}")
     shard_size = world_size // replicas
     mesh = (init_device_mesh(device.type, (replicas, shard_size), mesh_dim_names=("replicate", "shard"))
             if replicas > 1 else init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",)))
@@ -241,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
                           subset=config.data_config, columns=config.data_columns,
                           train_empty_think=config.train_empty_think)
     except DataError as error:
-        raise SystemExit(f"bad training data: {error}") from None
+        raise InputError(f"bad training data: {error}") from None
     print0(describe(data.stats, config.seq_len, config.packing))
     if config.show_sample:
         print0(sample_text(data, tokenizer))
@@ -398,37 +396,8 @@ def main(argv: list[str] | None = None) -> dict:
     rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    # common/memory's prediction for this device: its peak next to the measured one (comparable on a GPU, where
-    # both mean max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included),
-    # its model states next to the bytes counted above.
-    # Under HSDP a rank holds what FSDP over its shard group would: the estimate takes the shard group's size.
-    prediction = estimate(
-        model.config, "fsdp-offload" if config.cpu_offload else "fsdp", shard_size, seq_len=config.seq_len,
-        micro_batch_size=config.micro_batch_size, activation_checkpointing=config.activation_checkpointing,
-        lora_rank=config.lora_rank, precision=config.dtype, attention=attention_kind(attention, config.packing),
-        grad_accum=1 if config.reduce_every_micro_batch else config.grad_accum,  # micro-batches of unreduced gradients
-        loss_chunk_tokens=config.loss_chunk_tokens, compile=config.compile,
-        reshard_after_forward=config.reshard_after_forward)
-    # common/comm.py's bytes for the profiled steps, from each unit's parameters, the root first (README: what the
-    # formula leaves out: one rank, HSDP's all-reduce, --cpu-offload's norm on gloo beside NCCL).
-    in_layers = {id(p) for layer in layer_units for p in layer.parameters()}
-    units = [[(tuple(p.shape), p.requires_grad) for p in model.parameters() if id(p) not in in_layers]]
-    units += [[(tuple(p.shape), p.requires_grad) for p in layer.parameters()] for layer in layer_units]
-    covered = world_size > 1 and replicas == 1 and not (config.cpu_offload and device.type == "cuda")
-    formula = None if not covered else as_backend(fsdp_collectives(
-        units, world_size=world_size, grad_accum=config.grad_accum, reshard_after_forward=config.reshard_after_forward,
-        reshard_after_backward=config.reshard_after_backward, reduce_every_micro_batch=config.reduce_every_micro_batch,
-        gather_bytes=2 if config.dtype == "bf16" else 4),
-        dist.get_backend())
-    summary = rec.finish(
-        attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
-        predicted_peak_mem_gib=prediction.total_gib,
-        predicted_state_bytes=prediction.state_bytes(),
-        # With --cpu-offload common/memory predicts the sharded states in host memory, none on the device.
-        predicted_cpu_bytes=int(prediction.cpu_bytes),
-        predicted_note="fsdp-offload: common.memory predicts the model states in host memory (predicted_cpu_bytes); "
-                       "predicted_state_bytes is what stays on the device" if config.cpu_offload else None,
-        collective_bytes_formula=formula)
+    # summary.json: what was measured, and the settings the predictions read from it afterwards (not in this run).
+    summary = rec.finish(attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses)
 
     if config.save_hf:
         # Collective: every rank sends its shards, rank 0 receives the full tensors, one at a time, into CPU memory.

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from common.cli import parse_config, plan_run, resolve_paths, run, stop_early
+from common.cli import InputError, parse_config, plan_run, resolve_paths, run, stop_early
 
 stop_early(__name__, __file__)  # --help and a flag mistake answer now, before torch and transformers load
 import torch  # noqa: E402
@@ -53,7 +53,6 @@ from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import DataError, build_data, describe, evaluate, sample_text, to_device, token_loss_sum
 from common.dist import init_distributed, print0, record_collectives_in, teardown
-from common.memory import attention_kind, estimate
 from common.metrics import MetricsLogger, Recorder
 from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
     is_preset, load_model, load_tokenizer, model_config, record_adapter_base, refuse_moe, resolve_model_name, \
@@ -131,10 +130,10 @@ def resolve(config: Config) -> Config:
         config.lora_alpha = 2.0 * config.lora_rank
     resolve_paths(config, EXPERIMENT)  # --data found, --out-dir under the working directory, --resume
     if config.compile:
-        raise SystemExit(f"{EXPERIMENT} refuses --compile: it uses tp-ft's plan, whose compiled decoder layer fails in "
+        raise InputError(f"{EXPERIMENT} refuses --compile: it uses tp-ft's plan, whose compiled decoder layer fails in "
                          "backward inside DTensor's redistribution (torch 2.15 on CPU; see tp-ft's README)")
     if config.loss_chunk_tokens:
-        raise SystemExit(f"{EXPERIMENT} has no --loss-chunk-tokens: loss parallelism already splits the logits over "
+        raise InputError(f"{EXPERIMENT} has no --loss-chunk-tokens: loss parallelism already splits the logits over "
                          "the vocabulary; chunking them too is not built yet (see tp-ft's README)")
     return config
 
@@ -179,7 +178,7 @@ def check_divisible(config, tp: int) -> None:
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
         value = getattr(config, field)
         if value % tp:
-            raise SystemExit(f"tensor parallelism over {tp} ranks needs {field} ({value}) divisible by {tp}; "
+            raise InputError(f"tensor parallelism over {tp} ranks needs {field} ({value}) divisible by {tp}; "
                              f"choose a --tp-degree that divides it")
 
 
@@ -347,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     tp = config.tp_degree if world_size > 1 else 1
     if config.tp_degree < 1 or world_size % tp:
-        raise SystemExit(f"--tp-degree {config.tp_degree} must divide the world size {world_size}: run torchrun "
+        raise InputError(f"--tp-degree {config.tp_degree} must divide the world size {world_size}: run torchrun "
                          f"--nproc_per_node=<a multiple of {config.tp_degree}>")
     dp = world_size // tp
     # Row-major: rank = dp_index x tp + tp_index, so the tp ranks of a row are consecutive, one node's GPUs when
@@ -377,7 +376,7 @@ def main(argv: list[str] | None = None) -> dict:
                           subset=config.data_config, columns=config.data_columns,
                           train_empty_think=config.train_empty_think)
     except DataError as error:
-        raise SystemExit(f"bad training data: {error}") from None
+        raise InputError(f"bad training data: {error}") from None
     print0(describe(data.stats, config.seq_len, config.packing))
     if config.show_sample:
         print0(sample_text(data, tokenizer))
@@ -512,16 +511,9 @@ def main(argv: list[str] | None = None) -> dict:
     rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    # common/memory's prediction for one device ("fsdp-tp": tp-ft's slice, its states sharded over dp, FSDP's
-    # gathered units as in fsdp-ft). No collective formula: common/comm.py does not model this layout.
-    prediction = estimate(
-        model.config, "fsdp-tp", world_size, tensor_parallel=tp, seq_len=config.seq_len,
-        micro_batch_size=config.micro_batch_size, activation_checkpointing=config.activation_checkpointing,
-        lora_rank=config.lora_rank, precision=config.dtype, attention=attention_kind(attention, config.packing),
-        grad_accum=config.grad_accum)  # neither --compile nor --loss-chunk-tokens here
+    # summary.json: what was measured, and the settings the predictions read from it afterwards (not in this run).
     summary = rec.finish(
         attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
-        predicted_peak_mem_gib=prediction.total_gib, predicted_state_bytes=prediction.state_bytes(),
         tensor_parallel=tp, data_parallel=dp, mesh=dict(shape=[dp, tp], dim_names=["dp", "tp"]),
         replica_drift=replica_drift(model.parameters(), tp_mesh))  # a collective: every rank calls finish
 

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from common.cli import parse_config, plan_run, resolve_paths, run, stop_early
+from common.cli import InputError, parse_config, plan_run, resolve_paths, run, stop_early
 
 stop_early(__name__, __file__)  # --help and a flag mistake answer now, before torch and transformers load
 import torch  # noqa: E402
@@ -43,11 +43,9 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: E40
 
 from common.attention import setup_attention  # noqa: E402
 from common.checkpoint import load_deepspeed_checkpoint, save_deepspeed_checkpoint  # noqa: E402
-from common.comm import as_backend, deepspeed_pipeline_collectives  # noqa: E402
 from common.data import IGNORE_INDEX, DataError, build_data, describe, sample_text, token_loss_sum  # noqa: E402
 from common.dist import act_as_launcher_if_alone, all_ranks, init_distributed, print0, \
     record_collectives_in, teardown  # noqa: E402
-from common.memory import DEEPSPEED_BF16, attention_kind, predict_peak_gib  # noqa: E402
 from common.metrics import MetricsLogger, Recorder  # noqa: E402
 from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
     record_adapter_base, resolve_model_name, share_export  # noqa: E402
@@ -122,22 +120,22 @@ def resolve(config: Config, world_size: int) -> Config:
         config.lora_alpha = 2.0 * config.lora_rank
     resolve_paths(config, EXPERIMENT)  # --data found, --out-dir under the working directory, --resume
     if config.loss_chunk_tokens:
-        raise SystemExit(f"{EXPERIMENT} has no --loss-chunk-tokens yet: the last stage would have to take the labels "
+        raise InputError(f"{EXPERIMENT} has no --loss-chunk-tokens yet: the last stage would have to take the labels "
                          "and apply the tied LM head inside the chunked loss instead of returning logits to the "
                          "schedule's loss function (see the README)")
     if config.stages is None:
         config.stages = world_size
     if config.stages < 1 or world_size % config.stages:
-        raise SystemExit(f"--stages {config.stages} must divide the number of processes ({world_size}): "
+        raise InputError(f"--stages {config.stages} must divide the number of processes ({world_size}): "
                          f"run torchrun --nproc_per_node=<a multiple of {config.stages}>")
     # bf16 accumulates gradients in fp32 (as single-ft) only in DeepSpeed's ZeRO-1 BF16_Optimizer (README).
     if config.zero_stage is None:
         config.zero_stage = 1 if config.dtype == "bf16" else 0
     if config.zero_stage not in (0, 1):
-        raise SystemExit(f"--zero-stage must be 0 or 1 (DeepSpeed's pipeline engine rejects ZeRO-2 and 3), "
+        raise InputError(f"--zero-stage must be 0 or 1 (DeepSpeed's pipeline engine rejects ZeRO-2 and 3), "
                          f"got {config.zero_stage}")
     if config.dtype == "bf16" and config.zero_stage == 0:
-        raise SystemExit("--dtype bf16 needs --zero-stage 1 here: DeepSpeed accumulates bf16 gradients in fp32 only "
+        raise InputError("--dtype bf16 needs --zero-stage 1 here: DeepSpeed accumulates bf16 gradients in fp32 only "
                          "in its ZeRO-1 bf16 optimizer (with one data-parallel replica it shards nothing)")
     return config
 
@@ -339,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
                           subset=config.data_config, columns=config.data_columns,
                           train_empty_think=config.train_empty_think)
     except DataError as error:
-        raise SystemExit(f"bad training data: {error}") from None
+        raise InputError(f"bad training data: {error}") from None
     print0(describe(data.stats, config.seq_len, config.packing))
     if config.show_sample:
         print0(sample_text(data, tokenizer))
@@ -393,8 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
         owned = names[parts[stage]:parts[stage + 1]]
         print0(f"stage {stage}: {owned[0]} .. {owned[-1]} ({len(owned)} pipe layers)")
     print0(f"pipeline: DeepSpeed 1F1B, {config.stages} stages x {data_parallel_size} data-parallel replica(s), "
-           f"m = {config.grad_accum} micro-batches | textbook bubble (p-1)/(m+p-1) = "
-           f"{(config.stages - 1) / (config.grad_accum + config.stages - 1):.1%} | ZeRO stage {config.zero_stage}")
+           f"m = {config.grad_accum} micro-batches | ZeRO stage {config.zero_stage}")
     print0(f"batch: B = {config.micro_batch_size} x {config.grad_accum} x {data_parallel_size} replica(s) = "
            f"{rows_per_step} rows of {config.seq_len} -> T_eff = {rows_per_step * config.seq_len:,} token slots per "
            f"optimizer step")
@@ -469,29 +466,13 @@ def main(argv: list[str] | None = None) -> dict:
     rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    # The collectives each rank ran per profiled step, next to common/comm.py's formula for DeepSpeed's pipeline
-    # (modelled for the pure fp32 pipeline: one data-parallel replica, fp32 ZeRO-0 or ZeRO-1).
-    stage_and_trainable = all_ranks((engine.grid.get_stage_id(), sum(p.numel() for p in params)))
-    collective_formula_per_rank = [
-        as_backend(deepspeed_pipeline_collectives(
-            config.stages, stage, microbatches=config.grad_accum, micro_batch_size=config.micro_batch_size,
-            seq_len=config.seq_len, hidden=model_config.hidden_size, vocab=model_config.vocab_size,
-            stage_trainable=trainable, tied_gradients=not config.lora_rank, zero_stage=config.zero_stage,
-            optimizer_groups=len(optimizer.param_groups)), dist.get_backend())
-        for stage, trainable in stage_and_trainable] if data_parallel_size == 1 and config.dtype == "fp32" else None
+    # summary.json: what was measured, and the settings the predictions read from it afterwards (not in this run).
     summary = rec.finish(
         attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
-        # common/memory's prediction for the fullest stage (1F1B, even split; DeepSpeed's bf16: DEEPSPEED_BF16).
-        predicted_peak_mem_gib=predict_peak_gib(
-            model_config, "pp", config.stages, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
-            activation_checkpointing=config.activation_checkpointing, dtype=config.dtype,
-            precision=DEEPSPEED_BF16 if config.dtype == "bf16" else None,
-            attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
-            compile=config.compile),
         pipeline=dict(schedule="deepspeed-1f1b", stages=config.stages, data_parallel=data_parallel_size,
                       microbatches=config.grad_accum, stage_starts=[int(start) for start in parts]),
         deepspeed=dict(version=deepspeed.__version__, config=ds_config),
-        **pipeline_measures, collective_bytes_formula_per_rank=collective_formula_per_rank)
+        **pipeline_measures)
 
     if config.save_hf and config.lora_rank and not config.merge_lora:
         save_lora_adapter(Path(config.save_hf), engine, lora_config, base_model_class, tokenizer)

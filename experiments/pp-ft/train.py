@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from common.cli import parse_config, plan_run, resolve_paths, run, stop_early
+from common.cli import InputError, parse_config, plan_run, resolve_paths, run, stop_early
 
 stop_early(__name__, __file__)  # --help and a flag mistake answer now, before torch and transformers load
 import torch  # noqa: E402
@@ -40,10 +40,8 @@ from transformers.masking_utils import create_causal_mask
 
 from common.attention import VARLEN, document_kwargs, setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
-from common.comm import as_backend, pipeline_collectives
 from common.data import IGNORE_INDEX, DataError, build_data, describe, sample_text, to_device, token_loss_sum
 from common.dist import all_ranks, init_distributed, print0, record_collectives_in, teardown
-from common.memory import attention_kind, estimate_stages_per_rank, predict_peak_gib
 from common.metrics import MetricsLogger, Recorder
 from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
     is_preset, load_model, load_tokenizer, record_adapter_base, resolve_model_name, share_export, weights_dtype
@@ -121,15 +119,15 @@ def resolve(config: Config) -> Config:
         config.lora_alpha = 2.0 * config.lora_rank
     resolve_paths(config, EXPERIMENT)  # --data found, --out-dir under the working directory, --resume
     if config.loss_chunk_tokens:
-        raise SystemExit(f"{EXPERIMENT} has no --loss-chunk-tokens yet: the last stage would have to take the labels "
+        raise InputError(f"{EXPERIMENT} has no --loss-chunk-tokens yet: the last stage would have to take the labels "
                          "and apply the tied LM head inside the chunked loss instead of returning logits to the "
                          "schedule's loss function (see the README)")
     if config.stages_per_rank is None:
         config.stages_per_rank = 2 if config.schedule in ("interleaved-1f1b", "zbv") else 1
     if config.schedule in ("gpipe", "1f1b") and config.stages_per_rank != 1:
-        raise SystemExit(f"--schedule {config.schedule} runs one stage per rank; for more use interleaved-1f1b")
+        raise InputError(f"--schedule {config.schedule} runs one stage per rank; for more use interleaved-1f1b")
     if config.schedule == "zbv" and config.stages_per_rank != 2:
-        raise SystemExit("--schedule zbv places exactly 2 stages per rank (a V); leave --stages-per-rank at 2")
+        raise InputError("--schedule zbv places exactly 2 stages per rank (a V); leave --stages-per-rank at 2")
     return config
 
 
@@ -156,14 +154,14 @@ def pipeline_layout(n_layers: int, n_ranks: int, stages_per_rank: int, schedule:
     """
     n_stages = n_ranks * stages_per_rank
     if n_layers < n_stages:
-        raise SystemExit(f"{n_stages} pipeline stages need at least one decoder layer each; the model has {n_layers}")
+        raise InputError(f"{n_stages} pipeline stages need at least one decoder layer each; the model has {n_layers}")
     if split:
         try:
             bounds = [int(value) for value in split.split(",")]
         except ValueError:
-            raise SystemExit(f"--split {split!r}: expected comma-separated layer indices, e.g. 14 or 7,14,21") from None
+            raise InputError(f"--split {split!r}: expected comma-separated layer indices, e.g. 14 or 7,14,21") from None
         if len(bounds) != n_stages - 1 or bounds != sorted(set(bounds)) or not 0 < bounds[0] <= bounds[-1] < n_layers:
-            raise SystemExit(f"--split {split!r}: {n_stages} stages need {n_stages - 1} increasing layer indices "
+            raise InputError(f"--split {split!r}: {n_stages} stages need {n_stages - 1} increasing layer indices "
                              f"between 1 and {n_layers - 1} (the first layer of stages 1..{n_stages - 1})")
     else:
         # Even split; the remainder goes to the first stages, since the last one also carries the LM head.
@@ -382,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict:
     if config.stages is None:
         config.stages = world_size * v
     if config.stages < 1 or config.stages % v or world_size % (config.stages // v):
-        raise SystemExit(f"--stages {config.stages} must be a multiple of --stages-per-rank {v} whose quotient (ranks "
+        raise InputError(f"--stages {config.stages} must be a multiple of --stages-per-rank {v} whose quotient (ranks "
                          f"per pipeline) divides the number of processes ({world_size}): run torchrun "
                          f"--nproc_per_node=<a multiple of {max(1, config.stages // v)}>")
     pp_size = config.stages // v
@@ -394,7 +392,7 @@ def main(argv: list[str] | None = None) -> dict:
     # `rank` is this rank's place in its pipeline (what stage_rank below refers to); `replica` which rows it reads.
     rank, replica = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     if replicas > 1 and config.schedule == "zbv":
-        raise SystemExit("--schedule zbv does not combine with data-parallel replicas here: its weight-gradient pass "
+        raise InputError("--schedule zbv does not combine with data-parallel replicas here: its weight-gradient pass "
                          "does not fire DDP's hooks (the steps come out wrong); use 1f1b, gpipe or interleaved-1f1b")
     record_collectives_in(config.out_dir)  # CUDA: where NCCL's flight recorder dumps on a timeout
     print0(f"config: {json.dumps(asdict(config))}")
@@ -413,7 +411,7 @@ def main(argv: list[str] | None = None) -> dict:
                           subset=config.data_config, columns=config.data_columns,
                           train_empty_think=config.train_empty_think)
     except DataError as error:
-        raise SystemExit(f"bad training data: {error}") from None
+        raise InputError(f"bad training data: {error}") from None
     print0(describe(data.stats, config.seq_len, config.packing))
     if config.show_sample:
         print0(sample_text(data, tokenizer))
@@ -479,9 +477,9 @@ def main(argv: list[str] | None = None) -> dict:
         parts = (["embedding"] if s == 0 else []) + [block] + (["norm + LM head"] if s == n_stages - 1 else [])
         print0(f"stage {s} on rank {stage_rank[s]}: {', '.join(parts)}")
     print0(f"parameters held per rank: {', '.join(f'rank {r}: {n:,}' for r, n in enumerate(held))}")
-    trace = PipelineTrace(device, config, pp_size)  # the bubble per rank and one step's timeline (summary.json)
+    trace = PipelineTrace(device, config)  # the bubble per rank and one step's timeline (summary.json)
     print0(f"pipeline: {config.schedule}, p = {pp_size} ranks x v = {config.stages_per_rank} stages each, "
-           f"m = {config.grad_accum} micro-batches | textbook bubble {trace.formula} = {trace.textbook:.1%}"
+           f"m = {config.grad_accum} micro-batches"
            + (f" | {replicas} data-parallel replicas of it (mesh {replicas} x {pp_size}), each stage's gradients "
               f"all-reduced over its {replicas} copies" if replicas > 1 else ""))
     print0(f"batch: B = {config.micro_batch_size} x {config.grad_accum} x {replicas} replica(s) = {rows_per_step} rows "
@@ -515,7 +513,7 @@ def main(argv: list[str] | None = None) -> dict:
                                   n_microbatches=config.grad_accum, loss_fn=trace.time_loss(loss_fn, n_stages - 1),
                                   scale_grads=False)
     except ValueError as error:
-        raise SystemExit(f"--schedule {config.schedule} with {n_stages} stages and --grad-accum {config.grad_accum}: "
+        raise InputError(f"--schedule {config.schedule} with {n_stages} stages and --grad-accum {config.grad_accum}: "
                          f"{error} (more micro-batches also shrink the bubble)") from None
 
     # ---------------------------------------------------------------------------------------------------------
@@ -595,29 +593,13 @@ def main(argv: list[str] | None = None) -> dict:
     rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    # common/comm.py models one pipeline; with replicas DDP's bucketed gradient all-reduce comes on top, not modelled.
-    collective_formula_per_rank = None if replicas > 1 else [
-        as_backend(pipeline_collectives(stage_rank, r, microbatches=config.grad_accum,
-                                        micro_batch_size=config.micro_batch_size, seq_len=config.seq_len,
-                                        hidden=model_config.hidden_size, vocab=model_config.vocab_size,
-                                        tied_gradients=tied_trainable), dist.get_backend())
-        for r in range(world_size)]
+    # summary.json: what was measured, and the settings the predictions read from it afterwards (not in this run).
     summary = rec.finish(
         attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
-        # common/memory's prediction for the fullest stage under 1F1B with an even split, one stage per rank.
-        predicted_peak_mem_gib=predict_peak_gib(
-            model_config, "pp", pp_size, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
-            activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank, dtype=config.dtype,
-            attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
-            compile=config.compile),
         pipeline=dict(schedule=config.schedule, ranks=pp_size, stages_per_rank=config.stages_per_rank,
                       microbatches=config.grad_accum, stage_layers=[[r.start, r.stop] for r in layers],
                       stage_rank=stage_rank, replicas=replicas),
-        **pipeline_measures,
-        predicted_state_bytes_per_rank=None if config.split else estimate_stages_per_rank(
-            model_config, stage_rank, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
-            lora_rank=config.lora_rank, dtype=config.dtype, replicas=replicas),
-        collective_bytes_formula_per_rank=collective_formula_per_rank)
+        **pipeline_measures)
 
     if config.save_hf and config.lora_rank and not config.merge_lora:
         save_lora_adapter(Path(config.save_hf), module, lora_config, base_model_class, tokenizer)

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from common.cli import parse_config, plan_run, resolve_paths, run, stop_early
+from common.cli import InputError, parse_config, plan_run, resolve_paths, run, stop_early
 
 stop_early(__name__, __file__)  # --help and a flag mistake answer now, before torch and transformers load
 import torch  # noqa: E402
@@ -34,7 +34,6 @@ from common.data import DataError, build_data, describe, evaluate, sample_text, 
 from common.dist import init_distributed, print0, teardown
 from common.generate import generate, sample_prompt
 from common.loss import fused_linear_cross_entropy
-from common.memory import attention_kind, estimate
 from common.metrics import MetricsLogger, Recorder
 from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, is_moe, \
     is_preset, load_model, load_model_4bit, load_tokenizer, qlora_unavailable, record_adapter_base, \
@@ -122,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = parse_config(Config, argv)  # a flag mistake stops with one line (common/cli.py)
     MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
     if config.qlora and (problem := qlora_unavailable(config.merge_lora, config.dtype)):
-        raise SystemExit(problem)  # before anything starts or loads
+        raise InputError(problem)  # before anything starts or loads
 
     # ---------------------------------------------------------------------------------------------------------
     # Process and device: a single process here; init_distributed still picks the device (cuda:0 or cpu).
@@ -145,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
                           subset=config.data_config, columns=config.data_columns,
                           train_empty_think=config.train_empty_think)
     except DataError as error:
-        raise SystemExit(f"bad training data: {error}") from None
+        raise InputError(f"bad training data: {error}") from None
     print0(describe(data.stats, config.seq_len, config.packing))
     if config.show_sample:
         print0(sample_text(data, tokenizer))
@@ -290,20 +289,9 @@ def main(argv: list[str] | None = None) -> dict:
     rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    # common/memory's prediction for this device: its peak next to the measured one (comparable on a GPU, where
-    # both mean max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included),
-    # its model states next to the bytes counted above.
-    # (common/memory prices no LoRA on a mixture of experts, where peft also wraps the experts' 3-D weights.)
-    prediction = None if moe and config.lora_rank else estimate(
-        model.config, "single", 1, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
-        activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank, qlora=config.qlora,
-        precision=config.dtype, attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
-        loss_chunk_tokens=config.loss_chunk_tokens, compile=config.compile)
+    # summary.json: what was measured, and the settings the predictions read from it afterwards (not in this run).
     summary = rec.finish(
         attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
-        predicted_peak_mem_gib=None if prediction is None else prediction.total_gib,
-        predicted_state_bytes=None if prediction is None else prediction.state_bytes(),
-        collective_bytes_formula={},  # one process: no collective (common/comm.py)
         expert_load=load_summary(rec.records))  # a mixture of experts: tokens per expert, imbalance
 
     if config.save_hf:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from common.cli import parse_config, plan_run, resolve_paths, run, stop_early
+from common.cli import InputError, parse_config, plan_run, resolve_paths, run, stop_early
 
 stop_early(__name__, __file__)  # --help and a flag mistake answer now, before torch and transformers load
 import torch  # noqa: E402
@@ -37,9 +37,7 @@ from transformers import AutoModelForCausalLM
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import DataError, build_data, describe, evaluate, sample_text, to_device, token_loss_sum
-from common.comm import as_backend, tp_collectives
 from common.dist import init_distributed, print0, record_collectives_in, teardown
-from common.memory import attention_kind, estimate
 from common.metrics import MetricsLogger, Recorder
 from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
     is_preset, load_model, load_tokenizer, record_adapter_base, resolve_model_name, weights_dtype
@@ -113,10 +111,10 @@ def resolve(config: Config) -> Config:
         config.lora_alpha = 2.0 * config.lora_rank
     resolve_paths(config, EXPERIMENT)  # --data found, --out-dir under the working directory, --resume
     if config.compile:
-        raise SystemExit(f"{EXPERIMENT} refuses --compile: a compiled decoder layer under this plan fails in backward "
+        raise InputError(f"{EXPERIMENT} refuses --compile: a compiled decoder layer under this plan fails in backward "
                          "inside DTensor's redistribution (torch 2.15); tp-sp-ft's plan compiles (see the README)")
     if config.loss_chunk_tokens:
-        raise SystemExit(f"{EXPERIMENT} has no --loss-chunk-tokens: loss parallelism already splits the logits over "
+        raise InputError(f"{EXPERIMENT} has no --loss-chunk-tokens: loss parallelism already splits the logits over "
                          "the vocabulary; chunking them too is not built yet (see the README)")
     return config
 
@@ -136,7 +134,7 @@ def check_divisible(config, tp: int) -> None:
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
         value = getattr(config, field)
         if value % tp:
-            raise SystemExit(f"tensor parallelism over {tp} ranks needs {field} ({value}) divisible by {tp}; "
+            raise InputError(f"tensor parallelism over {tp} ranks needs {field} ({value}) divisible by {tp}; "
                              f"run with a --nproc_per_node that divides it")
 
 
@@ -274,7 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
                           subset=config.data_config, columns=config.data_columns,
                           train_empty_think=config.train_empty_think)
     except DataError as error:
-        raise SystemExit(f"bad training data: {error}") from None
+        raise InputError(f"bad training data: {error}") from None
     print0(describe(data.stats, config.seq_len, config.packing))
     if config.show_sample:
         print0(sample_text(data, tokenizer))
@@ -393,27 +391,10 @@ def main(argv: list[str] | None = None) -> dict:
     rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    # common/memory's prediction for this device: its peak next to the measured one (comparable on a GPU, where
-    # both mean max_memory_reserved; on CPU the measure is the whole process, interpreter and libraries included),
-    # its model states next to the bytes counted above.
-    prediction = estimate(
-        model.config, "tp", tp, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
-        activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank,
-        precision=config.dtype, attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
-        loss_chunk_tokens=config.loss_chunk_tokens, compile=config.compile)
-    # common/comm.py's formula for what the profiled steps measured: full-parameter fp32 on two or more ranks only
-    # (LoRA adds collectives, bf16 gives forward and backward different dtypes; the README).
-    formula = None
-    if tp > 1 and not config.lora_rank and config.dtype == "fp32":
-        formula = as_backend(tp_collectives(
-            layers=model.config.num_hidden_layers, hidden=model.config.hidden_size, head_dim=model.config.head_dim,
-            vocab=model.config.vocab_size, tokens=config.micro_batch_size * config.seq_len,
-            grad_accum=config.grad_accum, world_size=tp, sequence_parallel=False, loss_parallel=config.loss_parallel,
-            sync_qk_norm_grads=config.sync_qk_norm_grads), dist.get_backend())
+    # summary.json: what was measured, and the settings the predictions read from it afterwards (not in this run).
     summary = rec.finish(
         attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
-        predicted_peak_mem_gib=prediction.total_gib, predicted_state_bytes=prediction.state_bytes(),
-        collective_bytes_formula=formula, tensor_parallel=tp, activation_mib=activations.mib,
+        tensor_parallel=tp, activation_mib=activations.mib,
         replica_drift=replica_drift(model.parameters(), tp_mesh))  # a collective: every rank calls finish
 
     if config.save_hf:

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from common.cli import parse_config, plan_run, resolve_paths, run, stop_early
+from common.cli import InputError, parse_config, plan_run, resolve_paths, run, stop_early
 
 stop_early(__name__, __file__)  # --help and a flag mistake answer now, before torch and transformers load
 import torch  # noqa: E402
@@ -37,12 +37,10 @@ from transformers.integrations import HfDeepSpeedConfig
 
 from common.attention import setup_attention
 from common.checkpoint import load_deepspeed_checkpoint, save_deepspeed_checkpoint
-from common.comm import as_backend, zero_collectives
 from common.data import DataError, build_data, describe, evaluate, sample_text, to_device, token_loss_sum
 from common.dist import act_as_launcher_if_alone, init_distributed, print0, record_collectives_in, teardown
 from common.generate import generate, sample_prompt
 from common.loss import fused_linear_cross_entropy
-from common.memory import STRATEGIES, attention_kind, estimate
 from common.metrics import MetricsLogger, Recorder, deepspeed_state_bytes, memory_label, peak_memory_gib
 from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
     is_preset, load_model, load_tokenizer, record_adapter_base, resolve_model_name
@@ -122,9 +120,9 @@ def resolve(config: Config) -> Config:
         config.lora_alpha = 2.0 * config.lora_rank
     resolve_paths(config, EXPERIMENT)  # --data found, --out-dir under the working directory, --resume
     if config.zero_stage not in (1, 2, 3):
-        raise SystemExit(f"--zero-stage must be 1, 2 or 3, got {config.zero_stage} (stage 0 is plain DDP: see ddp-ft)")
+        raise InputError(f"--zero-stage must be 1, 2 or 3, got {config.zero_stage} (stage 0 is plain DDP: see ddp-ft)")
     if config.compile and config.zero_stage == 3:
-        raise SystemExit("--compile needs --zero-stage 1 or 2: ZeRO-3 gathers each projection's weight in hooks that "
+        raise InputError("--compile needs --zero-stage 1 or 2: ZeRO-3 gathers each projection's weight in hooks that "
                          "break a compiled decoder layer into small graphs between the gathers (see README.md)")
     return config
 
@@ -205,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
                           subset=config.data_config, columns=config.data_columns,
                           train_empty_think=config.train_empty_think)
     except DataError as error:
-        raise SystemExit(f"bad training data: {error}") from None
+        raise InputError(f"bad training data: {error}") from None
     print0(describe(data.stats, config.seq_len, config.packing))
     if config.show_sample:
         print0(sample_text(data, tokenizer))
@@ -355,46 +353,14 @@ def main(argv: list[str] | None = None) -> dict:
     rec.eval(config.steps, eval_loss)
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    # The point of this experiment: what each rank held at its peak, beside common/memory's prediction for a device.
+    # The point of this experiment: what each rank held at its peak (predicted from summary.json afterwards).
     peak_mem_gib_per_rank = [None] * world_size
     dist.all_gather_object(peak_mem_gib_per_rank, peak_memory_gib(device))
-    # ZeRO-Offload: "zero-<stage>-offload" where common/memory has it, else the stage without offload (the note says).
-    strategy = f"zero-{config.zero_stage}" + ("-offload" if config.cpu_offload else "")
-    predicted_note = None
-    if strategy not in STRATEGIES:
-        predicted_note = (f"common.memory has no {strategy}: predicted as zero-{config.zero_stage}, with the master "
-                          f"partition and AdamW state on the device instead of in host memory")
-        strategy = f"zero-{config.zero_stage}"
-    elif config.cpu_offload:
-        predicted_note = (f"{strategy}: common.memory predicts the offloaded states in host memory "
-                          f"(predicted_cpu_bytes); predicted_state_bytes is what stays on the device")
-    prediction = estimate(
-        model.config, strategy, world_size, seq_len=config.seq_len, micro_batch_size=config.micro_batch_size,
-        activation_checkpointing=config.activation_checkpointing, lora_rank=config.lora_rank,
-        precision=config.dtype, attention=attention_kind(attention, config.packing), grad_accum=config.grad_accum,
-        loss_chunk_tokens=config.loss_chunk_tokens, compile=config.compile)
-    predicted_peak_mem_gib = prediction.total_gib
-    # common/comm.py's bytes for the profiled steps: gradients reduced in group order (stage 1) or backward's (2, 3);
-    # README: what it leaves out (one rank, LoRA, offload at stages 1 and 3, ...).
-    groups = [group for group in (decay, no_decay) if group]
-    reduction_order = [p for group in groups for p in group] if config.zero_stage == 1 else list(reversed(trainable))
-    formula = None
-    if world_size > 1 and not config.lora_rank and (not config.cpu_offload or config.zero_stage == 2):
-        formula = zero_collectives(
-            config.zero_stage, group_numels=[sum(full_shape(p).numel() for p in group) for group in groups],
-            reduction_numels=[full_shape(p).numel() for p in reduction_order],
-            parameter_numels=[full_shape(p).numel() for p in model.parameters()], world_size=world_size,
-            grad_accum=config.grad_accum, bf16=config.dtype == "bf16")
-        formula = formula and as_backend(formula, dist.get_backend())
     print0(f"peak memory per rank ({memory_label(device)}), ZeRO stage {config.zero_stage}: "
-           + ", ".join(f"rank {r} {gib:.2f} GiB" for r, gib in enumerate(peak_mem_gib_per_rank))
-           + f" | predicted by common/memory: {predicted_peak_mem_gib:.2f} GiB per device")
+           + ", ".join(f"rank {r} {gib:.2f} GiB" for r, gib in enumerate(peak_mem_gib_per_rank)))
     summary = rec.finish(
         attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses, zero_stage=config.zero_stage,
-        peak_mem_gib_per_rank=peak_mem_gib_per_rank, predicted_peak_mem_gib=predicted_peak_mem_gib,
-        predicted_state_bytes=prediction.state_bytes(),
-        predicted_cpu_bytes=int(prediction.cpu_bytes), predicted_note=predicted_note,
-        collective_bytes_formula=formula,
+        peak_mem_gib_per_rank=peak_mem_gib_per_rank,
         deepspeed=dict(version=deepspeed.__version__, config=ds_config))
 
     if config.save_hf:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import csv
 
-from plotting.data import MIB, STATE_KINDS, collective_kind, pipeline_shape, predicted_state
+from plotting.data import MIB, STATE_KINDS, collective_formulas, collective_kind, pipeline_shape, predicted_state, \
+    textbook_bubble
 from run_files import STEP_SETTINGS
 
 from ..engine import RegionError, generator
@@ -56,10 +57,9 @@ def gen_collectives(ctx: Context, args: dict) -> str:
     for run in runs:
         if run.summary.get("collective_bytes_per_step_per_rank"):
             measured_ranks = list(enumerate(run.summary["collective_bytes_per_step_per_rank"]))
-            formulas = run.summary.get("collective_bytes_formula_per_rank") or []
         else:
             measured_ranks = [(0, rank0_collectives(run))]
-            formulas = [run.summary.get("collective_bytes_formula")]
+        formulas = collective_formulas(run.summary)
         for rank, measured in measured_ranks:
             measured = measured or {}
             formula = formulas[rank] if rank < len(formulas) else None
@@ -134,11 +134,10 @@ def gen_bubble(ctx: Context, args: dict) -> str:
     rows = []
     for run in runs:
         schedule, p, v, m = pipeline_shape(run.summary)
+        textbook, formula = textbook_bubble(run.summary)
         rows.append([run.name, show(schedule), show(p), show(v if schedule else None), show(m),
                      show(run.summary.get("bubble_fraction"), ".3f"),
-                     show(run.summary.get("bubble_fraction_per_rank"), ".2f"),
-                     show(run.summary.get("bubble_fraction_textbook"), ".3f"),
-                     show(run.summary.get("bubble_formula"))])
+                     show(run.summary.get("bubble_fraction_per_rank"), ".2f"), show(textbook, ".3f"), show(formula)])
     headers = ["run", "schedule", "p", "v", "m", "bubble (mean over ranks)", "per rank", "textbook", "formula"]
     return markdown_table(headers, rows, [False, False, True, True, True, True, True, True, False])
 

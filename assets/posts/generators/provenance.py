@@ -16,12 +16,30 @@ def commands_block(runs: list[Run]) -> str:
                  "bash")
 
 
+def commit_text(run: Run) -> str | None:
+    """The commit a run recorded; a dirty one with the hash of its diff (`commit_diff`), or says the run predates it."""
+    commit = run.summary.get("commit")
+    if not commit or not commit.endswith("-dirty"):
+        return commit
+    diff = run.summary.get("commit_diff")
+    return f"{commit} (diff {diff})" if diff else f"{commit} (diff not recorded)"
+
+
+def commits_text(runs: list[Run]) -> str:
+    return f"commit {', '.join(distinct(commit_text(run) for run in runs)) or 'not recorded'}"
+
+
+DIRTY_NOTE = ("A commit marked `-dirty` ran with uncommitted changes. Runs record a hash of them (summary.json's "
+              "`commit_diff`: `git diff HEAD` and the untracked files' names), which tells two such trees apart but "
+              "cannot rebuild one; runs from before it say \"diff not recorded\". assets/run_series.py runs a series "
+              "from a clean checkout only, so that the commit alone reproduces it.")
+
+
 def series_caption(runs: list[Run]) -> str:
     """Where one series' runs were measured: device, world sizes, software, commit, memory measure, warm-up."""
-    commits = distinct(run.summary.get("commit") for run in runs) or ["not recorded"]
     measures = distinct(run.summary.get("memory_measure") for run in runs)
     warmups = distinct(run.summary.get("warmup_steps_excluded") for run in runs)
-    details = [device_text(runs), world_sizes_text(runs), software_text(runs), f"commit {', '.join(commits)}"]
+    details = [device_text(runs), world_sizes_text(runs), software_text(runs), commits_text(runs)]
     if measures:
         details.append(f"memory: {'; '.join(measures)}")
     if warmups:
@@ -44,9 +62,10 @@ def provenance(ctx: Context, runs: list[Run]) -> str:
         commands += [f"# {series}"] + [run.summary.get("command") or f"# {run.name}: no command recorded"
                                        for run in members]
     count = f"{len(runs)} run{'s' if len(runs) != 1 else ''}"
+    dirty = any((run.summary.get("commit") or "").endswith("-dirty") for run in runs)
     return (f"<details><summary>Where the numbers on this page come from: {count}, their devices, software and "
-            f"exact commands</summary>\n\n" + "\n".join(items) + "\n\n" + fence("\n".join(commands), "bash")
-            + "\n\n</details>")
+            f"exact commands</summary>\n\n" + "\n".join(items) + "\n\n" + (DIRTY_NOTE + "\n\n" if dirty else "")
+            + fence("\n".join(commands), "bash") + "\n\n</details>")
 
 
 @generator("provenance")
@@ -64,5 +83,4 @@ def gen_commands(ctx: Context, args: dict) -> str:
 @generator("hardware", ("runs",), inline=True)
 def gen_hardware(ctx: Context, args: dict) -> str:
     runs = ctx.site.runs(args["runs"])
-    commits = distinct(run.summary.get("commit") for run in runs) or ["not recorded"]
-    return f"{device_text(runs)}; {world_sizes_text(runs)}; {software_text(runs)}; commit {', '.join(commits)}"
+    return f"{device_text(runs)}; {world_sizes_text(runs)}; {software_text(runs)}; {commits_text(runs)}"

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from plotting.data import MIB, STATE_KINDS, collective_kind, pipeline_shape, predicted_state
+from plotting.data import MIB, STATE_KINDS, collective_kind, pipeline_shape, predicted_state, textbook_bubble
 from run_files import Run
 
 from ..engine import RegionError, generator
@@ -176,8 +176,8 @@ COLUMNS: dict[str, Column] = {
     "m": Column("m", lambda run: pipeline_shape(run.summary)[3], "d"),
     "bubble": Column("bubble", summary_field("bubble_fraction"), ".3f"),
     "bubble_ranks": Column("bubble per rank", summary_field("bubble_fraction_per_rank"), ".2f"),
-    "bubble_textbook": Column("textbook bubble", summary_field("bubble_fraction_textbook"), ".3f"),
-    "bubble_formula": Column("formula", summary_field("bubble_formula")),
+    "bubble_textbook": Column("textbook bubble", lambda run: textbook_bubble(run.summary)[0], ".3f"),
+    "bubble_formula": Column("formula", lambda run: textbook_bubble(run.summary)[1]),
     "timed_steps": Column("timed steps", summary_field("timed_steps"), "d"),
 }
 DEFAULT_COLUMNS = "run,experiment,ranks,micro,ga,step_ms,comm_ms,tok_s,peak_mem,final_loss,eval_loss"
@@ -266,7 +266,8 @@ def gen_table(ctx: Context, args: dict, runs: list[Run] | None = None) -> str:
 
 def mfu_recount_note(runs: list[Run]) -> str:
     """What a table's MFU column is for runs recorded before their steps carried their FLOPs: recounted once into their
-    summary.json and metrics.jsonl (`mfu_recount` says how; `mfu_recorded` keeps the figure of the old count)."""
+    summary.json and metrics.jsonl (`mfu_recount` says how; `mfu_recorded` keeps the figure of the old count); and for
+    fused-loss runs recorded before the LM head was counted on loss tokens (`lm_head_recount`)."""
     how = {run.name: run.summary.get("mfu_recount") for run in runs if run.summary.get("mfu_recount")}
     again = [name for name, text in how.items() if text.startswith("recounted")]
     left = [f"{name} ({text[len('not recounted: '):]})" for name, text in how.items() if name not in again]
@@ -278,7 +279,14 @@ def mfu_recount_note(runs: list[Run]) -> str:
                      f"LoRA); summary.json keeps the figure of the count the run was recorded with as mfu_recorded")
     if left:
         parts.append(f"no MFU for {', '.join(left)}")
-    return ("; ".join(parts) + ".") if parts else ""
+    head = [run.name for run in runs if run.summary.get("lm_head_recount")]
+    if head:
+        which = "the MFU" if len(head) == len(runs) else f"the MFU of {', '.join(head)}"
+        parts.append(f"{which} counts the LM head on loss tokens only, where the fused loss (--loss-chunk-tokens) "
+                     f"runs it: recounted once from each step's tokens and loss tokens (assets/recount_head_flops.py), "
+                     f"the figure before kept as mfu_head_every_token")
+    text = "; ".join(parts)
+    return (text[0].upper() + text[1:] + ".") if parts else ""
 
 
 @generator("gpu-slot", ("runs",), ("cols", "sort", "label", "ref"))
