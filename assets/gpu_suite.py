@@ -440,6 +440,45 @@ def command(rung: Rung, out_dir: Path, launcher: list[str], device: str = "cuda"
     return [*launcher, script, *rung.args, "--out-dir", str(out_dir)]
 
 
+def predict_before_launch(rung: Rung) -> float | None:
+    """common.memory's peak (GiB) for a rung, computed by the suite before it launches the run: the out-of-sample
+    record the scripts no longer write (they predict nothing; posts compute predictions from summary.json after the
+    run). The rung's flags over its script's Config defaults, its attention as requested (varlen's K/V repeat as this
+    torch needs it), one process per rank. None for the probe, the peer baseline, or settings the model does not
+    price."""
+    if rung.experiment in ("probe", "peer"):
+        return None
+    from common.attention import torch_varlen_takes_gqa
+    from common.cli import config_flags, parse_flags
+    from common.memory import predict_run
+    from common.models import TINY_PRESETS
+
+    script = REPO_ROOT / "experiments" / rung.experiment / "train.py"
+    config = {flag.name: flag.default for flag in config_flags(script)[1]}
+    config.update(parse_flags(script, list(rung.args)))
+    if config.get("seq_len") is None:  # as the scripts resolve it
+        config["seq_len"] = 256 if config["model"] in TINY_PRESETS else 1024
+    impl = config.get("attn", "auto")
+    attention = {"impl": impl, "expands_kv": impl == "varlen" and not torch_varlen_takes_gqa(), "reason": ""}
+    pre_run = {"experiment": rung.experiment, "config": config, "hardware": {"world_size": rung.nproc},
+               "attention": attention, "model": {}}
+    try:
+        return predict_run(pre_run).total_gib
+    except (ValueError, KeyError, TypeError, OSError):  # a model or setting the memory model cannot price
+        return None
+
+
+def record_prediction(kept_run: Path, predicted_gib: float | None) -> None:
+    """The suite's pre-launch prediction into the kept copy of the run's summary.json, named as the suite's
+    (predicted_peak_mem_gib is what tables and post 01 read as the prediction written before the run)."""
+    if predicted_gib is None or not (kept_run / "summary.json").exists():
+        return
+    summary = json.loads((kept_run / "summary.json").read_text())
+    summary["predicted_peak_mem_gib"] = predicted_gib
+    summary["predicted_peak_mem_gib_by"] = "assets/gpu_suite.py, before the run was launched"
+    (kept_run / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
 class Budget:
     """Each run's wall time guessed from the runs before it: their start-up and compilation (wall time less the
     steps after the first) by kind (compiled or eager, the probe), plus this run's steps at the slowest time per
@@ -797,6 +836,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True)
         cmd = command(rung, run_dir, [sys.executable], "cpu" if args.dry_run else "cuda")
+        predicted_gib = predict_before_launch(rung)
         print(f"[{index}/{len(all_rungs)}] {shlex.join(cmd)}", flush=True)
         run_start = time.perf_counter()
         with open(run_dir / "train.log", "w") as log:
@@ -828,6 +868,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    FAILED ({code}) in {seconds:.0f} s: {tail[0][:200]}", flush=True)
         else:
             keep(run_dir, kept / rung.name)  # summary.json and metrics.jsonl, as run_series keeps every series
+            record_prediction(kept / rung.name, predicted_gib)
             budget.measured(rung, seconds, kept / rung.name)
             summary = json.loads((run_dir / "summary.json").read_text())
             done[rung.name] = "measured"

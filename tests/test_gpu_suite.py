@@ -125,7 +125,12 @@ def test_dry_run_keeps_each_run_in_the_entry_and_one_archive_and_only_merges(tmp
     runs = ["single-ft-s64-full-fast-m2", "single-ft-s64-full-reference"]
     assert sorted(path.name for path in data.iterdir()) == sorted([*runs, "probe.json", "profile-s64-full.json"])
     for name in runs:
-        assert json.loads((data / name / "summary.json").read_text())["config"]["steps"] == 6
+        summary = json.loads((data / name / "summary.json").read_text())
+        assert summary["config"]["steps"] == 6
+        # The suite's prediction, made before the launch (the scripts predict nothing), is the kept summary's.
+        rung = next(rung for rung in gpu_suite.rungs(gpu_suite.DRY_PLAN) if rung.name == name)
+        assert summary["predicted_peak_mem_gib"] == gpu_suite.predict_before_launch(rung) > 0
+        assert summary["predicted_peak_mem_gib_by"].startswith("assets/gpu_suite.py")
     # The fast rung does its reference's steps: compared, and equal in fp32.
     assert "single-ft-s64-full-fast-m2: losses vs single-ft-s64-full-reference" in out and "MISMATCH" not in out
     probed = json.loads((data / "probe.json").read_text())
@@ -143,8 +148,8 @@ def test_dry_run_keeps_each_run_in_the_entry_and_one_archive_and_only_merges(tmp
     entry = entry_file.read_text()
     assert entry.startswith("# 2026-01-01 the GPU suite on cpu-dry-run")
     assert "| single-ft-s64-full-fast-m2 | 64 | 2 | 1 |" in entry  # the table region was filled
-    # The peak predicted for each run's summary.json; no "at the run" column, as the runs predict nothing themselves.
-    assert "peak_mem,predicted_now," in entry and "predicted_peak" not in entry
+    # The peak predicted for each run's summary.json now, beside the one the suite wrote before launching it.
+    assert "peak_mem,predicted_now,predicted_peak" in entry
     assert "| single-ft-s64-full-fast-m2 | 6 |" in entry  # and the parity region
     assert "`peer-s64-full` (skipped: trl or datasets not installed (python3 assets/gpu_suite.py --wheels))" in entry
     assert "- reference, float32, with backward:" in entry and "Top kernels:" in entry
