@@ -132,6 +132,29 @@ def test_disabled_adapters_take_peft_s_path_and_give_the_base_model():
     with torch.no_grad(), plain.disable_adapter():
         torch.testing.assert_close(base, plain(input_ids=ids, use_cache=False).logits)
     assert base_alone is model.base_model.model
+    # A fused layer called outside its attention module (no shared product in flight) computes its own, as peft.
+    k_proj = model.get_decoder().layers[0].self_attn.k_proj
+    x = torch.randn(1, 8, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(k_proj(x), type(k_proj).forward(k_proj, x), rtol=1e-6, atol=1e-6)
+
+
+def test_a_mixture_of_experts_fuses_its_attention_and_leaves_the_experts_to_peft():
+    torch.manual_seed(0)
+    base = load_model("qwen3-moe-tiny", load_tokenizer("qwen3-tiny"), "sdpa", device=torch.device("cpu"),
+                      allow_moe=True)
+    model = add_lora(base, RANK, 2.0 * RANK)
+    ids = torch.randint(0, 500, (1, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.05)
+        expected = model(input_ids=ids, use_cache=False).logits
+        fused = fuse_lora(model)
+        got = model(input_ids=ids, use_cache=False).logits
+    layers = model.config.num_hidden_layers
+    assert fused == {"layers": 4 * layers, "shared_groups": layers}  # q/k/v/o; the experts' 3-D weights: peft's
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
