@@ -186,12 +186,12 @@ LORA_FLEX = (
 # reading 7,168 input columns per token instead of 10,240 (q/k/v and gate/up read theirs once), so 30-43% of ~8.4 ms,
 # 2.5-3.6 ms; the input's gradient sums 3 fewer [tokens x 1,024] terms per layer (~1 ms over 28 layers at H100
 # bandwidth); peft's scale and add are already fused by Inductor into the kernels beside them (the compiled rung's
-# element-wise share), so the addmm saves 0-2 ms more. A projection, not a measurement: 3.5-6.5 ms of the 173 ms
-# median step.
+# element-wise share), so the addmm saves 0-2 ms more. A projection, not a measurement: 3.3-6.6 ms of the 173 ms
+# median step, 96,239 tok/s by median -> 98,100-100,100.
 LORA_FUSED = (
     "--lora-fused at LoRA's target shape (q/k/v and gate/up share one adapter down product, each up product added by "
     "addmm; tests/test_lora_fused.py counts 42 thin products per decoder layer down to 33): 2-4% off the varlen "
-    "rung's median step by the profile's numbers (3.5-6.5 ms of 173), 98,000-101,000 tok/s by median on an H100; "
+    "rung's median step by the profile's numbers (3.3-6.6 ms of 173), 98,000-100,000 tok/s by median on an H100; "
     "the same losses as the reference within the bf16 tolerance; 0 recompiles; memory within 2% of the varlen rung's "
     "(the same tensors saved for the backward: each layer's input and the [tokens x r] down outputs)")
 QLORA_PREDICTION = (
