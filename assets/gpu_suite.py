@@ -18,7 +18,7 @@ decide the order: what decides them and loses the least when the machine is cut 
    eager reference (8 x 2: SDPA with the packed rows' mask, the plain loss, no compile), whose per-step losses the
    fast rungs must equal within BF16_TOLERANCE over the first FIRST_STEPS steps.
 2. The same for LoRA r16 at sequence 2048, micro-batch 8, and its reference at 4 x 2.
-3. FlexAttention (--attn flex) in place of varlen at both targets.
+3. FlexAttention (--attn flex) in place of varlen at both targets; then LoRA's fast rung with --lora-fused.
 4. The probe, a process of its own (assets/gpu_probe.py: versions, every attention kernel against masked SDPA,
    the LM-head losses on the real shapes, the loss libraries where installed), after the targets: nothing it does
    can end the call before them.
@@ -123,6 +123,7 @@ class Target:
     reference_split: tuple[int, int]  # (micro-batch, grad-accum) of the eager reference: the same rows per step
     reference_prediction: str
     flex_prediction: str
+    fused_prediction: str = ""  # LoRA targets: the fast rung with --lora-fused (common/lora.py); "" = no such rung
 
 
 @dataclass
@@ -178,6 +179,21 @@ LORA_REFERENCE = (
 LORA_FLEX = (
     "FlexAttention at LoRA's shape: 2-6% above the varlen rung by median, as for full SFT (the same attention per "
     "document); with it, LoRA reaches 98,000-102,000 by median, at the target's edge")
+# --lora-fused, from the profile of single-ft-s2048-lora16-fast-m8 (devlog/data/2026-11-27-gpu-suite-nvidia-h100-
+# 80gb-hbm3/profile-s2048-lora16.json, steps 2-4, H100): the thin adapter kernels (nvjet 16x128 and 32x128 tiles, 196
+# launches a step each, and the split-K tiles of the weight gradients, 364) take 16.8 of 163 ms busy per step. Half
+# of that reads the layer's input (the down products and A's gradients): fused, 4 launches per layer instead of 7,
+# reading 7,168 input columns per token instead of 10,240 (q/k/v and gate/up read theirs once), so 30-43% of ~8.4 ms,
+# 2.5-3.6 ms; the input's gradient sums 3 fewer [tokens x 1,024] terms per layer (~1 ms over 28 layers at H100
+# bandwidth); peft's scale and add are already fused by Inductor into the kernels beside them (the compiled rung's
+# element-wise share), so the addmm saves 0-2 ms more. A projection, not a measurement: 3.3-6.6 ms of the 173 ms
+# median step, 96,239 tok/s by median -> 98,100-100,100.
+LORA_FUSED = (
+    "--lora-fused at LoRA's target shape (q/k/v and gate/up share one adapter down product, each up product added by "
+    "addmm; tests/test_lora_fused.py counts 42 thin products per decoder layer down to 33): 2-4% off the varlen "
+    "rung's median step by the profile's numbers (3.3-6.6 ms of 173), 98,000-100,000 tok/s by median on an H100; "
+    "the same losses as the reference within the bf16 tolerance; 0 recompiles; memory within 2% of the varlen rung's "
+    "(the same tensors saved for the backward: each layer's input and the [tokens x r] down outputs)")
 QLORA_PREDICTION = (
     "the command common.memory recommends for Qwen3-4B with QLoRA on one 24 GB card (random init): peak within 15% of "
     "its 11.25 GiB (max_memory_reserved); bitsandbytes' 4-bit matrix products under compile and activation "
@@ -199,7 +215,7 @@ PROBE_PREDICTION = (
 GPU_PLAN = Plan(
     model="qwen3-0.6b", dtype="bf16", steps=30, warmup=8, chunk=4096,
     targets=[Target("s1024-full", 1024, 0, 16, FULL_PREDICTION, (8, 2), FULL_REFERENCE, FULL_FLEX),
-             Target("s2048-lora16", 2048, 16, 8, LORA_PREDICTION, (4, 2), LORA_REFERENCE, LORA_FLEX)],
+             Target("s2048-lora16", 2048, 16, 8, LORA_PREDICTION, (4, 2), LORA_REFERENCE, LORA_FLEX, LORA_FUSED)],
     bench_tokens=8192, bench_hidden=1024, bench_vocab=151_936, bench_chunks=(1024, 4096, 8192),
     ladders=[("s1024-full", 1024, 0, (4, 8)), ("s4096-full", 4096, 0, (2,)), ("s4096-lora16", 4096, 16, (2,)),
              ("s1024-lora16", 1024, 16, (4, 8))])
@@ -245,6 +261,12 @@ def rungs(plan: Plan) -> list[Rung]:
             flex = tuple("flex" if arg == "varlen" else arg for arg in fast_of[target.label])
             out.append(Rung(f"single-ft-{target.label}-flex-m{target.micro}", "single-ft", flex, target.flex_prediction,
                             ladder=f"targets {target.label}", estimate_s=55 if target.seq <= 1024 else 75,
+                            reference=f"single-ft-{target.label}-reference"))
+    for target in plan.targets:
+        if target.lora and target.fused_prediction:  # the varlen rung's command with the adapters fused
+            out.append(Rung(f"single-ft-{target.label}-fused-m{target.micro}", "single-ft",
+                            (*fast_of[target.label], "--lora-fused"), target.fused_prediction,
+                            ladder=f"targets {target.label}", estimate_s=75,
                             reference=f"single-ft-{target.label}-reference"))
     out.append(Rung("probe", "probe", (
         "--tokens", str(plan.bench_tokens), "--hidden", str(plan.bench_hidden), "--vocab", str(plan.bench_vocab),

@@ -128,6 +128,8 @@ def _check_values(values: dict, flags: dict[str, Flag]) -> None:
     if values.get("lora_alpha") is not None and not lora:
         raise FlagError(f"--lora-alpha {values['lora_alpha']:g} scales LoRA adapters: it needs --lora-rank N "
                         f"(without it every parameter trains)")
+    if values.get("lora_fused") and not lora:
+        raise FlagError("--lora-fused computes LoRA adapters in fewer kernels: it needs --lora-rank N (or --qlora)")
     if values.get("merge_lora") and not lora:
         raise FlagError("--merge-lora merges LoRA adapters into the model: it needs --lora-rank N")
     if values.get("merge_lora") and not values.get("save_hf") and not values.get("qlora"):  # --qlora: its own refusal

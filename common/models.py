@@ -297,16 +297,22 @@ def weights_dtype(dtype: str, lora_rank: int = 0) -> torch.dtype:
     return torch.bfloat16 if lora_rank and dtype == "bf16" else torch.float32
 
 
-def add_lora(model, rank: int, alpha: float):
+def add_lora(model, rank: int, alpha: float, fused: bool = False):
     """LoRA of rank `rank` (peft) on every linear projection of the decoder layers (LORA_TARGETS); peft freezes
     everything else: the base weights, the norms, the embedding and the LM head. The adapters are created in fp32
     whatever the base's dtype (peft's autocast_adapter_dtype, its default), so AdamW updates fp32 weights and keeps
     fp32 state: on a bf16 base (weights_dtype) the adapters' initial values are peft's, rounded once to bf16 as
-    peft creates them in the base layer's dtype before it casts them up."""
+    peft creates them in the base layer's dtype before it casts them up. `fused` (--lora-fused): the same modules
+    and parameters, computed with fewer kernels (common/lora.py)."""
     from peft import LoraConfig, get_peft_model
 
     lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
-    return get_peft_model(model, lora, autocast_adapter_dtype=True)
+    model = get_peft_model(model, lora, autocast_adapter_dtype=True)
+    if fused:
+        from common.lora import fuse_lora
+
+        fuse_lora(model)
+    return model
 
 
 PRESET_BASE_FILE = "preset_base.json"  # beside a LoRA adapter trained on a preset: which preset, built from which seed

@@ -62,6 +62,8 @@ FLAG_MISTAKES = {
                                                         "the other"),
     "merge without LoRA": (["--merge-lora", "--save-hf", "out"], "--merge-lora merges LoRA adapters into the model: "
                                                                  "it needs --lora-rank N"),
+    "fused without LoRA": (["--lora-fused"], "--lora-fused computes LoRA adapters in fewer kernels: it needs "
+                                             "--lora-rank N (or --qlora)"),
     "a share of one": (["--eval-fraction", 1], "--eval-fraction 1.0: must be in [0, 1) (a share of the conversations)"),
     "override without resume": (["--resume-anyway"], "--resume-anyway only changes what --resume accepts: add "
                                                      "--resume RUN_DIR"),

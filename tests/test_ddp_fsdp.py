@@ -117,6 +117,7 @@ def launched(tmp_path_factory, small_data, formats):
         "lora": [*split(1, 2), *LORA, *NO_PROFILE, "--activation-checkpointing", "--save-hf", ddp_root / "lora-merged",
                  "--merge-lora"],
         "lora-bf16": [*split(1, 2), *LORA, *NO_PROFILE, "--dtype", "bf16"],  # a bf16 base; the later --dtype wins
+        "lora-fused": [*split(1, 2), *LORA, *NO_PROFILE, "--lora-fused"],
         # --sample-every generates between steps (under FSDP on every rank): the steps must not change.
         "chunked": [*split(1, 2), *FAST, "--loss-chunk-tokens", 64, "--sample-every", 2],
         "varlen": [*split(1, 2), *FAST, "--attn", "varlen"],
@@ -141,6 +142,7 @@ def launched(tmp_path_factory, small_data, formats):
                         "--no-reshard-after-backward"],
         "lora": [*split(1, 2), *LORA, *NO_PROFILE, "--save-hf", fsdp_root / "lora-merged", "--merge-lora"],
         "lora-bf16": [*split(1, 2), *LORA, *NO_PROFILE, "--dtype", "bf16"],
+        "lora-fused": [*split(1, 2), *LORA, *NO_PROFILE, "--lora-fused"],  # inside each layer's gathered unit
         # --sample-every generates between steps (under FSDP on every rank): the steps must not change.
         "chunked": [*split(1, 2), *FAST, "--loss-chunk-tokens", 64, "--sample-every", 2],
         "varlen": [*split(1, 2), *FAST, "--attn", "varlen"],
@@ -205,6 +207,10 @@ def test_lora_equals_single_ft_lora_and_merges(experiment, request, reference, s
     loss, model = reloaded_eval_loss(runs / "lora-merged", small_data)
     assert not any("lora" in name for name, _ in model.named_parameters())
     assert loss == pytest.approx(run["eval_loss"], rel=1e-5)
+    # --lora-fused (common/lora.py): the same steps as single-ft's unfused LoRA, under DDP's gradient hooks and
+    # inside FSDP's gathered layer units.
+    assert read_losses(runs / "lora-fused") == pytest.approx(read_losses(reference / "lora"), rel=1e-5)
+    assert summary(runs / "lora-fused")["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5)
 
 
 @pytest.mark.parametrize("experiment", ["ddp", "fsdp"])

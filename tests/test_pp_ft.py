@@ -99,6 +99,8 @@ def pp_runs(root, small_data) -> list:
                  "--resume", root / "lora-1f1b" / "checkpoints" / "step-2"])
     runs.append([*common_args(small_data, root / "lora-bf16"), "--schedule", "1f1b", "--steps", LORA_STEPS, *LORA,
                  "--dtype", "bf16"])  # a bf16 base (its stages pass bf16 hidden states); the later --dtype wins
+    runs.append([*common_args(small_data, root / "lora-fused"), "--schedule", "1f1b", "--steps", LORA_STEPS, *LORA,
+                 "--lora-fused"])  # the fused layers, cut into stages with the rest
     runs += [[*common_args(small_data, root / "varlen"), "--schedule", "zbv", "--steps", 3, "--attn", "varlen"],
              [*common_args(small_data, root / "compile"), "--steps", 2, "--compile"]]
     # Only what a smoke run needs: the default --grad-accum is one micro-batch per stage, which 1F1B accepts.
@@ -344,6 +346,13 @@ def test_lora_computes_single_ft_lora_steps(pp, single, schedule):
     assert sum(summary["model"]["trainable_parameters_per_rank"]) == summary["model"]["trainable_parameters"]
     # The frozen tied weight needs no gradient sum: no V x d all-reduce (and nothing profiled here).
     assert predict_collectives(summary)[0]["gloo:all_reduce"] == {"calls": 1, "bytes": 4}
+
+
+def test_fused_lora_computes_single_ft_lora_steps(pp, single):
+    got, want = records(pp / "lora-fused"), single["lora_records"]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-5) and len(got) == LORA_STEPS
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-5)
+    assert summary_of(pp / "lora-fused")["eval_loss"] == pytest.approx(single["lora_summary"]["eval_loss"], rel=1e-5)
 
 
 def test_lora_resume_equals_the_uninterrupted_run(pp):

@@ -73,6 +73,7 @@ class Config:
     packing: bool = True  # pack conversations into rows (--no-packing: one padded conversation per row)
     lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
     lora_alpha: float | None = None  # LoRA scaling numerator; default 2 x rank
+    lora_fused: bool = False  # LoRA: one adapter input product for q/k/v and gate/up, each added by its product
     merge_lora: bool = False  # with --save-hf and LoRA: write the merged full model instead of the adapter
     attn: Literal["auto", "sdpa", "eager", "flash", "varlen", "flex"] = "auto"  # attention kernel (common/attention.py)
     eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
@@ -177,7 +178,8 @@ def main(argv: list[str] | None = None) -> dict:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
         checkpoint_activations(model, use_reentrant=False)
     if config.lora_rank:
-        model = add_lora(model, config.lora_rank, config.lora_alpha)  # fp32 adapters; the rest frozen
+        # fp32 adapters, the rest frozen; --lora-fused: the same adapters in fewer kernels (common/lora.py)
+        model = add_lora(model, config.lora_rank, config.lora_alpha, fused=config.lora_fused)
     if config.compile:
         # One compiled graph per decoder layer, not one for the whole model (as torchtitan does): compile time stays
         # bounded, and a graph break stays inside its layer. Module.compile() compiles in place, so parameter names

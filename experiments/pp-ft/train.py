@@ -78,6 +78,7 @@ class Config:
     packing: bool = True  # pack conversations into rows (--no-packing: one padded conversation per row)
     lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
     lora_alpha: float | None = None  # LoRA scaling numerator; default 2 x rank
+    lora_fused: bool = False  # LoRA: one adapter input product for q/k/v and gate/up, each added by its product
     merge_lora: bool = False  # with --save-hf and LoRA: write the merged full model instead of the adapter
     attn: Literal["auto", "sdpa", "eager", "flash", "varlen"] = "auto"  # attention kernel (common/attention.py)
     eval_fraction: float = 0.05  # share of conversations held out for the evaluation loss
@@ -432,7 +433,7 @@ def main(argv: list[str] | None = None) -> dict:
     lora_config = None
     if config.lora_rank:
         # single-ft's adapters, injected before the model is cut; the stages are cut from the plain model peft wraps.
-        model = add_lora(model, config.lora_rank, config.lora_alpha)
+        model = add_lora(model, config.lora_rank, config.lora_alpha, fused=config.lora_fused)  # fused: common/lora.py
         lora_config, model = model.peft_config["default"], model.get_base_model()
     base_model_class = type(model)
     model_config = model.config
