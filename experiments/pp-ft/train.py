@@ -41,6 +41,7 @@ from transformers.masking_utils import create_causal_mask
 from common.attention import VARLEN, document_kwargs, setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import IGNORE_INDEX, DataError, build_data, describe, sample_text, to_device, token_loss_sum
+from common.loss import fused_linear_cross_entropy
 from common.dist import all_ranks, init_distributed, print0, record_collectives_in, teardown
 from common.metrics import MetricsLogger, Recorder
 from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
@@ -73,7 +74,7 @@ class Config:
     seed: int = 0  # one seed for init, data order and held-out split
     dtype: Literal["bf16", "fp32"] | None = None  # bf16: bf16 compute, fp32 master weights (GPU default); fp32 (CPU)
     activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of storing activations
-    loss_chunk_tokens: int = 0  # not built here: 0 only (the README says why)
+    loss_chunk_tokens: int = 0  # N > 0: the last stage runs the LM head and loss on loss tokens only, N at a time
     compile: bool = False  # torch.compile each decoder layer (GPU speed; on CPU it only costs compile time)
     packing: bool = True  # pack conversations into rows (--no-packing: one padded conversation per row)
     lora_rank: int = 0  # 0 = full-parameter SFT; N = LoRA of rank N on every linear projection of the decoder layers
@@ -119,16 +120,18 @@ def resolve(config: Config) -> Config:
     if config.lora_alpha is None:
         config.lora_alpha = 2.0 * config.lora_rank
     resolve_paths(config, EXPERIMENT)  # --data found, --out-dir under the working directory, --resume
-    if config.loss_chunk_tokens:
-        raise InputError(f"{EXPERIMENT} has no --loss-chunk-tokens yet: the last stage would have to take the labels "
-                         "and apply the tied LM head inside the chunked loss instead of returning logits to the "
-                         "schedule's loss function (see the README)")
+    if config.loss_chunk_tokens < 0:
+        raise InputError(f"--loss-chunk-tokens {config.loss_chunk_tokens}: expected 0 (off) or a positive chunk size")
     if config.stages_per_rank is None:
         config.stages_per_rank = 2 if config.schedule in ("interleaved-1f1b", "zbv") else 1
     if config.schedule in ("gpipe", "1f1b") and config.stages_per_rank != 1:
         raise InputError(f"--schedule {config.schedule} runs one stage per rank; for more use interleaved-1f1b")
     if config.schedule == "zbv" and config.stages_per_rank != 2:
         raise InputError("--schedule zbv places exactly 2 stages per rank (a V); leave --stages-per-rank at 2")
+    if config.schedule == "zbv" and config.loss_chunk_tokens:
+        raise InputError("--loss-chunk-tokens does not combine with --schedule zbv: ZBV runs each backward twice, for "
+                         "the input gradient and then the weights', while the fused loss computes both once, in its "
+                         "forward (common/loss.py); use 1f1b, gpipe or interleaved-1f1b")
     return config
 
 
@@ -188,11 +191,13 @@ class Qwen3Stage(nn.Module):
     block-diagonal, exactly as in single-ft, so packed conversations never see each other on any stage.
     """
 
-    def __init__(self, model, layers: range, is_first: bool, is_last: bool, autocast_dtype: torch.dtype | None):
+    def __init__(self, model, layers: range, is_first: bool, is_last: bool, autocast_dtype: torch.dtype | None,
+                 loss_chunk_tokens: int = 0):
         super().__init__()
         self.config = model.config
         self.is_first, self.is_last = is_first, is_last
         self.autocast_dtype = autocast_dtype
+        self.loss_chunk_tokens = loss_chunk_tokens
         self.model = nn.Module()
         if is_first:
             self.model.embed_tokens = model.model.embed_tokens
@@ -206,8 +211,10 @@ class Qwen3Stage(nn.Module):
             self.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone(),
                                                requires_grad=model.lm_head.weight.requires_grad)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                loss_scale: torch.Tensor | None = None) -> torch.Tensor:
         # The schedule calls this forward; autocast lives here so that it also covers the recomputation in backward.
+        # labels and loss_scale (--loss-chunk-tokens) reach every stage; only the last uses them.
         autocast = torch.autocast(x.device.type, dtype=self.autocast_dtype) if self.autocast_dtype else nullcontext()
         with autocast:
             hidden = self.model.embed_tokens(x) if self.is_first else x
@@ -220,6 +227,12 @@ class Qwen3Stage(nn.Module):
             for layer in self.model.layers.values():
                 hidden = layer(hidden, attention_mask=mask, position_ids=position_ids,
                                position_embeddings=position_embeddings, **packed)
+            if self.is_last and labels is not None:
+                # The fused loss: head + cross-entropy on the loss tokens only, chunk by chunk (common/loss.py), so
+                # the stage's output is this micro-batch's share of the step loss, not logits. The head weight is used
+                # inside this forward, so its gradient flows as the plain head's does (and DDP sees it).
+                return fused_linear_cross_entropy(self.model.norm(hidden), self.lm_head.weight, labels,
+                                                  self.loss_chunk_tokens, loss_scale)
             if self.is_last:
                 return self.lm_head(self.model.norm(hidden))
             return hidden
@@ -441,7 +454,7 @@ def main(argv: list[str] | None = None) -> dict:
     layers, stage_rank = pipeline_layout(n_layers, pp_size, config.stages_per_rank, config.schedule, config.split)
     n_stages = len(layers)
     stages = {s: Qwen3Stage(model, layers[s], is_first=s == 0, is_last=s == n_stages - 1,
-                            autocast_dtype=autocast_dtype).to(device)
+                            autocast_dtype=autocast_dtype, loss_chunk_tokens=config.loss_chunk_tokens).to(device)
               for s in range(n_stages) if stage_rank[s] == rank}
     del model
     if config.compile:
@@ -475,7 +488,8 @@ def main(argv: list[str] | None = None) -> dict:
            f"dtype {config.dtype}")
     for s in range(n_stages):
         block = f"layer {layers[s].start}" if len(layers[s]) == 1 else f"layers {layers[s].start}-{layers[s].stop - 1}"
-        parts = (["embedding"] if s == 0 else []) + [block] + (["norm + LM head"] if s == n_stages - 1 else [])
+        head = "norm + LM head" + (" and loss on loss tokens (fused)" if config.loss_chunk_tokens else "")
+        parts = (["embedding"] if s == 0 else []) + [block] + ([head] if s == n_stages - 1 else [])
         print0(f"stage {s} on rank {stage_rank[s]}: {', '.join(parts)}")
     print0(f"parameters held per rank: {', '.join(f'rank {r}: {n:,}' for r, n in enumerate(held))}")
     trace = PipelineTrace(device, config)  # the bubble per rank and one step's timeline (summary.json)
@@ -492,7 +506,10 @@ def main(argv: list[str] | None = None) -> dict:
     # ---------------------------------------------------------------------------------------------------------
     # Pipeline schedule. loss_fn runs on the last stage once per micro-batch: divided by the whole step's loss tokens,
     # the m losses add up to the step's (scale_grads=False: no division by m); x replicas undoes DDP's average (README).
+    # With --loss-chunk-tokens the last stage's output already is that loss (its forward ran the fused loss).
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor, step_loss_tokens: int) -> torch.Tensor:
+        if config.loss_chunk_tokens:
+            return logits
         return token_loss_sum(logits, labels) / step_loss_tokens * replicas
 
     pipeline_stages = []
@@ -551,10 +568,17 @@ def main(argv: list[str] | None = None) -> dict:
         # overlap the compute queued before them instead of waiting in the loop.
         batches = [to_device(host_batch, device) for host_batch in micro_batches]
         labels = [batch["labels"] for batch in batches] if n_stages - 1 in stages else None
+        kwargs = [{"position_ids": batch["position_ids"]} for batch in batches]
+        if config.loss_chunk_tokens:
+            # The last stage's fused loss: the labels' host copy (picks the loss tokens without a device sync) and
+            # the step's scale as a device tensor, 1 / loss tokens (x replicas, as loss_fn's).
+            loss_scale = torch.full((), replicas / max(loss_tokens, 1), device=device)
+            kwargs = [dict(kw, labels=host_batch["labels"], loss_scale=loss_scale)
+                      for kw, host_batch in zip(kwargs, micro_batches)]
         trace.start(step, labels)
         micro_losses = []
         schedule.step(arg_mbs=[(batch["input_ids"],) for batch in batches] if 0 in stages else None,
-                      kwarg_mbs=[{"position_ids": batch["position_ids"]} for batch in batches],
+                      kwarg_mbs=kwargs,
                       target_mbs=labels, losses=micro_losses, loss_kwargs={"step_loss_tokens": loss_tokens},
                       return_outputs=False)
         trace.stop(step)
