@@ -1,7 +1,7 @@
 """pp-ft and pp-ds-ft against single-ft: per-step losses and gradient norms of every schedule, per-parameter
-gradients (the tied embedding / LM head included), LoRA (steps, resume, adapter and merged exports), the bubble, the
-schedule trace, model-state bytes against common/memory, collective calls and bytes against common/comm.py,
-resume, --save-hf, and the one-process launch.
+gradients (the tied embedding / LM head included), LoRA (steps, resume, adapter and merged exports), the fused loss on
+the last stage (--loss-chunk-tokens, against single-ft's), the bubble, the schedule trace, model-state bytes against
+common/memory, collective calls and bytes against common/comm.py, resume, --save-hf, and the one-process launch.
 
 Two torchrun launches (2 ranks, gloo, CPU), one per experiment, each running all its configurations; single-ft runs
 in-process on the same B: 4 rows per step, as micro-batch 1 x grad-accum 4.
@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.comm import pipeline_collectives, predict_bubble, predict_collectives
 from common.memory import predict_state_bytes
-from common.data import build_data, evaluate
+from common.data import build_data, evaluate, token_loss_sum
 from common.models import load_model, load_tokenizer, model_config
 from conftest import load_experiment, read_losses, torchrun
 
@@ -33,6 +33,7 @@ STEPS = 5
 LORA_STEPS = 3  # the LoRA runs checkpoint at step 2 and resume from there
 PROFILED_STEP = 3  # --comm-profile-steps 1 profiles the first step after the 2 timing warm-up steps
 LORA = ["--lora-rank", 4]
+FUSED = ["--loss-chunk-tokens", 16]  # the fused loss, in chunks smaller than a micro-batch's loss tokens
 
 
 def common_args(data, out, profile_steps=0):
@@ -71,7 +72,9 @@ def single(tmp_path_factory, small_data):
                     "--checkpoint-every", "1"])
     lora = single_ft.main([*map(str, [*common_args(small_data, root / "lora"), "--steps", LORA_STEPS, *LORA,
                                       "--save-hf", root / "lora-adapter"])])
+    fused = single_ft.main([*map(str, [*common_args(small_data, root / "fused"), "--steps", STEPS, *FUSED])])
     return dict(records=records(root / "steps"), eval_loss=summary["eval_loss"],
+                fused_records=records(root / "fused"), fused_summary=fused,
                 grads=root / "grads" / "checkpoints" / "step-1", lora_records=records(root / "lora"),
                 lora_summary=lora, lora_adapter=root / "lora-adapter")
 
@@ -101,6 +104,13 @@ def pp_runs(root, small_data) -> list:
                  "--dtype", "bf16"])  # a bf16 base (its stages pass bf16 hidden states); the later --dtype wins
     runs.append([*common_args(small_data, root / "lora-fused"), "--schedule", "1f1b", "--steps", LORA_STEPS, *LORA,
                  "--lora-fused"])  # the fused layers, cut into stages with the rest
+    # The fused loss on the last stage: 1f1b (the tied head copy's gradient summed across ranks), interleaved (the
+    # head on rank 1's second stage), and one stage x 2 data-parallel replicas (DDP sees the head used in forward).
+    runs += [[*common_args(small_data, root / "fused-1f1b"), "--schedule", "1f1b", "--steps", STEPS, *FUSED],
+             [*common_args(small_data, root / "fused-interleaved"), "--schedule", "interleaved-1f1b", "--steps", 3,
+              *FUSED],
+             [*common_args(small_data, root / "fused-replicas"), "--stages", 1, "--grad-accum", 2, "--steps", 3,
+              *FUSED]]  # B = 1 x 2 x 2 replicas: single-ft's 4 rows
     runs += [[*common_args(small_data, root / "varlen"), "--schedule", "zbv", "--steps", 3, "--attn", "varlen"],
              [*common_args(small_data, root / "compile"), "--steps", 2, "--compile"]]
     # Only what a smoke run needs: the default --grad-accum is one micro-batch per stage, which 1F1B accepts.
@@ -274,12 +284,65 @@ def test_varlen_and_compile_compute_single_ft_steps(experiment, request, single)
     assert summary_of(root / "compile")["config"]["compile"] is True
 
 
-@pytest.mark.parametrize("experiment", ["pp-ft", "pp-ds-ft"])
-def test_chunked_loss_is_refused_with_the_reason(experiment):
-    module = load_experiment(experiment)
+@pytest.mark.parametrize("name, steps", [("fused-1f1b", STEPS), ("fused-interleaved", 3), ("fused-replicas", 3)])
+def test_fused_loss_computes_single_ft_fused_steps(pp, single, name, steps):
+    """--loss-chunk-tokens: the last stage's fused loss against single-ft's with the same flag, per step."""
+    got, want = records(pp / name), single["fused_records"][:steps]
+    assert len(got) == steps
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-6)
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-6)
+    summary = summary_of(pp / name)
+    # The FLOPs of the work done: the head on loss tokens only, as single-ft's fused run counts them (averaged over
+    # the same measured steps: the 5-step runs').
+    assert summary["lm_head_flops_on"] == "loss tokens"
+    if steps == STEPS:
+        assert summary["flops_per_token"] == pytest.approx(single["fused_summary"]["flops_per_token"], rel=1e-9)
+        assert summary["flops_per_token"] < summary_of(pp / "1f1b")["flops_per_token"]
+        assert summary["eval_loss"] == pytest.approx(single["fused_summary"]["eval_loss"], rel=1e-5)
+
+
+def test_last_stage_runs_the_fused_loss_on_loss_tokens():
+    """In process: the last stage given labels returns scale x the plain head's summed loss, with the same
+    gradients for the head copy, the final norm and the stage's input; without labels it returns the logits."""
+    module = load_experiment("pp-ft")
+    torch.manual_seed(0)
+    model = load_model("qwen3-tiny", load_tokenizer("qwen3-tiny"), "sdpa", device="cpu")
+    config = model.config
+    stage = module.Qwen3Stage(model, range(3, 4), is_first=False, is_last=True, autocast_dtype=None,
+                              loss_chunk_tokens=5)
+    hidden = torch.randn(1, 24, config.hidden_size)
+    position_ids = torch.cat([torch.arange(10), torch.arange(14)]).unsqueeze(0)
+    labels = torch.randint(0, config.vocab_size, (1, 24))
+    labels[0, :6] = labels[0, 10:13] = -100  # prompt tokens: no loss, and no head either under the fused loss
+    scale = torch.tensor(1 / 15)
+
+    def run(**kwargs):
+        stage.zero_grad(set_to_none=True)
+        x = hidden.clone().requires_grad_()
+        out = stage(x, position_ids, **kwargs)
+        loss = token_loss_sum(out, labels) * scale if out.ndim == 3 else out
+        loss.backward()
+        return out.shape, [loss.detach(), x.grad, stage.lm_head.weight.grad.clone(), stage.model.norm.weight.grad]
+
+    (plain_shape, plain), (fused_shape, fused) = run(), run(labels=labels, loss_scale=scale)
+    assert plain_shape == (1, 24, config.vocab_size) and fused_shape == ()  # logits, or the loss itself
+    assert fused[0] > 0
+    for want, got in zip(plain, fused):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_fused_loss_with_zbv_is_refused_with_the_reason():
+    module = load_experiment("pp-ft")
+    with pytest.raises(SystemExit, match="--loss-chunk-tokens does not combine with --schedule zbv: ZBV runs"):
+        module.resolve(module.Config(loss_chunk_tokens=64, schedule="zbv", out_dir="unused"))
+    assert module.resolve(module.Config(loss_chunk_tokens=64, out_dir="unused")).loss_chunk_tokens == 64
+
+
+def test_deepspeed_pipeline_refuses_the_fused_loss_with_the_reason():
+    module = load_experiment("pp-ds-ft")
     config = module.Config(loss_chunk_tokens=64, out_dir="unused")
     with pytest.raises(SystemExit, match="no --loss-chunk-tokens yet: the last stage"):
-        module.resolve(config, 2) if experiment == "pp-ds-ft" else module.resolve(config)
+        module.resolve(config, 2)
 
 
 def test_deepspeed_resume_equals_the_uninterrupted_run(pp_ds):
