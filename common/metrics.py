@@ -811,6 +811,23 @@ class StepClock:
         return (self.stopped - self.started) * 1000.0
 
 
+def expert_load(records: list[dict]) -> dict | None:
+    """The run's expert load from its step records' `expert_tokens` (None for a dense model): the tokens each expert
+    of each layer received, and per layer the busiest expert's count over the mean (1.0 is a perfectly even load;
+    an expert-parallel step waits for the rank of the busiest experts)."""
+    steps = [record["expert_tokens"] for record in records if "expert_tokens" in record]
+    if not steps:
+        return None
+    load = [[sum(column) for column in zip(*layers)] for layers in zip(*steps)]
+    per_layer = []
+    for counts in load:
+        mean = sum(counts) / len(counts)
+        per_layer.append(max(counts) / mean if mean else None)
+    known = [value for value in per_layer if value is not None]
+    return dict(imbalance_per_layer=per_layer, imbalance_mean=sum(known) / len(known) if known else None,
+                imbalance_max=max(known) if known else None, tokens_per_expert=load)
+
+
 class Recorder:
     """A run's measurement behind one object, the same in every experiment:
 
@@ -897,6 +914,8 @@ class Recorder:
         from common.dist import all_ranks
 
         self.collector.close()
+        if (load := expert_load(self.records)) is not None:  # a mixture of experts: tokens per expert, imbalance
+            fields.setdefault("expert_load", load)
         stats = self.data.stats
         measured = self.measured_state
         gathered = all_ranks(measured)

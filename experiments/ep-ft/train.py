@@ -43,7 +43,7 @@ from common.loss import fused_linear_cross_entropy
 from common.metrics import MetricsLogger, Recorder
 from common.models import TINY_PRESETS, checkpoint_activations, count_parameters, flops_per_token, is_moe, is_preset, \
     load_model, load_tokenizer, model_config, share_export
-from common.moe import RouterStats, load_summary, split_load
+from common.moe import RouterStats
 
 EXPERIMENT = "ep-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -296,9 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
             layer.compile()
     # --loss-chunk-tokens runs the decoder body (no LM head) and applies the head itself.
     decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
-    # A mixture of experts: hooks on the routers give each forward's load-balancing loss and expert load.
-    moe = RouterStats(model, model.config.num_experts, model.config.num_experts_per_tok)
-    aux_coef = model.config.router_aux_loss_coef
+    moe = RouterStats.attach(model)  # a mixture of experts: each forward's load-balancing loss and expert load
     model.train()
     n_params = count_parameters(model.config)["total"]
     experts = [p for module in ep_layers for p in module.parameters()]
@@ -356,22 +354,17 @@ def main(argv: list[str] | None = None) -> dict:
         batches = [to_device(host_batch, device) for host_batch in micro_batches]
         step_forwards = []  # (rows sent to each rank, rows received) of each training forward's expert blocks
         step_loss = torch.zeros((), device=device)
-        step_aux = torch.zeros((), device=device)
         for host_batch, batch in zip(micro_batches, batches):
             # --attn varlen: the documents' boundaries, from the host copy of position_ids ({} otherwise).
             packed = attention.forward_kwargs(host_batch["position_ids"], device)
             moe.begin()
             for module in ep_layers:  # what ran since the last forward (evaluation, recomputation) is not counted
                 module.forwards.clear()
-            # Each micro-batch's loss is divided by the whole step's loss tokens, not its own: summing the
-            # micro-batch gradients then gives exactly the gradient of the token-weighted step loss.
+            # Divided by the whole step's loss tokens: the micro-batches' gradients sum to the step loss's gradient.
             with autocast():
-                # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
-                # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen needs none).
+                # No mask + restarted position_ids + no cache: packed conversations stay isolated (common/data.py).
                 if config.loss_chunk_tokens:
-                    # Final hidden states, then the LM head and the loss on loss tokens only, chunk by chunk, their
-                    # gradients computed on the way (common/loss.py); the labels' host copy picks those tokens
-                    # without waiting for the device (a CUDA mask would force a sync).
+                    # The LM head and loss on loss tokens only, picked by the labels' host copy (common/loss.py).
                     hidden = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                      attention_mask=None, use_cache=False, **packed).last_hidden_state
                     loss = fused_linear_cross_entropy(hidden, lm_head.weight, host_batch["labels"],
@@ -382,10 +375,8 @@ def main(argv: list[str] | None = None) -> dict:
                     loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
             # This micro-batch's share of the mean aux loss over all the step's micro-batches, all ranks: summed over
             # ranks, the gradients are single-ft's (the dense ones summed below, the experts' already by all-to-all).
-            aux = moe.end() / micro_batches_per_step
+            loss = loss + moe.aux_loss(micro_batches_per_step)
             step_forwards += [rows for module in ep_layers for rows in module.forwards]
-            loss = loss + aux_coef * aux
-            step_aux += aux.detach()
             loss.backward()
             step_loss += loss.detach()
         # The dense gradients: one sum over the ranks per step (after the last micro-batch, as ddp-ft's no_sync).
@@ -408,15 +399,13 @@ def main(argv: list[str] | None = None) -> dict:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         # The step's loss, aux loss and expert load, summed over the ranks in one call.
-        load = moe.take_load()
-        logged = torch.cat([torch.stack([step_loss, step_aux]), load.flatten()])
+        logged = torch.cat([step_loss.reshape(1), moe.step_values()])
         dist.all_reduce(logged)
         rec.stop()
         # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together.
         # (A mixture of experts adds its aux loss and the expert load to the same read.)
         values = torch.cat([logged[:1], grad_norm.reshape(1).float(), logged[1:]]).tolist()
-        extra = dict(aux_loss=values[2], expert_tokens=split_load(values[3:], load.shape[1]))
-        rec.step(step, values[0], lr, values[1], extra=extra)
+        rec.step(step, values[0], lr, values[1], extra=moe.read(values[2:]))
         rows_sent = [a + sum(send[r] for send, _ in step_forwards) for r, a in enumerate(rows_sent)]
         if rec.comm.profiled and rec.comm.profiled[-1] == step + 1:  # the rows this step's forwards moved
             profiled_forwards.append(step_forwards)
@@ -444,8 +433,7 @@ def main(argv: list[str] | None = None) -> dict:
         attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
         routed_rows_profiled=profiled_forwards,  # per profiled step and forward: rows sent to each rank, received
         # (token, expert) rows rank 0..W-1 dispatched to each rank over the training steps (its own in column r)
-        dispatched_rows=all_ranks(rows_sent),
-        expert_load=load_summary(rec.records))  # a mixture of experts: tokens per expert, imbalance
+        dispatched_rows=all_ranks(rows_sent))
 
     if config.save_hf:
         # The whole model on rank 0: each expert weight gathered from its shards (a collective: every rank calls).

@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> dict:
             # As in fsdp-ft: reduce-scatter over "dp" only in the last micro-batch's backward.
             model.set_requires_gradient_sync(index == len(micro_batches) - 1)
             with loss_context():  # loss parallelism: the backward of the sharded cross-entropy must run inside it
-                # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay isolated.
+                # No mask + restarted position_ids + no cache: packed conversations stay isolated (common/data.py).
                 logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                attention_mask=None, use_cache=False, **packed).logits
                 # Divide by the whole step's loss tokens (all micro-batches, all dp rows); FSDP's reduce-scatter

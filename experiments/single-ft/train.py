@@ -35,10 +35,10 @@ from common.dist import init_distributed, print0, teardown
 from common.generate import generate, sample_prompt
 from common.loss import fused_linear_cross_entropy
 from common.metrics import MetricsLogger, Recorder
-from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, is_moe, \
+from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
     is_preset, load_model, load_model_4bit, load_tokenizer, qlora_unavailable, record_adapter_base, \
     resolve_model_name, weights_dtype
-from common.moe import RouterStats, load_summary, split_load
+from common.moe import RouterStats
 from common.step import clip_grad_norm
 
 EXPERIMENT = "single-ft"
@@ -132,8 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
     print0(f"config: {json.dumps(asdict(config))}")
     torch.manual_seed(config.seed)
     attention = setup_attention(device, config.attn, print_fn=print0)
-    # bf16 mixed precision: weights, gradients and AdamW state stay fp32 (the "master weights"); autocast runs the
-    # matrix multiplies in bf16. fp32: everything in fp32, which is what the parity tests use.
+    # bf16: fp32 weights, gradients and AdamW state (the "master weights"), matmuls in bf16 under autocast.
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if config.dtype == "bf16" else nullcontext
 
     # ---------------------------------------------------------------------------------------------------------
@@ -177,10 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
             layer.compile()
     # --loss-chunk-tokens runs the decoder body (no LM head) and applies the head itself; these work with peft too.
     decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
-    # A mixture of experts: hooks on the routers give each forward's load-balancing loss and expert load.
-    moe = RouterStats(model, model.config.num_experts, model.config.num_experts_per_tok) if is_moe(model.config) \
-        else None
-    aux_coef = model.config.router_aux_loss_coef if moe else 0.0
+    moe = RouterStats.attach(model)  # a mixture of experts: each forward's load-balancing loss and expert load
     model.train()
     n_params = count_parameters(model.config)["total"]
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -227,21 +223,16 @@ def main(argv: list[str] | None = None) -> dict:
         # overlap the compute queued before them instead of waiting in the loop.
         batches = [to_device(host_batch, device) for host_batch in micro_batches]
         step_loss = torch.zeros((), device=device)
-        step_aux = torch.zeros((), device=device)
         for host_batch, batch in zip(micro_batches, batches):
             # --attn varlen: the documents' boundaries, from the host copy of position_ids ({} otherwise).
             packed = attention.forward_kwargs(host_batch["position_ids"], device)
             if moe:
                 moe.begin()
-            # Each micro-batch's loss is divided by the whole step's loss tokens, not its own: summing the
-            # micro-batch gradients then gives exactly the gradient of the token-weighted step loss.
+            # Divided by the whole step's loss tokens: the micro-batches' gradients sum to the step loss's gradient.
             with autocast():
-                # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
-                # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen needs none).
+                # No mask + restarted position_ids + no cache: packed conversations stay isolated (common/data.py).
                 if config.loss_chunk_tokens:
-                    # Final hidden states, then the LM head and the loss on loss tokens only, chunk by chunk, their
-                    # gradients computed on the way (common/loss.py); the labels' host copy picks those tokens
-                    # without waiting for the device (a CUDA mask would force a sync).
+                    # The LM head and loss on loss tokens only, picked by the labels' host copy (common/loss.py).
                     hidden = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                      attention_mask=None, use_cache=False, **packed).last_hidden_state
                     loss = fused_linear_cross_entropy(hidden, lm_head.weight, host_batch["labels"],
@@ -250,12 +241,8 @@ def main(argv: list[str] | None = None) -> dict:
                     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                    attention_mask=None, use_cache=False, **packed).logits
                     loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
-            if moe:
-                # The load-balancing loss of this micro-batch (every layer's routing), averaged over the step's
-                # micro-batches: the mean the step optimises, with the model's coefficient.
-                aux = moe.end() / len(micro_batches)
-                loss = loss + aux_coef * aux
-                step_aux += aux.detach()
+            if moe:  # this micro-batch's share of the step's mean load-balancing loss, times the model's coefficient
+                loss = loss + moe.aux_loss(len(micro_batches))
             loss.backward()
             step_loss += loss.detach()
         rec.state(step, model.parameters(), optimizer)  # every weight, its gradient, AdamW's state
@@ -268,11 +255,9 @@ def main(argv: list[str] | None = None) -> dict:
         rec.stop()
         # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together.
         # (A mixture of experts adds its aux loss and the expert load to the same read.)
-        values = torch.stack([step_loss, grad_norm.float(), step_aux])
-        load = moe.take_load() if moe else None
-        values = (torch.cat([values, load.flatten()]) if moe else values).tolist()
-        extra = dict(aux_loss=values[2], expert_tokens=split_load(values[3:], load.shape[1])) if moe else None
-        rec.step(step, values[0], lr, values[1], extra=extra)
+        values = torch.stack([step_loss, grad_norm.float()])
+        values = (torch.cat([values, moe.step_values()]) if moe else values).tolist()
+        rec.step(step, values[0], lr, values[1], extra=moe.read(values[2:]) if moe else None)
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             eval_losses.append((step + 1, evaluate(model, data, config.micro_batch_size, device, autocast)))
             print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
@@ -292,9 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
     print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
            if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
     # summary.json: what was measured, and the settings the predictions read from it afterwards (not in this run).
-    summary = rec.finish(
-        attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
-        expert_load=load_summary(rec.records))  # a mixture of experts: tokens per expert, imbalance
+    summary = rec.finish(attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses)
 
     if config.save_hf:
         save_dir = Path(config.save_hf)

@@ -295,8 +295,7 @@ def main(argv: list[str] | None = None) -> dict:
     print0(f"config: {json.dumps(asdict(config))}")
     torch.manual_seed(config.seed)
     attention = setup_attention(device, config.attn, print_fn=print0)
-    # bf16 mixed precision: weights, gradients and AdamW state stay fp32 (the "master weights"); autocast runs the
-    # matrix multiplies in bf16. fp32: everything in fp32, which is what the parity tests use.
+    # bf16: fp32 weights, gradients and AdamW state (the "master weights"), matmuls in bf16 under autocast.
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if config.dtype == "bf16" else nullcontext
     # Under loss_parallel() cross_entropy takes logits split over the vocabulary: each rank reduces its shard and
     # three all-reduces of one number per token combine them.
@@ -402,13 +401,10 @@ def main(argv: list[str] | None = None) -> dict:
         for host_batch, batch in zip(micro_batches, batches):
             # --attn varlen: the documents' boundaries, from the host copy of position_ids ({} otherwise).
             packed = attention.forward_kwargs(host_batch["position_ids"], device)
-            # Each micro-batch's loss is divided by the whole step's loss tokens, not its own: summing the
-            # micro-batch gradients then gives exactly the gradient of the token-weighted step loss.
+            # Divided by the whole step's loss tokens: the micro-batches' gradients sum to the step loss's gradient.
             with loss_context():  # loss parallelism: the backward of the sharded cross-entropy must run inside it
                 with autocast(), activations.once():
-                    # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
-                    # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen
-                    # needs none).
+                    # No mask + restarted position_ids + no cache: packed conversations stay isolated (common/data.py).
                     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                    attention_mask=None, use_cache=False, **packed).logits
                 loss = token_loss_sum(logits, batch["labels"]) / loss_tokens  # a Replicate DTensor under loss parallel

@@ -298,11 +298,9 @@ def main(argv: list[str] | None = None) -> dict:
         for index, (host_batch, batch) in enumerate(zip(micro_batches, batches)):
             # --attn varlen: the documents' boundaries, from the host copy of position_ids ({} otherwise).
             packed = attention.forward_kwargs(host_batch["position_ids"], device)
-            # Each micro-batch's loss is divided by the whole step's loss tokens, not its own: summing the
-            # micro-batch gradients then gives exactly the gradient of the token-weighted step loss.
+            # Divided by the whole step's loss tokens: the micro-batches' gradients sum to the step loss's gradient.
             with autocast():
-                # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
-                # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen needs none).
+                # No mask + restarted position_ids + no cache: packed conversations stay isolated (common/data.py).
                 if config.loss_chunk_tokens:
                     # Through the engine's forward, which hooks its outputs for DeepSpeed's backward (README).
                     hidden = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
