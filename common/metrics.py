@@ -870,6 +870,7 @@ class Recorder:
         # gradients exist, and so does the optimizer state, created by the first update.
         self.state_step = min(start_step + 1, config.steps - 1)
         self.measured_state = None
+        self.eval_history: list[tuple[int, float | None]] = []  # (step, held-out loss) of the --eval-every evaluations
         # From here on Python's garbage collector runs on a schedule, between steps, never inside one.
         self.collector = GarbageCollection()
 
@@ -902,7 +903,16 @@ class Recorder:
                                      extra=extra, documents=self.data.step_documents(step, rows))
 
     def eval(self, step: int, loss: float | None) -> None:
+        """The held-out loss after optimizer step `step`, printed and logged; an evaluation before the last step
+        (--eval-every) also goes into summary.json's eval_history."""
         self.metrics.log_eval(step, loss)
+        loss_text = "no held-out conversations (--eval-fraction 0)" if loss is None else f"loss {loss:.4f}"
+        if step < self.config.steps:
+            self.eval_history.append((step, loss))
+            print0(f"eval step {step}: {loss_text}")
+        else:
+            print0(f"eval: {loss_text}" + (f" over {self.data.stats['n_eval_conversations']} held-out conversations"
+                                            if loss is not None else ""))
 
     def finish(self, **fields) -> dict:
         """summary.json: the run's identity (experiment, command, commit and, on a dirty tree, the hash of its diff
@@ -914,6 +924,7 @@ class Recorder:
         from common.dist import all_ranks
 
         self.collector.close()
+        fields.setdefault("eval_history", self.eval_history)
         if (load := expert_load(self.records)) is not None:  # a mixture of experts: tokens per expert, imbalance
             fields.setdefault("expert_load", load)
         stats = self.data.stats
