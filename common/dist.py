@@ -61,12 +61,14 @@ class DistInfo:
 _created_group = False  # whether init_distributed created the default group (and so teardown destroys it)
 
 
-def init_distributed(collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> DistInfo:
+def init_distributed(collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, *,
+                     group_of_one: bool = False) -> DistInfo:
     """Create the default process group when launched by torchrun; pick this rank's device.
 
     `collective_timeout_s` (--collective-timeout-s) bounds every collective's wait for the other ranks (module
     docstring). If a group already exists (a test driver running several configurations in one launch), it is
-    reused as it is.
+    reused as it is. `group_of_one`: a strategy whose code needs a group (DeviceMesh, DTensor, fully_shard) gets one
+    of a single rank in a plain `python train.py` too (CPU tensors through gloo beside NCCL); teardown() ends it.
     """
     global _created_group
     if not collective_timeout_s > 0:
@@ -90,6 +92,10 @@ def init_distributed(collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S)
         # a warning that it is "unable to detect" a GPU this machine does not have.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if "WORLD_SIZE" not in os.environ:
+        if group_of_one:
+            dist.init_process_group("cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo", store=dist.HashStore(),
+                                    rank=0, world_size=1)
+            _created_group = True
         return DistInfo(rank=0, world_size=1, local_rank=0, device=device, backend=None)
     if dist.is_initialized():
         return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device,

@@ -811,6 +811,23 @@ class StepClock:
         return (self.stopped - self.started) * 1000.0
 
 
+def expert_load(records: list[dict]) -> dict | None:
+    """The run's expert load from its step records' `expert_tokens` (None for a dense model): the tokens each expert
+    of each layer received, and per layer the busiest expert's count over the mean (1.0 is a perfectly even load;
+    an expert-parallel step waits for the rank of the busiest experts)."""
+    steps = [record["expert_tokens"] for record in records if "expert_tokens" in record]
+    if not steps:
+        return None
+    load = [[sum(column) for column in zip(*layers)] for layers in zip(*steps)]
+    per_layer = []
+    for counts in load:
+        mean = sum(counts) / len(counts)
+        per_layer.append(max(counts) / mean if mean else None)
+    known = [value for value in per_layer if value is not None]
+    return dict(imbalance_per_layer=per_layer, imbalance_mean=sum(known) / len(known) if known else None,
+                imbalance_max=max(known) if known else None, tokens_per_expert=load)
+
+
 class Recorder:
     """A run's measurement behind one object, the same in every experiment:
 
@@ -853,6 +870,7 @@ class Recorder:
         # gradients exist, and so does the optimizer state, created by the first update.
         self.state_step = min(start_step + 1, config.steps - 1)
         self.measured_state = None
+        self.eval_history: list[tuple[int, float | None]] = []  # (step, held-out loss) of the --eval-every evaluations
         # From here on Python's garbage collector runs on a schedule, between steps, never inside one.
         self.collector = GarbageCollection()
 
@@ -885,7 +903,16 @@ class Recorder:
                                      extra=extra, documents=self.data.step_documents(step, rows))
 
     def eval(self, step: int, loss: float | None) -> None:
+        """The held-out loss after optimizer step `step`, printed and logged; an evaluation before the last step
+        (--eval-every) also goes into summary.json's eval_history."""
         self.metrics.log_eval(step, loss)
+        loss_text = "no held-out conversations (--eval-fraction 0)" if loss is None else f"loss {loss:.4f}"
+        if step < self.config.steps:
+            self.eval_history.append((step, loss))
+            print0(f"eval step {step}: {loss_text}")
+        else:
+            print0(f"eval: {loss_text}" + (f" over {self.data.stats['n_eval_conversations']} held-out conversations"
+                                            if loss is not None else ""))
 
     def finish(self, **fields) -> dict:
         """summary.json: the run's identity (experiment, command, commit and, on a dirty tree, the hash of its diff
@@ -897,6 +924,9 @@ class Recorder:
         from common.dist import all_ranks
 
         self.collector.close()
+        fields.setdefault("eval_history", self.eval_history)
+        if (load := expert_load(self.records)) is not None:  # a mixture of experts: tokens per expert, imbalance
+            fields.setdefault("expert_load", load)
         stats = self.data.stats
         measured = self.measured_state
         gathered = all_ranks(measured)

@@ -38,8 +38,9 @@ class RouterStats:
     was recorded since the last end(), so only the training forwards count, each once.
     """
 
-    def __init__(self, model: nn.Module, num_experts: int, top_k: int):
-        self.num_experts, self.top_k = num_experts, top_k
+    def __init__(self, model: nn.Module, num_experts: int, top_k: int, aux_coef: float = 0.0):
+        self.num_experts, self.top_k, self.aux_coef = num_experts, top_k, aux_coef
+        self.step_aux: torch.Tensor | None = None  # the step's aux loss so far (aux_loss), taken by step_values
         self.layers = routers(model)
         if not self.layers:
             raise ValueError("no router found: RouterStats is for mixture-of-experts models")
@@ -47,6 +48,14 @@ class RouterStats:
         self.indices: list[torch.Tensor] = []
         self.load: torch.Tensor | None = None  # [layers, experts] routed (token, slot) pairs since take_load()
         self.handles = [router.register_forward_hook(self._record) for router in self.layers]
+
+    @classmethod
+    def attach(cls, model: nn.Module) -> RouterStats | None:
+        """Hooks on the routers of a mixture of experts, with the model's own aux-loss coefficient; None if dense."""
+        config = model.config
+        if not getattr(config, "num_experts", 0) or not routers(model):
+            return None
+        return cls(model, config.num_experts, config.num_experts_per_tok, config.router_aux_loss_coef)
 
     def _record(self, module, inputs, output) -> None:
         logits, _, indices = output  # (router_logits, top-k weights, top-k expert ids), each [tokens, ...]
@@ -68,6 +77,23 @@ class RouterStats:
         self.begin()
         return aux
 
+    def aux_loss(self, micro_batches_per_step: int) -> torch.Tensor:
+        """end(), as the term a training step adds to this micro-batch's loss: its aux loss's share of the mean over
+        the step's micro-batches, times the model's coefficient. The share is kept for step_values()."""
+        aux = self.end() / micro_batches_per_step
+        self.step_aux = aux.detach() if self.step_aux is None else self.step_aux + aux.detach()
+        return self.aux_coef * aux
+
+    def step_values(self) -> torch.Tensor:
+        """The step's aux loss and [layers, experts] load as one flat device tensor, to be read (or summed over
+        ranks) with the step's other values; read() turns the host copy back into the step record's fields."""
+        aux, self.step_aux = self.step_aux, None
+        return torch.cat([aux.reshape(1), self.take_load().flatten()])
+
+    def read(self, values: list[float]) -> dict:
+        """step_values() read back to the host: the step record's aux_loss and expert_tokens."""
+        return dict(aux_loss=values[0], expert_tokens=split_load(values[1:], self.num_experts))
+
     def take_load(self) -> torch.Tensor:
         """The [layers, experts] count since the last call (a device tensor; read it with the step's other values)."""
         load, self.load = self.load, None
@@ -81,20 +107,3 @@ class RouterStats:
 def split_load(flat: list[float], experts: int) -> list[list[float]]:
     """A flattened [layers, experts] count, read from the device with the step's other values, back into rows."""
     return [flat[i:i + experts] for i in range(0, len(flat), experts)]
-
-
-def load_summary(records: list[dict]) -> dict | None:
-    """The run's expert load from its step records' `expert_tokens` (None for a dense model): the tokens each expert
-    of each layer received, and per layer the busiest expert's count over the mean (1.0 is a perfectly even load;
-    an expert-parallel step waits for the rank of the busiest experts)."""
-    steps = [record["expert_tokens"] for record in records if "expert_tokens" in record]
-    if not steps:
-        return None
-    load = [[sum(column) for column in zip(*layers)] for layers in zip(*steps)]
-    per_layer = []
-    for counts in load:
-        mean = sum(counts) / len(counts)
-        per_layer.append(max(counts) / mean if mean else None)
-    known = [value for value in per_layer if value is not None]
-    return dict(imbalance_per_layer=per_layer, imbalance_mean=sum(known) / len(known) if known else None,
-                imbalance_max=max(known) if known else None, tokens_per_expert=load)

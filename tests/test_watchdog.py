@@ -176,3 +176,26 @@ def test_only_a_collective_that_failed_is_reported_as_a_lost_rank():
     line = lost_rank_line(3, timeout, None, 30.0)
     assert line.startswith("rank 3: collective ") and "got no answer within --collective-timeout-s 30;" in line
     assert "lost its connection to a peer" in lost_rank_line(0, closed, None, 30.0)
+
+
+def test_a_plain_process_gets_a_group_of_one_that_teardown_ends(monkeypatch):
+    """`python train.py` of a strategy that needs a process group (DTensor, fully_shard): init_distributed makes a
+    one-rank group in which collectives work, and teardown() ends it; a script that needs none gets none."""
+    import torch
+    import torch.distributed as dist
+
+    from common.dist import init_distributed, teardown
+
+    if dist.is_initialized():
+        pytest.skip("a process group of this pytest process already exists")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert init_distributed().world_size == 1 and not dist.is_initialized()
+    info = init_distributed(group_of_one=True)
+    try:
+        assert dist.is_initialized() and (dist.get_rank(), dist.get_world_size(), info.world_size) == (0, 1, 1)
+        value = torch.tensor([2.0, 3.0])
+        dist.all_reduce(value)
+        assert value.tolist() == [2.0, 3.0]
+    finally:
+        teardown()
+    assert not dist.is_initialized()

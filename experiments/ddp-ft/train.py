@@ -105,8 +105,7 @@ def resolve(config: Config) -> Config:
         config.seq_len = 256 if config.model in TINY_PRESETS else 1024
     if config.dtype is None:
         config.dtype = "bf16" if torch.cuda.is_available() else "fp32"
-    if config.qlora:
-        config.lora_rank = config.lora_rank or 16
+    config.lora_rank = config.lora_rank or (16 if config.qlora else 0)  # --qlora: rank 16 unless given
     if config.lr is None:
         config.lr = 1e-3 if is_preset(config.model) else (1e-4 if config.lora_rank else 2e-5)
     if config.lora_alpha is None:
@@ -131,20 +130,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # One process per device, started by torchrun; DDP needs a group even in a plain `python train.py`: one rank.
-    dist_info = init_distributed(config.collective_timeout_s)
+    dist_info = init_distributed(config.collective_timeout_s, group_of_one=True)
     device = dist_info.device
-    own_group = dist_info.backend is None
-    if own_group:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     config = resolve(config)
     record_collectives_in(config.out_dir)  # CUDA: where NCCL's flight recorder dumps on a timeout
     print0(f"config: {json.dumps(asdict(config))}")
     torch.manual_seed(config.seed)
     attention = setup_attention(device, config.attn, print_fn=print0)
-    # bf16 mixed precision: weights, gradients and AdamW state stay fp32 (the "master weights"); autocast runs the
-    # matrix multiplies in bf16. fp32: everything in fp32, which is what the parity tests use.
+    # bf16: fp32 weights, gradients and AdamW state (the "master weights"), matmuls in bf16 under autocast.
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if config.dtype == "bf16" else nullcontext
 
     # ---------------------------------------------------------------------------------------------------------
@@ -168,12 +162,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Model
-    if config.qlora:
-        model = load_model_4bit(config.model, tokenizer, attention.impl, device)
-    else:
-        # fp32 weights, their own master copy; a LoRA base under --dtype bf16 is frozen and stored in bf16.
-        model = load_model(config.model, tokenizer, attention.impl, device=device,
-                           dtype=weights_dtype(config.dtype, config.lora_rank))
+    # fp32 weights, their own master copy; a LoRA base under --dtype bf16 is frozen and stored in bf16 (--qlora: 4-bit).
+    model = load_model_4bit(config.model, tokenizer, attention.impl, device) if config.qlora else \
+        load_model(config.model, tokenizer, attention.impl, device=device,
+                   dtype=weights_dtype(config.dtype, config.lora_rank))
     if config.activation_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
         checkpoint_activations(model, use_reentrant=False)
@@ -181,9 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
         # fp32 adapters, the rest frozen; --lora-fused: the same adapters in fewer kernels (common/lora.py)
         model = add_lora(model, config.lora_rank, config.lora_alpha, fused=config.lora_fused)
     if config.compile:
-        # One compiled graph per decoder layer, not one for the whole model (as torchtitan does): compile time stays
-        # bounded, and a graph break stays inside its layer. Module.compile() compiles in place, so parameter names
-        # (checkpoints, --save-hf) do not change.
+        # One graph per decoder layer (as torchtitan): bounded compile time; in place, so parameter names stay.
         for layer in model.get_decoder().layers:
             layer.compile()
     # --loss-chunk-tokens applies the LM head itself, to the hidden states DDP's forward returns (README).
@@ -210,11 +200,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Optimizer: AdamW; no weight decay on norms (1-D weights). Fused kernels on GPU.
-    decay = [p for p in trainable if p.ndim >= 2]
-    no_decay = [p for p in trainable if p.ndim < 2]
-    # A group left empty (under LoRA nothing 1-D is trained) is not created: a checkpoint's flattened optimizer
-    # state cannot be loaded back into a group without parameters.
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # No empty group (LoRA trains nothing 1-D): a checkpoint's optimizer state cannot load into one.
+    groups = [{"params": [p for p in trainable if p.ndim >= 2], "weight_decay": config.weight_decay},
+              {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW([group for group in groups if group["params"]], lr=config.lr,
                                   fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -222,7 +210,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Training loop
-    eval_losses = []
     sample_messages = sample_prompt(data)  # --sample-every: the turns before the first held-out answer
     # The step count is the whole data position: step k always consumes the same rows.
     start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
@@ -234,14 +221,13 @@ def main(argv: list[str] | None = None) -> dict:
                    n_parameters=n_params, n_trainable=n_trainable, flops_per_token=model_flops_per_token)
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum, rank, world_size)
-        loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step, all ranks
+        loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step, all its rows
         # The same, as a device tensor: the fused loss scales its gradients by it without reading anything back.
         step_scale = torch.full((), 1.0 / max(loss_tokens, 1), device=device)
         lr = scheduler.get_last_lr()[0]
 
         rec.start(step)
-        # All of the step's micro-batches go to the device up front, from pinned memory on a GPU, so the copies
-        # overlap the compute queued before them instead of waiting in the loop.
+        # The step's micro-batches go to the device up front (pinned on a GPU): the copies overlap queued compute.
         batches = [to_device(host_batch, device) for host_batch in micro_batches]
         step_loss = torch.zeros((), device=device)
         for index, (host_batch, batch) in enumerate(zip(micro_batches, batches)):
@@ -250,15 +236,11 @@ def main(argv: list[str] | None = None) -> dict:
             last = index == len(micro_batches) - 1
             # no_sync() on all but the last micro-batch: its forward arms no all-reduce for the backward (README).
             sync = nullcontext() if last or config.reduce_every_micro_batch else model.no_sync()
-            # Each micro-batch's loss is divided by the whole step's loss tokens, not its own: summing the
-            # micro-batch gradients then gives exactly the gradient of the token-weighted step loss.
+            # Divided by the whole step's loss tokens: the micro-batches' gradients sum to the step loss's gradient.
             with autocast(), sync:
-                # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
-                # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen needs none).
+                # No mask + restarted position_ids + no cache: packed conversations stay isolated (common/data.py).
                 if config.loss_chunk_tokens:
-                    # Final hidden states, then the LM head and the loss on loss tokens only, chunk by chunk, their
-                    # gradients computed on the way (common/loss.py); the labels' host copy picks those tokens
-                    # without waiting for the device (a CUDA mask would force a sync).
+                    # The LM head and loss on loss tokens only, picked by the labels' host copy (common/loss.py).
                     # Through DDP's forward, which arms its gradient hooks (README), asking for no logits at all.
                     hidden = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                    attention_mask=None, use_cache=False, output_hidden_states=True,
@@ -284,9 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
         values = torch.stack([step_loss, grad_norm.float()]).tolist()
         rec.step(step, values[0], lr, values[1])
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
-            eval_losses.append((step + 1, evaluate(model.module, data, config.micro_batch_size, device, autocast)))
-            print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
-            rec.eval(*eval_losses[-1])
+            rec.eval(step + 1, evaluate(model.module, data, config.micro_batch_size, device, autocast))
         if config.sample_every and (step + 1) % config.sample_every == 0 and sample_messages:
             completion = generate(model.module, tokenizer, sample_messages, device, autocast=autocast)
             print0(f"sample step {step + 1}: {completion!r}")
@@ -299,10 +279,8 @@ def main(argv: list[str] | None = None) -> dict:
     # Evaluation, results, export; every rank on its own replica (model.module: no DDP hooks, no collective).
     eval_loss = evaluate(model.module, data, config.micro_batch_size, device, autocast)
     rec.eval(config.steps, eval_loss)
-    print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
-           if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
     # summary.json: what was measured, and the settings the predictions read from it afterwards (not in this run).
-    summary = rec.finish(attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses)
+    summary = rec.finish(attention=asdict(attention), eval_loss=eval_loss)
 
     if config.save_hf and rank == 0:  # the replicas are identical: rank 0 writes its own
         save_dir = Path(config.save_hf)
@@ -314,8 +292,6 @@ def main(argv: list[str] | None = None) -> dict:
         record_adapter_base(save_dir, config.model, config.seed)  # a LoRA adapter's base, loadable from anywhere
         print0(f"saved {'adapter' if config.lora_rank and not config.merge_lora else 'model'} to {save_dir}")
     teardown()
-    if own_group:
-        dist.destroy_process_group()
     return summary
 
 

@@ -42,8 +42,8 @@ from common.generate import generate, sample_prompt
 from common.loss import fused_linear_cross_entropy
 from common.metrics import MetricsLogger, Recorder
 from common.models import TINY_PRESETS, checkpoint_activations, count_parameters, flops_per_token, is_moe, is_preset, \
-    load_model, load_tokenizer, model_config, share_export
-from common.moe import RouterStats, load_summary, split_load
+    load_model, load_tokenizer, model_config, resolve_model_name, share_export
+from common.moe import RouterStats
 
 EXPERIMENT = "ep-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -98,12 +98,15 @@ class Config:
 
 def resolve(config: Config) -> Config:
     """Fill the defaults that depend on the machine or the model; every other default lives in Config."""
+    config.model, notice = resolve_model_name(config.model)
+    if notice:
+        print0(notice)
     if config.seq_len is None:
         config.seq_len = 256 if config.model in TINY_PRESETS else 1024
     if config.dtype is None:
         config.dtype = "bf16" if torch.cuda.is_available() else "fp32"
     if config.lr is None:
-        config.lr = 1e-3 if is_preset(config.model) else 2e-5
+        config.lr = 1e-3 if is_preset(config.model) else (1e-4 if config.lora_rank else 2e-5)
     resolve_paths(config, EXPERIMENT)  # --data found, --out-dir under the working directory, --resume
     return config
 
@@ -244,12 +247,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Processes and device: one process per device, started by torchrun (NCCL/RCCL on GPUs, gloo on CPU).
-    dist_info = init_distributed(config.collective_timeout_s)
+    dist_info = init_distributed(config.collective_timeout_s, group_of_one=True)
     device = dist_info.device
-    own_group = dist_info.backend is None
-    if own_group:  # a plain `python train.py`: a group of one rank, which holds every expert
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     config = resolve(config)
     record_collectives_in(config.out_dir)  # CUDA: where NCCL's flight recorder dumps on a timeout
@@ -296,9 +295,7 @@ def main(argv: list[str] | None = None) -> dict:
             layer.compile()
     # --loss-chunk-tokens runs the decoder body (no LM head) and applies the head itself.
     decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
-    # A mixture of experts: hooks on the routers give each forward's load-balancing loss and expert load.
-    moe = RouterStats(model, model.config.num_experts, model.config.num_experts_per_tok)
-    aux_coef = model.config.router_aux_loss_coef
+    moe = RouterStats.attach(model)  # a mixture of experts: each forward's load-balancing loss and expert load
     model.train()
     n_params = count_parameters(model.config)["total"]
     experts = [p for module in ep_layers for p in module.parameters()]
@@ -330,7 +327,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Training loop
-    eval_losses = []
     sample_messages = sample_prompt(data)  # --sample-every: the turns before the first held-out answer
     # The step count is the whole data position: step k always consumes the same rows. DCP reads the shards.
     start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
@@ -345,33 +341,27 @@ def main(argv: list[str] | None = None) -> dict:
     rows_sent = [0] * world_size  # (token, expert) rows this rank dispatched to each rank over the training steps
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum, rank, world_size)
-        loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the whole step's, on every rank (as ddp-ft)
+        loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step, all its rows
         # The same, as a device tensor: the fused loss scales its gradients by it without reading anything back.
         step_scale = torch.full((), 1.0 / max(loss_tokens, 1), device=device)
         lr = scheduler.get_last_lr()[0]
 
         rec.start(step)
-        # All of the step's micro-batches go to the device up front, from pinned memory on a GPU, so the copies
-        # overlap the compute queued before them instead of waiting in the loop.
+        # The step's micro-batches go to the device up front (pinned on a GPU): the copies overlap queued compute.
         batches = [to_device(host_batch, device) for host_batch in micro_batches]
         step_forwards = []  # (rows sent to each rank, rows received) of each training forward's expert blocks
         step_loss = torch.zeros((), device=device)
-        step_aux = torch.zeros((), device=device)
         for host_batch, batch in zip(micro_batches, batches):
             # --attn varlen: the documents' boundaries, from the host copy of position_ids ({} otherwise).
             packed = attention.forward_kwargs(host_batch["position_ids"], device)
             moe.begin()
             for module in ep_layers:  # what ran since the last forward (evaluation, recomputation) is not counted
                 module.forwards.clear()
-            # Each micro-batch's loss is divided by the whole step's loss tokens, not its own: summing the
-            # micro-batch gradients then gives exactly the gradient of the token-weighted step loss.
+            # Divided by the whole step's loss tokens: the micro-batches' gradients sum to the step loss's gradient.
             with autocast():
-                # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
-                # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen needs none).
+                # No mask + restarted position_ids + no cache: packed conversations stay isolated (common/data.py).
                 if config.loss_chunk_tokens:
-                    # Final hidden states, then the LM head and the loss on loss tokens only, chunk by chunk, their
-                    # gradients computed on the way (common/loss.py); the labels' host copy picks those tokens
-                    # without waiting for the device (a CUDA mask would force a sync).
+                    # The LM head and loss on loss tokens only, picked by the labels' host copy (common/loss.py).
                     hidden = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                      attention_mask=None, use_cache=False, **packed).last_hidden_state
                     loss = fused_linear_cross_entropy(hidden, lm_head.weight, host_batch["labels"],
@@ -380,12 +370,9 @@ def main(argv: list[str] | None = None) -> dict:
                     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                    attention_mask=None, use_cache=False, **packed).logits
                     loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
-            # This micro-batch's share of the mean aux loss over all the step's micro-batches, all ranks: summed over
-            # ranks, the gradients are single-ft's (the dense ones summed below, the experts' already by all-to-all).
-            aux = moe.end() / micro_batches_per_step
+            # The mean over all ranks' micro-batches: summed over the ranks, the gradients are single-ft's.
+            loss = loss + moe.aux_loss(micro_batches_per_step)
             step_forwards += [rows for module in ep_layers for rows in module.forwards]
-            loss = loss + aux_coef * aux
-            step_aux += aux.detach()
             loss.backward()
             step_loss += loss.detach()
         # The dense gradients: one sum over the ranks per step (after the last micro-batch, as ddp-ft's no_sync).
@@ -408,22 +395,17 @@ def main(argv: list[str] | None = None) -> dict:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         # The step's loss, aux loss and expert load, summed over the ranks in one call.
-        load = moe.take_load()
-        logged = torch.cat([torch.stack([step_loss, step_aux]), load.flatten()])
+        logged = torch.cat([step_loss.reshape(1), moe.step_values()])
         dist.all_reduce(logged)
         rec.stop()
         # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together.
-        # (A mixture of experts adds its aux loss and the expert load to the same read.)
         values = torch.cat([logged[:1], grad_norm.reshape(1).float(), logged[1:]]).tolist()
-        extra = dict(aux_loss=values[2], expert_tokens=split_load(values[3:], load.shape[1]))
-        rec.step(step, values[0], lr, values[1], extra=extra)
+        rec.step(step, values[0], lr, values[1], extra=moe.read(values[2:]))
         rows_sent = [a + sum(send[r] for send, _ in step_forwards) for r, a in enumerate(rows_sent)]
         if rec.comm.profiled and rec.comm.profiled[-1] == step + 1:  # the rows this step's forwards moved
             profiled_forwards.append(step_forwards)
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
-            eval_losses.append((step + 1, evaluate(model, data, config.micro_batch_size, device, autocast)))
-            print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
-            rec.eval(*eval_losses[-1])
+            rec.eval(step + 1, evaluate(model, data, config.micro_batch_size, device, autocast))
         if config.sample_every and (step + 1) % config.sample_every == 0 and sample_messages:
             # Every rank generates the same text: each forward's all-to-alls need all of them.
             completion = generate(model, tokenizer, sample_messages, device, autocast=autocast)
@@ -437,15 +419,12 @@ def main(argv: list[str] | None = None) -> dict:
     # Evaluation, results, export. Every rank evaluates the whole held-out split (the experts need every rank).
     eval_loss = evaluate(model, data, config.micro_batch_size, device, autocast)
     rec.eval(config.steps, eval_loss)
-    print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
-           if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
     # summary.json: what was measured, and the settings the predictions read from it afterwards (not in this run).
     summary = rec.finish(
-        attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
+        attention=asdict(attention), eval_loss=eval_loss,
         routed_rows_profiled=profiled_forwards,  # per profiled step and forward: rows sent to each rank, received
         # (token, expert) rows rank 0..W-1 dispatched to each rank over the training steps (its own in column r)
-        dispatched_rows=all_ranks(rows_sent),
-        expert_load=load_summary(rec.records))  # a mixture of experts: tokens per expert, imbalance
+        dispatched_rows=all_ranks(rows_sent))
 
     if config.save_hf:
         # The whole model on rank 0: each expert weight gathered from its shards (a collective: every rank calls).
@@ -458,8 +437,6 @@ def main(argv: list[str] | None = None) -> dict:
             share_export(save_dir)  # safetensors writes 0600; the export is readable like its config
             print0(f"saved model to {save_dir}")
     teardown()
-    if own_group:
-        dist.destroy_process_group()
     return summary
 
 

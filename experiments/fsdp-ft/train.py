@@ -13,8 +13,7 @@ ddp-ft. Each decoder layer is one FSDP unit: its backward gathers its weights ag
 so each rank receives the sum over ranks of its own 1/W and updates only that (README). The loss is the
 token-weighted loss of all B rows, as in single-ft, which this script matches step for step.
 
-Strategy flags: --no-reshard-after-forward, --no-reshard-after-backward (with the first: each unit gathered once per
-optimizer step, whatever --grad-accum), --cpu-offload, --reduce-every-micro-batch.
+Strategy flags: --no-reshard-after-forward, --no-reshard-after-backward, --cpu-offload, --reduce-every-micro-batch.
 """
 
 from __future__ import annotations
@@ -204,12 +203,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # One process per device, started by torchrun; FSDP needs a group even in a plain `python train.py`: one rank.
-    dist_info = init_distributed(config.collective_timeout_s)
+    dist_info = init_distributed(config.collective_timeout_s, group_of_one=True)
     device = dist_info.device
-    own_group = dist_info.backend is None
-    if own_group:
-        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
-                                rank=0, world_size=1)
     # --cpu-offload: loading the CPU shards and their gradient norm are collectives on CPU tensors, not for NCCL.
     if config.cpu_offload and "cpu:" not in dist.get_backend_config():
         raise InputError(f"--cpu-offload needs a process group with a CPU backend, e.g. 'cpu:gloo,cuda:nccl'; this "
@@ -263,9 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
         checkpoint_activations(model, use_reentrant=False)
     if config.compile:
-        # One compiled graph per decoder layer, not one for the whole model (as torchtitan does): compile time stays
-        # bounded, and a graph break stays inside its layer. Module.compile() compiles in place, so parameter names
-        # (checkpoints, --save-hf) do not change.
+        # One graph per decoder layer (as torchtitan): bounded compile time; in place, so parameter names stay.
         for layer in model.get_decoder().layers:
             layer.compile()
     layer_units = apply_fsdp(model, mesh, torch.bfloat16 if config.dtype == "bf16" else None,
@@ -302,11 +295,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Optimizer: AdamW; no weight decay on norms (1-D weights). Fused kernels on GPU.
-    decay = [p for p in trainable if p.ndim >= 2]
-    no_decay = [p for p in trainable if p.ndim < 2]
-    # A group left empty (under LoRA nothing 1-D is trained) is not created: a checkpoint's flattened optimizer
-    # state cannot be loaded back into a group without parameters.
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # No empty group (LoRA trains nothing 1-D): a checkpoint's optimizer state cannot load into one.
+    groups = [{"params": [p for p in trainable if p.ndim >= 2], "weight_decay": config.weight_decay},
+              {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW([group for group in groups if group["params"]], lr=config.lr,
                                   fused=device.type == "cuda" and not config.cpu_offload)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -314,7 +305,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Training loop
-    eval_losses = []
     sample_messages = sample_prompt(data)  # --sample-every: the turns before the first held-out answer
     # The step count is the whole data position: step k always consumes the same rows.
     start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
@@ -326,14 +316,13 @@ def main(argv: list[str] | None = None) -> dict:
                    n_parameters=n_params, n_trainable=n_trainable, flops_per_token=model_flops_per_token)
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum, rank, world_size)
-        loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step, all ranks
+        loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step, all its rows
         # The same, as a device tensor: the fused loss scales its gradients by it without reading anything back.
         step_scale = torch.full((), 1.0 / max(loss_tokens, 1), device=device)
         lr = scheduler.get_last_lr()[0]
 
         rec.start(step)
-        # All of the step's micro-batches go to the device up front, from pinned memory on a GPU, so the copies
-        # overlap the compute queued before them instead of waiting in the loop.
+        # The step's micro-batches go to the device up front (pinned on a GPU): the copies overlap queued compute.
         batches = [to_device(host_batch, device) for host_batch in micro_batches]
         step_loss = torch.zeros((), device=device)
         for index, (host_batch, batch) in enumerate(zip(micro_batches, batches)):
@@ -345,15 +334,11 @@ def main(argv: list[str] | None = None) -> dict:
             model.set_requires_gradient_sync(last or config.reduce_every_micro_batch)
             # --no-reshard-after-backward: the weights stay gathered through the step; the last backward frees them.
             model.set_reshard_after_backward(last or config.reshard_after_backward)
-            # Each micro-batch's loss is divided by the whole step's loss tokens, not its own: summing the
-            # micro-batch gradients then gives exactly the gradient of the token-weighted step loss.
+            # Divided by the whole step's loss tokens: the micro-batches' gradients sum to the step loss's gradient.
             with autocast():
-                # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
-                # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen needs none).
+                # No mask + restarted position_ids + no cache: packed conversations stay isolated (common/data.py).
                 if config.loss_chunk_tokens:
-                    # Final hidden states, then the LM head and the loss on loss tokens only, chunk by chunk, their
-                    # gradients computed on the way (common/loss.py); the labels' host copy picks those tokens
-                    # without waiting for the device (a CUDA mask would force a sync).
+                    # The LM head and loss on loss tokens only, picked by the labels' host copy (common/loss.py).
                     # The whole model runs: only the root's forward gathers the LM head, kept gathered (README).
                     hidden = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                    attention_mask=None, use_cache=False, output_hidden_states=True,
@@ -368,9 +353,9 @@ def main(argv: list[str] | None = None) -> dict:
             step_loss += loss.detach()
         rec.state(step, model.parameters(), optimizer)  # this rank's shards of every weight, gradient, AdamW state
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
-        # The norm before clipping; the clipping itself rides on fused AdamW's step (GPU), or is done here (CPU).
-        grad_norm = clip_grad_norm(optimizer, trainable, max_norm)  # the shards' norms summed over the mesh
-        optimizer.step()  # each rank updates its own shard; the next forward's all-gathers see the new weights
+        # The norm of the shards, summed over the mesh, before clipping; each rank then updates its own shard.
+        grad_norm = clip_grad_norm(optimizer, trainable, max_norm)
+        optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         dist.all_reduce(step_loss)  # each rank holds its rows' share of the step loss: the log line wants the sum
@@ -380,9 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
         values = torch.stack([step_loss, grad_norm.to(device, torch.float32)]).tolist()
         rec.step(step, values[0], lr, values[1])
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
-            eval_losses.append((step + 1, evaluate(model, data, config.micro_batch_size, device, autocast)))
-            print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
-            rec.eval(*eval_losses[-1])
+            rec.eval(step + 1, evaluate(model, data, config.micro_batch_size, device, autocast))
         if config.sample_every and (step + 1) % config.sample_every == 0 and sample_messages:
             completion = generate(model, tokenizer, sample_messages, device, autocast=autocast,
                                   synced_gpus=world_size > 1)
@@ -396,10 +379,8 @@ def main(argv: list[str] | None = None) -> dict:
     # Evaluation, results, export; every rank evaluates every batch, as each forward's all-gathers need all ranks.
     eval_loss = evaluate(model, data, config.micro_batch_size, device, autocast)
     rec.eval(config.steps, eval_loss)
-    print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
-           if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
     # summary.json: what was measured, and the settings the predictions read from it afterwards (not in this run).
-    summary = rec.finish(attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses)
+    summary = rec.finish(attention=asdict(attention), eval_loss=eval_loss)
 
     if config.save_hf:
         # Collective: every rank sends its shards, rank 0 receives the full tensors, one at a time, into CPU memory.
@@ -418,8 +399,6 @@ def main(argv: list[str] | None = None) -> dict:
         record_adapter_base(save_dir, config.model, config.seed)  # a LoRA adapter's base, loadable from anywhere
         print0(f"saved {'adapter' if config.lora_rank and not config.merge_lora else 'model'} to {save_dir}")
     teardown()
-    if own_group:
-        dist.destroy_process_group()
     return summary
 
 

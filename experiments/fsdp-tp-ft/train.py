@@ -337,12 +337,8 @@ def main(argv: list[str] | None = None) -> dict:
     # ---------------------------------------------------------------------------------------------------------
     # Processes, device and the 2-D mesh: one process per device (torchrun). A plain `python train.py` gets a
     # one-rank group in memory (DTensor and FSDP need one even then), and so a 1 x 1 mesh.
-    dist_info = init_distributed(config.collective_timeout_s)
+    dist_info = init_distributed(config.collective_timeout_s, group_of_one=True)
     device = dist_info.device
-    own_group = dist_info.backend is None
-    if own_group:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     tp = config.tp_degree if world_size > 1 else 1
     if config.tp_degree < 1 or world_size % tp:
@@ -442,7 +438,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Training loop
-    eval_losses = []
     # The step count is the whole data position: step k always consumes the same rows.
     start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
     if config.resume:
@@ -455,12 +450,11 @@ def main(argv: list[str] | None = None) -> dict:
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum, dp_rank, dp)
         # The denominator of the whole step, over all dp rows: every rank counts it locally, no collective.
-        loss_tokens = data.step_loss_tokens(step, rows_per_step)
+        loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step, all its rows
         lr = scheduler.get_last_lr()[0]
 
         rec.start(step)
-        # All of the step's micro-batches go to the device up front, from pinned memory on a GPU, so the copies
-        # overlap the compute queued before them instead of waiting in the loop.
+        # The step's micro-batches go to the device up front (pinned on a GPU): the copies overlap queued compute.
         batches = [to_device(host_batch, device) for host_batch in micro_batches]
         step_loss = torch.zeros((), device=device)
         for index, (host_batch, batch) in enumerate(zip(micro_batches, batches)):
@@ -469,7 +463,7 @@ def main(argv: list[str] | None = None) -> dict:
             # As in fsdp-ft: reduce-scatter over "dp" only in the last micro-batch's backward.
             model.set_requires_gradient_sync(index == len(micro_batches) - 1)
             with loss_context():  # loss parallelism: the backward of the sharded cross-entropy must run inside it
-                # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay isolated.
+                # No mask + restarted position_ids + no cache: packed conversations stay isolated (common/data.py).
                 logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                attention_mask=None, use_cache=False, **packed).logits
                 # Divide by the whole step's loss tokens (all micro-batches, all dp rows); FSDP's reduce-scatter
@@ -491,10 +485,7 @@ def main(argv: list[str] | None = None) -> dict:
         values = torch.stack([step_loss, grad_norm.float()]).tolist()
         rec.step(step, values[0], lr, values[1])
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
-            eval_losses.append((step + 1, evaluate(FullLogits(model), data, config.micro_batch_size, device,
-                                                   nullcontext)))
-            print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
-            rec.eval(*eval_losses[-1])
+            rec.eval(step + 1, evaluate(FullLogits(model), data, config.micro_batch_size, device, nullcontext))
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             # Collective: DCP writes each rank's (dp, tp) blocks; a block shared by several ranks is written once.
             saved = save_checkpoint(config.out_dir, step + 1, model, optimizer, scheduler, run=plan.identity,
@@ -509,11 +500,9 @@ def main(argv: list[str] | None = None) -> dict:
     # model.parameters() are the sharded DTensors again for the drift check below.
     model.reshard()
     rec.eval(config.steps, eval_loss)
-    print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
-           if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
     # summary.json: what was measured, and the settings the predictions read from it afterwards (not in this run).
     summary = rec.finish(
-        attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
+        attention=asdict(attention), eval_loss=eval_loss,
         tensor_parallel=tp, data_parallel=dp, mesh=dict(shape=[dp, tp], dim_names=["dp", "tp"]),
         replica_drift=replica_drift(model.parameters(), tp_mesh))  # a collective: every rank calls finish
 
@@ -535,8 +524,6 @@ def main(argv: list[str] | None = None) -> dict:
             print0(f"saved {'adapter' if config.lora_rank and not config.merge_lora else 'model'} to {save_dir}")
         dist.barrier()
     teardown()
-    if own_group:
-        dist.destroy_process_group()
     return summary
 
 

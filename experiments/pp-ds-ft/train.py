@@ -424,7 +424,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Training loop
-    eval_losses = []
     start_step = load_deepspeed_checkpoint(config.resume, engine) if config.resume else 0
     if config.resume:
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
@@ -449,10 +448,7 @@ def main(argv: list[str] | None = None) -> dict:
         rec.stop()
         rec.step(step, float(step_loss), lr, float(grad_norm))  # the step's host read
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
-            eval_losses.append((step + 1, evaluate_pipeline(engine, data, config.micro_batch_size,
-                                                            tokenizer.pad_token_id)))
-            print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
-            rec.eval(*eval_losses[-1])
+            rec.eval(step + 1, evaluate_pipeline(engine, data, config.micro_batch_size, tokenizer.pad_token_id))
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             # DeepSpeed's own sharded format (its optimizer is opaque to DCP), published atomically (common/checkpoint).
             saved = save_deepspeed_checkpoint(config.out_dir, step + 1, engine, run=plan.identity,
@@ -464,11 +460,9 @@ def main(argv: list[str] | None = None) -> dict:
     pipeline_measures = per_rank_measures(rec)  # every rank's peak memory and collectives (stages differ)
     eval_loss = evaluate_pipeline(engine, data, config.micro_batch_size, tokenizer.pad_token_id)
     rec.eval(config.steps, eval_loss)
-    print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
-           if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
     # summary.json: what was measured, and the settings the predictions read from it afterwards (not in this run).
     summary = rec.finish(
-        attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
+        attention=asdict(attention), eval_loss=eval_loss,
         pipeline=dict(schedule="deepspeed-1f1b", stages=config.stages, data_parallel=data_parallel_size,
                       microbatches=config.grad_accum, stage_starts=[int(start) for start in parts]),
         deepspeed=dict(version=deepspeed.__version__, config=ds_config),

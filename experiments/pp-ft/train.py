@@ -548,7 +548,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Training loop
-    eval_losses = []
     start_step = load_checkpoint(config.resume, module, optimizer, scheduler) if config.resume else 0
     if config.resume:
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
@@ -602,10 +601,7 @@ def main(argv: list[str] | None = None) -> dict:
         values = torch.stack([step_loss, grad_norm.float()]).tolist()
         rec.step(step, values[0], lr, values[1])
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
-            eval_losses.append((step + 1, evaluate_pipeline(stages, stage_rank, data, config.micro_batch_size, device,
-                                                            pp_group)))
-            print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
-            rec.eval(*eval_losses[-1])
+            rec.eval(step + 1, evaluate_pipeline(stages, stage_rank, data, config.micro_batch_size, device, pp_group))
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             saved = save_checkpoint(config.out_dir, step + 1, module, optimizer, scheduler, run=plan.identity,
                                     keep=config.keep_checkpoints)
@@ -616,11 +612,9 @@ def main(argv: list[str] | None = None) -> dict:
     pipeline_measures = trace.finish(rec)  # the bubble per rank, one step's timeline, every rank's peak memory
     eval_loss = evaluate_pipeline(stages, stage_rank, data, config.micro_batch_size, device, pp_group)
     rec.eval(config.steps, eval_loss)
-    print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
-           if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
     # summary.json: what was measured, and the settings the predictions read from it afterwards (not in this run).
     summary = rec.finish(
-        attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
+        attention=asdict(attention), eval_loss=eval_loss,
         pipeline=dict(schedule=config.schedule, ranks=pp_size, stages_per_rank=config.stages_per_rank,
                       microbatches=config.grad_accum, stage_layers=[[r.start, r.stop] for r in layers],
                       stage_rank=stage_rank, replicas=replicas),

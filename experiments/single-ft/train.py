@@ -10,8 +10,7 @@
 One optimizer step consumes B = micro_batch_size x grad_accum packed rows (common/data.py). The loss of a step
 is the sum of token losses over all its loss tokens divided by their number, so the split of B into micro-batches
 does not change the step; every parallel experiment is tested against this script on the same B.
-A mixture of experts (Qwen3-MoE) adds the router's load-balancing loss, router_aux_loss_coef x its mean over the
-step's micro-batches (common/moe.py), and logs aux_loss and the tokens each expert received.
+A mixture of experts (Qwen3-MoE) adds the router's load-balancing loss and logs the expert load (common/moe.py).
 """
 
 from __future__ import annotations
@@ -35,10 +34,10 @@ from common.dist import init_distributed, print0, teardown
 from common.generate import generate, sample_prompt
 from common.loss import fused_linear_cross_entropy
 from common.metrics import MetricsLogger, Recorder
-from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, is_moe, \
+from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
     is_preset, load_model, load_model_4bit, load_tokenizer, qlora_unavailable, record_adapter_base, \
     resolve_model_name, weights_dtype
-from common.moe import RouterStats, load_summary, split_load
+from common.moe import RouterStats
 from common.step import clip_grad_norm
 
 EXPERIMENT = "single-ft"
@@ -100,8 +99,7 @@ def resolve(config: Config) -> Config:
         config.seq_len = 256 if config.model in TINY_PRESETS else 1024
     if config.dtype is None:
         config.dtype = "bf16" if torch.cuda.is_available() else "fp32"
-    if config.qlora:
-        config.lora_rank = config.lora_rank or 16
+    config.lora_rank = config.lora_rank or (16 if config.qlora else 0)  # --qlora: rank 16 unless given
     if config.lr is None:
         config.lr = 1e-3 if is_preset(config.model) else (1e-4 if config.lora_rank else 2e-5)
     if config.lora_alpha is None:
@@ -132,8 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
     print0(f"config: {json.dumps(asdict(config))}")
     torch.manual_seed(config.seed)
     attention = setup_attention(device, config.attn, print_fn=print0)
-    # bf16 mixed precision: weights, gradients and AdamW state stay fp32 (the "master weights"); autocast runs the
-    # matrix multiplies in bf16. fp32: everything in fp32, which is what the parity tests use.
+    # bf16: fp32 weights, gradients and AdamW state (the "master weights"), matmuls in bf16 under autocast.
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if config.dtype == "bf16" else nullcontext
 
     # ---------------------------------------------------------------------------------------------------------
@@ -157,12 +154,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Model
-    if config.qlora:
-        model = load_model_4bit(config.model, tokenizer, attention.impl, device)
-    else:
-        # fp32 weights, their own master copy; a LoRA base under --dtype bf16 is frozen and stored in bf16.
-        model = load_model(config.model, tokenizer, attention.impl, device=device, allow_moe=True,
-                           dtype=weights_dtype(config.dtype, config.lora_rank))
+    # fp32 weights, their own master copy; a LoRA base under --dtype bf16 is frozen and stored in bf16 (--qlora: 4-bit).
+    model = load_model_4bit(config.model, tokenizer, attention.impl, device) if config.qlora else \
+        load_model(config.model, tokenizer, attention.impl, device=device, allow_moe=True,
+                   dtype=weights_dtype(config.dtype, config.lora_rank))
     if config.activation_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and is the variant PyTorch recommends.
         checkpoint_activations(model, use_reentrant=False)
@@ -170,17 +165,12 @@ def main(argv: list[str] | None = None) -> dict:
         # fp32 adapters, the rest frozen; --lora-fused: the same adapters in fewer kernels (common/lora.py)
         model = add_lora(model, config.lora_rank, config.lora_alpha, fused=config.lora_fused)
     if config.compile:
-        # One compiled graph per decoder layer, not one for the whole model (as torchtitan does): compile time stays
-        # bounded, and a graph break stays inside its layer. Module.compile() compiles in place, so parameter names
-        # (checkpoints, --save-hf) do not change.
+        # One graph per decoder layer (as torchtitan): bounded compile time; in place, so parameter names stay.
         for layer in model.get_decoder().layers:
             layer.compile()
     # --loss-chunk-tokens runs the decoder body (no LM head) and applies the head itself; these work with peft too.
     decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
-    # A mixture of experts: hooks on the routers give each forward's load-balancing loss and expert load.
-    moe = RouterStats(model, model.config.num_experts, model.config.num_experts_per_tok) if is_moe(model.config) \
-        else None
-    aux_coef = model.config.router_aux_loss_coef if moe else 0.0
+    moe = RouterStats.attach(model)  # a mixture of experts: each forward's load-balancing loss and expert load
     model.train()
     n_params = count_parameters(model.config)["total"]
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -193,11 +183,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Optimizer: AdamW; no weight decay on norms (1-D weights). Fused kernels on GPU.
-    decay = [p for p in trainable if p.ndim >= 2]
-    no_decay = [p for p in trainable if p.ndim < 2]
-    # A group left empty (under LoRA nothing 1-D is trained) is not created: a checkpoint's flattened optimizer
-    # state cannot be loaded back into a group without parameters.
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # No empty group (LoRA trains nothing 1-D): a checkpoint's optimizer state cannot load into one.
+    groups = [{"params": [p for p in trainable if p.ndim >= 2], "weight_decay": config.weight_decay},
+              {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW([group for group in groups if group["params"]], lr=config.lr,
                                   fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -205,43 +193,36 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Training loop
-    eval_losses = []
     sample_messages = sample_prompt(data)  # --sample-every: the turns before the first held-out answer
     # The step count is the whole data position: step k always consumes the same rows.
     start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
     if config.resume:
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
     # Step clock, comm_ms, the step line, metrics.jsonl, summary.json; the garbage collector on a schedule from here.
-    rec = Recorder(EXPERIMENT, config, device, model.config, data, rows_per_step, steps_per_epoch=plan.steps_per_epoch,
-                   start_step=start_step, script_dir=SCRIPT_DIR, n_parameters=n_params, n_trainable=n_trainable,
-                   flops_per_token=model_flops_per_token)
+    rec = Recorder(EXPERIMENT, config, device, model.config, data, rows_per_step,
+                   steps_per_epoch=plan.steps_per_epoch, start_step=start_step, script_dir=SCRIPT_DIR,
+                   n_parameters=n_params, n_trainable=n_trainable, flops_per_token=model_flops_per_token)
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum)
-        loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step
+        loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step, all its rows
         # The same, as a device tensor: the fused loss scales its gradients by it without reading anything back.
         step_scale = torch.full((), 1.0 / max(loss_tokens, 1), device=device)
         lr = scheduler.get_last_lr()[0]
 
         rec.start(step)
-        # All of the step's micro-batches go to the device up front, from pinned memory on a GPU, so the copies
-        # overlap the compute queued before them instead of waiting in the loop.
+        # The step's micro-batches go to the device up front (pinned on a GPU): the copies overlap queued compute.
         batches = [to_device(host_batch, device) for host_batch in micro_batches]
         step_loss = torch.zeros((), device=device)
-        step_aux = torch.zeros((), device=device)
         for host_batch, batch in zip(micro_batches, batches):
             # --attn varlen: the documents' boundaries, from the host copy of position_ids ({} otherwise).
             packed = attention.forward_kwargs(host_batch["position_ids"], device)
             if moe:
                 moe.begin()
-            # Each micro-batch's loss is divided by the whole step's loss tokens, not its own: summing the
-            # micro-batch gradients then gives exactly the gradient of the token-weighted step loss.
+            # Divided by the whole step's loss tokens: the micro-batches' gradients sum to the step loss's gradient.
             with autocast():
-                # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
-                # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen needs none).
+                # No mask + restarted position_ids + no cache: packed conversations stay isolated (common/data.py).
                 if config.loss_chunk_tokens:
-                    # Final hidden states, then the LM head and the loss on loss tokens only, chunk by chunk, their
-                    # gradients computed on the way (common/loss.py); the labels' host copy picks those tokens
-                    # without waiting for the device (a CUDA mask would force a sync).
+                    # The LM head and loss on loss tokens only, picked by the labels' host copy (common/loss.py).
                     hidden = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                      attention_mask=None, use_cache=False, **packed).last_hidden_state
                     loss = fused_linear_cross_entropy(hidden, lm_head.weight, host_batch["labels"],
@@ -250,12 +231,8 @@ def main(argv: list[str] | None = None) -> dict:
                     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                    attention_mask=None, use_cache=False, **packed).logits
                     loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
-            if moe:
-                # The load-balancing loss of this micro-batch (every layer's routing), averaged over the step's
-                # micro-batches: the mean the step optimises, with the model's coefficient.
-                aux = moe.end() / len(micro_batches)
-                loss = loss + aux_coef * aux
-                step_aux += aux.detach()
+            if moe:  # this micro-batch's share of the step's mean load-balancing loss, times the model's coefficient
+                loss = loss + moe.aux_loss(len(micro_batches))
             loss.backward()
             step_loss += loss.detach()
         rec.state(step, model.parameters(), optimizer)  # every weight, its gradient, AdamW's state
@@ -267,16 +244,11 @@ def main(argv: list[str] | None = None) -> dict:
         optimizer.zero_grad(set_to_none=True)
         rec.stop()
         # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together.
-        # (A mixture of experts adds its aux loss and the expert load to the same read.)
-        values = torch.stack([step_loss, grad_norm.float(), step_aux])
-        load = moe.take_load() if moe else None
-        values = (torch.cat([values, load.flatten()]) if moe else values).tolist()
-        extra = dict(aux_loss=values[2], expert_tokens=split_load(values[3:], load.shape[1])) if moe else None
-        rec.step(step, values[0], lr, values[1], extra=extra)
+        values = torch.stack([step_loss, grad_norm.float()])
+        values = (torch.cat([values, moe.step_values()]) if moe else values).tolist()
+        rec.step(step, values[0], lr, values[1], extra=moe.read(values[2:]) if moe else None)
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
-            eval_losses.append((step + 1, evaluate(model, data, config.micro_batch_size, device, autocast)))
-            print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
-            rec.eval(*eval_losses[-1])
+            rec.eval(step + 1, evaluate(model, data, config.micro_batch_size, device, autocast))
         if config.sample_every and (step + 1) % config.sample_every == 0 and sample_messages:
             completion = generate(model, tokenizer, sample_messages, device, autocast=autocast)
             print0(f"sample step {step + 1}: {completion!r}")
@@ -289,12 +261,8 @@ def main(argv: list[str] | None = None) -> dict:
     # Evaluation, results, export
     eval_loss = evaluate(model, data, config.micro_batch_size, device, autocast)
     rec.eval(config.steps, eval_loss)
-    print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
-           if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
     # summary.json: what was measured, and the settings the predictions read from it afterwards (not in this run).
-    summary = rec.finish(
-        attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
-        expert_load=load_summary(rec.records))  # a mixture of experts: tokens per expert, imbalance
+    summary = rec.finish(attention=asdict(attention), eval_loss=eval_loss)
 
     if config.save_hf:
         save_dir = Path(config.save_hf)

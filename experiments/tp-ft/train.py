@@ -242,13 +242,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Processes, device and mesh: one process per device (torchrun), all of them one TP group.
-    dist_info = init_distributed(config.collective_timeout_s)
+    dist_info = init_distributed(config.collective_timeout_s, group_of_one=True)
     device = dist_info.device
-    own_group = dist_info.backend is None
-    if own_group:
-        # `python train.py`: DTensor needs a process group even for tp = 1, a one-rank group in memory.
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1)
     tp = dist_info.world_size
     tp_mesh = init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",))
     config = resolve(config)
@@ -256,8 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
     print0(f"config: {json.dumps(asdict(config))}")
     torch.manual_seed(config.seed)
     attention = setup_attention(device, config.attn, print_fn=print0)
-    # bf16 mixed precision: weights, gradients and AdamW state stay fp32 (the "master weights"); autocast runs the
-    # matrix multiplies in bf16. fp32: everything in fp32, which is what the parity tests use.
+    # bf16: fp32 weights, gradients and AdamW state (the "master weights"), matmuls in bf16 under autocast.
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if config.dtype == "bf16" else nullcontext
     # Under loss_parallel() cross_entropy takes logits split over the vocabulary: each rank reduces its shard and
     # three all-reduces of one number per token combine them.
@@ -317,8 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     decay = [p for p in trainable if p.ndim >= 2]
     no_decay = [p for p in trainable if p.ndim < 2]
-    # A group left empty (under LoRA nothing 1-D is trained) is not created: a checkpoint's flattened optimizer
-    # state cannot be loaded back into a group without parameters.
+    # No empty group (LoRA trains nothing 1-D): a checkpoint's optimizer state cannot load into one.
     groups = [{"params": kind, "weight_decay": decay_rate} for params, decay_rate in
               ((decay, config.weight_decay), (no_decay, 0.0)) for kind in by_kind(params)]
     optimizer = torch.optim.AdamW([group for group in groups if group["params"]], lr=config.lr,
@@ -328,36 +321,32 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Training loop
-    eval_losses = []
     # The step count is the whole data position: step k always consumes the same rows.
     start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
     if config.resume:
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
     # Step clock, comm_ms, the step line, metrics.jsonl, summary.json; the garbage collector on a schedule from here.
-    rec = Recorder(EXPERIMENT, config, device, model.config, data, rows_per_step, steps_per_epoch=plan.steps_per_epoch,
-                   start_step=start_step, script_dir=SCRIPT_DIR, n_parameters=n_params, n_trainable=n_trainable,
-                   flops_per_token=model_flops_per_token, world_size=tp, rank=dist_info.rank)  # MFU over tp devices
+    rec = Recorder(EXPERIMENT, config, device, model.config, data, rows_per_step, world_size=tp,  # MFU over tp devices
+                   rank=dist_info.rank,
+                   steps_per_epoch=plan.steps_per_epoch, start_step=start_step, script_dir=SCRIPT_DIR,
+                   n_parameters=n_params, n_trainable=n_trainable, flops_per_token=model_flops_per_token)
     activations = SavedActivations(model)  # what the first micro-batch's forward keeps for backward (common/tp.py)
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum)
-        loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step
+        loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step, all its rows
         lr = scheduler.get_last_lr()[0]
 
         rec.start(step)
-        # All of the step's micro-batches go to the device up front, from pinned memory on a GPU, so the copies
-        # overlap the compute queued before them instead of waiting in the loop.
+        # The step's micro-batches go to the device up front (pinned on a GPU): the copies overlap queued compute.
         batches = [to_device(host_batch, device) for host_batch in micro_batches]
         step_loss = torch.zeros((), device=device)
         for host_batch, batch in zip(micro_batches, batches):
             # --attn varlen: the documents' boundaries, from the host copy of position_ids ({} otherwise).
             packed = attention.forward_kwargs(host_batch["position_ids"], device)
-            # Each micro-batch's loss is divided by the whole step's loss tokens, not its own: summing the
-            # micro-batch gradients then gives exactly the gradient of the token-weighted step loss.
+            # Divided by the whole step's loss tokens: the micro-batches' gradients sum to the step loss's gradient.
             with loss_context():  # loss parallelism: the backward of the sharded cross-entropy must run inside it
                 with autocast(), activations.once():
-                    # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
-                    # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen
-                    # needs none).
+                    # No mask + restarted position_ids + no cache: packed conversations stay isolated (common/data.py).
                     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                    attention_mask=None, use_cache=False, **packed).logits
                 loss = token_loss_sum(logits, batch["labels"]) / loss_tokens  # a Replicate DTensor under loss parallel
@@ -376,9 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
         values = torch.stack([step_loss, grad_norm.float()]).tolist()
         rec.step(step, values[0], lr, values[1])
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
-            eval_losses.append((step + 1, evaluate(FullLogits(model), data, config.micro_batch_size, device, autocast)))
-            print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
-            rec.eval(*eval_losses[-1])
+            rec.eval(step + 1, evaluate(FullLogits(model), data, config.micro_batch_size, device, autocast))
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             # DCP writes each rank's shards of the DTensors and rank 0's copy of the replicated tensors.
             saved = save_checkpoint(config.out_dir, step + 1, model, optimizer, scheduler, run=plan.identity,
@@ -389,11 +376,9 @@ def main(argv: list[str] | None = None) -> dict:
     # Evaluation, results, export
     eval_loss = evaluate(FullLogits(model), data, config.micro_batch_size, device, autocast)
     rec.eval(config.steps, eval_loss)
-    print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
-           if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
     # summary.json: what was measured, and the settings the predictions read from it afterwards (not in this run).
     summary = rec.finish(
-        attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses,
+        attention=asdict(attention), eval_loss=eval_loss,
         tensor_parallel=tp, activation_mib=activations.mib,
         replica_drift=replica_drift(model.parameters(), tp_mesh))  # a collective: every rank calls finish
 
@@ -416,8 +401,6 @@ def main(argv: list[str] | None = None) -> dict:
             record_adapter_base(save_dir, config.model, config.seed)  # a LoRA adapter's base, loadable from anywhere
             print0(f"saved {'adapter' if config.lora_rank and not config.merge_lora else 'model'} to {save_dir}")
         dist.barrier()
-    if own_group:
-        dist.destroy_process_group()
     teardown()
     return summary
 

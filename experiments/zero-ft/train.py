@@ -92,8 +92,7 @@ class Config:
     timing_warmup_steps: int = 2  # first steps left out of summary.json's averages (allocator, caches, compilation)
     comm_profile_steps: int = 3  # steps profiled with torch.profiler for comm_ms (starting after the timing warm-up)
     out_dir: str | None = None  # default runs/zero-ft-<UTC time>; on --resume, the resumed run's own folder
-    checkpoint_every: int = 0  # write <out-dir>/checkpoints/step-<k>/ every N steps (0 = never); DeepSpeed's sharded
-        # format
+    checkpoint_every: int = 0  # write <out-dir>/checkpoints/step-<k>/ every N steps (0 = never), in DeepSpeed's format
     keep_checkpoints: int = 3  # keep the newest N checkpoints, deleting older ones after each save (0 = keep all)
     resume: str | None = None  # a run folder (its newest good checkpoint), a checkpoints/step-<k> folder, or latest
     resume_anyway: bool = False  # with --resume: continue from another run's checkpoint instead of stopping
@@ -228,9 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
     if config.lora_rank:
         model = add_lora(model, config.lora_rank, config.lora_alpha)  # DeepSpeed's bf16 mode casts the module to bf16
     if config.compile:
-        # One compiled graph per decoder layer, not one for the whole model (as torchtitan does): compile time stays
-        # bounded, and a graph break stays inside its layer. Module.compile() compiles in place, so parameter names
-        # (checkpoints, --save-hf) do not change.
+        # One graph per decoder layer (as torchtitan): bounded compile time; in place, so parameter names stay.
         for layer in model.get_decoder().layers:
             layer.compile()
     if config.zero_stage == 3 and config.dtype == "bf16":
@@ -273,7 +270,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Training loop
-    eval_losses = []
     sample_messages = sample_prompt(data)  # --sample-every: the turns before the first held-out answer
     # The step count is the whole data position: step k always consumes the same rows.
     start_step = load_deepspeed_checkpoint(config.resume, engine) if config.resume else 0
@@ -285,24 +281,21 @@ def main(argv: list[str] | None = None) -> dict:
                    n_parameters=n_params, n_trainable=n_trainable, flops_per_token=model_flops_per_token)
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum, rank, world_size)
-        loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the whole step's, all ranks: counted locally
+        loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step, all its rows
         # The same, as a device tensor: the fused loss scales its gradients by it without reading anything back.
         step_scale = torch.full((), 1.0 / max(loss_tokens, 1), device=device)
         lr = scheduler.get_last_lr()[0]
 
         rec.start(step)
-        # All of the step's micro-batches go to the device up front, from pinned memory on a GPU, so the copies
-        # overlap the compute queued before them instead of waiting in the loop.
+        # The step's micro-batches go to the device up front (pinned on a GPU): the copies overlap queued compute.
         batches = [to_device(host_batch, device) for host_batch in micro_batches]
         step_loss = torch.zeros((), device=device)
         for index, (host_batch, batch) in enumerate(zip(micro_batches, batches)):
             # --attn varlen: the documents' boundaries, from the host copy of position_ids ({} otherwise).
             packed = attention.forward_kwargs(host_batch["position_ids"], device)
-            # Each micro-batch's loss is divided by the whole step's loss tokens, not its own: summing the
-            # micro-batch gradients then gives exactly the gradient of the token-weighted step loss.
+            # Divided by the whole step's loss tokens: the micro-batches' gradients sum to the step loss's gradient.
             with autocast():
-                # attention_mask=None + restarted position_ids + use_cache=False: packed conversations stay
-                # isolated (transformers builds a block-diagonal causal mask from the position_ids; varlen needs none).
+                # No mask + restarted position_ids + no cache: packed conversations stay isolated (common/data.py).
                 if config.loss_chunk_tokens:
                     # Through the engine's forward, which hooks its outputs for DeepSpeed's backward (README).
                     hidden = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
@@ -334,9 +327,7 @@ def main(argv: list[str] | None = None) -> dict:
         values = torch.stack([step_loss, torch.as_tensor(grad_norm, dtype=torch.float32, device=device)]).tolist()
         rec.step(step, values[0], lr, values[1])
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
-            eval_losses.append((step + 1, evaluate(engine, data, config.micro_batch_size, device, autocast)))
-            print0(f"eval step {step + 1}: loss {eval_losses[-1][1]:.4f}")
-            rec.eval(*eval_losses[-1])
+            rec.eval(step + 1, evaluate(engine, data, config.micro_batch_size, device, autocast))
         if config.sample_every and (step + 1) % config.sample_every == 0 and sample_messages:
             completion = generate(engine.module, tokenizer, sample_messages, device, autocast=autocast,
                                   synced_gpus=config.zero_stage == 3 and world_size > 1)
@@ -351,15 +342,13 @@ def main(argv: list[str] | None = None) -> dict:
     # Evaluation, results, export; every rank evaluates every batch, as ZeRO-3's gathers need all ranks.
     eval_loss = evaluate(engine, data, config.micro_batch_size, device, autocast)
     rec.eval(config.steps, eval_loss)
-    print0(f"eval: loss {eval_loss:.4f} over {data.stats['n_eval_conversations']} held-out conversations"
-           if eval_loss is not None else "eval: no held-out conversations (--eval-fraction 0)")
-    # The point of this experiment: what each rank held at its peak (predicted from summary.json afterwards).
-    peak_mem_gib_per_rank = [None] * world_size
+    peak_mem_gib_per_rank = [None] * world_size  # the point of this experiment: what each rank held at its peak
     dist.all_gather_object(peak_mem_gib_per_rank, peak_memory_gib(device))
     print0(f"peak memory per rank ({memory_label(device)}), ZeRO stage {config.zero_stage}: "
            + ", ".join(f"rank {r} {gib:.2f} GiB" for r, gib in enumerate(peak_mem_gib_per_rank)))
+    # summary.json: what was measured, and the settings the predictions read from it afterwards (not in this run).
     summary = rec.finish(
-        attention=asdict(attention), eval_loss=eval_loss, eval_history=eval_losses, zero_stage=config.zero_stage,
+        attention=asdict(attention), eval_loss=eval_loss, zero_stage=config.zero_stage,
         peak_mem_gib_per_rank=peak_mem_gib_per_rank,
         deepspeed=dict(version=deepspeed.__version__, config=ds_config))
 
