@@ -279,5 +279,34 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def probe_lines(probed: dict, data: str) -> list[str]:
+    found = probed["versions"]
+    lines = ["## Probe", "", f"{data}/probe.json, written by assets/gpu_probe.py in {probed['seconds']:.0f} s: "
+             + ", ".join(f"{name} {value}" for name, value in found.items() if value) + ".", "",
+             "Attention kernels against SDPA with the block-diagonal mask in fp32 (forward and gradients, largest "
+             "error relative to the largest value):", ""]
+    for row in probed["kernels"]:
+        error = "did not run: " + row["error"] if row.get("error") else f"{row['max_rel_error']:.1e}"
+        limit = "" if row["tolerance"] is None else \
+            f" (tolerance {row['tolerance']:.1e}: {'ok' if row['ok'] else 'FAILED'})"
+        lines.append(f"- {row['kernel']}, {row['dtype']}, {'with' if row['backward'] else 'without'} "
+                     f"backward: {error}{limit}")
+    shape = probed["shape"]
+    fp32_run = probed["kernels"] and probed["kernels"][0]["dtype"] == "float32"
+    accumulation = "in fp32 GEMMs (an fp32 run)" if fp32_run else \
+        "in the GEMM (addmm with an fp32 output)" if probed.get("fused_loss_fp32_gemm_accumulation") else \
+        "through a 16-bit product cast up (this torch has no fp32-output addmm here)"
+    lines += ["", f"LM-head losses on {shape['loss_tokens']:,} loss tokens x {shape['hidden']:,} x "
+              f"{shape['vocab']:,} (forward + backward, median of {BENCH_REPEATS}; errors of the loss and both "
+              f"gradients against fp32; the fused loss accumulates the weight gradient {accumulation}):", ""]
+    for row in probed["losses"]:
+        if row.get("error"):
+            lines.append(f"- {row['loss']}: did not run: {row['error']}")
+            continue
+        memory = "" if row.get("peak_added_gib") is None else f", {row['peak_added_gib']:.2f} GiB at its peak"
+        lines.append(f"- {row['loss']}: {row['ms']:.1f} ms{memory}, error {row['max_rel_error']:.1e} (tolerance "
+                     f"{row['tolerance']:.1e}: {'ok' if row['ok'] else 'FAILED'})")
+    return lines + [""]
+
 if __name__ == "__main__":
     sys.exit(main())
