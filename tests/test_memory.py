@@ -20,7 +20,7 @@ from common.memory import (BF16_RULE_OF_THUMB, DEEPSPEED_BF16, DEEPSPEED_FP32, D
                            USABLE_FRACTION, ZERO_PAPER, Ladder, PeakCheck, device_slices, error_band, estimate,
                            estimate_stages, gpu_peak_checks,
                            largest_trainable_parameter, layer_activation_terms, leaf_modules, main, model_shape,
-                           model_state_bytes, multi_node_layouts, outside_layers_bytes_per_token, predict_peak_gib,
+                           model_state_bytes, multi_node_layouts, outside_layers_bytes_per_token,
                            predict_run, recommend, strategy_precision, zero3_gathered_elements,
                            zero3_persistent_parameters, zero_paper_figure1)
 from common.models import MOE_COMMON, MOE_PRESETS, PRESET_COMMON, PRESETS, count_parameters, model_config
@@ -89,16 +89,16 @@ def test_each_strategy_is_priced_as_its_experiment_runs_it():
 @pytest.mark.parametrize("strategy", ["zero-2", "zero-3-offload", "ddp", "fsdp"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_command_line_recommend_and_summaries_agree(strategy, dtype, capsys):
-    """The CLI's row, recommend()'s estimate and predict_peak_gib (what zero-ft and the others write to summary.json)
-    come from one place; zero-ft passes DEEPSPEED_BF16 for bf16 and nothing for fp32."""
+    """The CLI's row, recommend()'s estimate and predict_run's (estimate with the experiment's precision) come from
+    one place; zero-ft's bf16 is DeepSpeed's layout (DEEPSPEED_BF16), the one strategy_precision names."""
     config = model_config("qwen3-4b")
     advice = recommend("qwen3-4b", 8, 80, precision=dtype, micro_batch_size=1, grad_accum=1, fast=False)
     (row,) = [e for e in advice.estimates if e.strategy == strategy]  # checkpointed where it would not fit without
     zero_ft_precision = DEEPSPEED_BF16 if strategy.startswith("zero-") and dtype == "bf16" else None
-    summary = predict_peak_gib(config, strategy, 8, seq_len=1024, dtype=dtype, precision=zero_ft_precision,
-                               activation_checkpointing=row.activation_checkpointing)
-    assert summary == predict_peak_gib(config, strategy, 8, seq_len=1024, dtype=dtype,
-                                       activation_checkpointing=row.activation_checkpointing)
+    summary = estimate(config, strategy, 8, seq_len=1024, precision=zero_ft_precision or dtype,
+                       activation_checkpointing=row.activation_checkpointing).total_gib
+    assert summary == estimate(config, strategy, 8, seq_len=1024, precision=dtype,
+                               activation_checkpointing=row.activation_checkpointing).total_gib
     assert row.total_gib == pytest.approx(summary) and row.precision is strategy_precision(strategy, dtype)
     main(["--model", "qwen3-4b", "--gpus", "8", "--gpu-mem-gib", "80", "--dtype", dtype, "--strategy", strategy,
           "--micro-batch-size", "1", "--grad-accum", "1", "--no-fast"])
@@ -542,7 +542,6 @@ def test_fsdp_units_and_gradients_by_hand():
     # upcast to fp32 to accumulate, is alive until then (16 GB for 4B), plus one layer's reduce-scatter.
     accumulating = estimate(shape, "fsdp", 2, grad_accum=4)
     assert accumulating.buffers_bytes == gathered + QWEN3_4B_PARAMETERS * 4 + 6 * layer
-    assert predict_peak_gib(shape, "fsdp", 2, seq_len=1024, grad_accum=4) == pytest.approx(accumulating.total_gib)
     # DDP's buckets and DeepSpeed's flat buffers hold the gradients whatever the micro-batch count: no change;
     # tensor parallelism holds its gradients between micro-batches like one process does
     for strategy in ("ddp", "zero-2", "zero-3"):
@@ -1021,18 +1020,6 @@ def test_fsdp_reduces_every_micro_batch_before_the_strategy_changes():
 
 # ---------------------------------------------------------------------------------------------------------------
 # API for the experiments, and the command line
-def test_predict_peak_gib_matches_estimate():
-    config = model_config("qwen3-0.6b")
-    expected = estimate("qwen3-0.6b", "fsdp", 2, seq_len=512, micro_batch_size=2).total_gib
-    assert predict_peak_gib(config, "fsdp", 2, seq_len=512, micro_batch_size=2) == pytest.approx(expected)
-    fp32 = predict_peak_gib(config, "fsdp", 2, seq_len=512, micro_batch_size=2, dtype="fp32")
-    assert fp32 == pytest.approx(estimate(config, "fsdp", 2, seq_len=512, micro_batch_size=2,
-                                          precision=PROJECT_FP32).total_gib)
-    # zero-ft --dtype fp32 passes no precision: DeepSpeed's fp32 layout, with its separate master partition
-    zero_fp32 = predict_peak_gib(config, "zero-2", 2, seq_len=512, dtype="fp32")
-    assert zero_fp32 == pytest.approx(estimate(config, "zero-2", 2, seq_len=512, precision=DEEPSPEED_FP32).total_gib)
-
-
 def test_raw_counts_give_the_preset():
     raw = dict(layers=28, hidden=1024, heads=16, kv_heads=8, head_dim=128, intermediate=3072, vocab=151936)
     assert model_shape(raw).total_parameters == model_shape("qwen3-0.6b").total_parameters == 596_049_920

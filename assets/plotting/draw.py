@@ -6,6 +6,8 @@ import math
 import statistics
 from pathlib import Path
 
+from common.comm import bubble_textbook
+
 from .data import GIB, MIB, STATE_KINDS, imbalance_floor
 
 PARITY_RELATIVE_TOLERANCE = 1e-5  # the tests' bound: fp32 per-step losses match single-ft within this
@@ -369,10 +371,6 @@ def draw_moe(rows: list[dict], path: Path) -> None:
     save(figure, path)
 
 
-def textbook_bubble(p: int, m: float, v: int = 1) -> float:
-    return (p - 1) / (v * m + p - 1)
-
-
 def draw_pp_bubble(rows: list[dict], path: Path) -> None:
     """The idle share of the less busy rank (rank 0 with the LM head on the last stage; rank 1 under zbv, whose V
     puts the head on rank 0), per schedule against m, beside the floor its busy-time ratio r sets,
@@ -407,7 +405,7 @@ def draw_pp_bubble(rows: list[dict], path: Path) -> None:
     all_m = sorted({p["m"] for p in rows})
     m_range = [all_m[0] + (all_m[-1] - all_m[0]) * i / 50 for i in range(51)]
     for p in sorted({row["p"] for row in rows}):
-        axis.plot(m_range, [textbook_bubble(p, m) for m in m_range], color="gray", linestyle="--",
+        axis.plot(m_range, [bubble_textbook("1f1b", p, m, 1)[0] for m in m_range], color="gray", linestyle="--",
                   label=f"textbook (p-1)/(m+p-1), p={p}: equal stages")
     ratios = [idle_rank(row)[1] for row in even if row["busy_ms_per_rank"] and row["v"] == 1]
     if ratios:

@@ -22,9 +22,8 @@ from common.memory.activations import ATTENTION_KINDS, CROSS_ENTROPY_FP32_BUFFER
 from common.memory.cli import GPU_MEMORY_GIB, AnswerError, Asked, ask, build_parser, describe_activations, \
     describe_precisions, format_table, format_zero_paper, main
 from common.memory.estimate import EXPERIMENT_STRATEGY, DeviceSlice, MemoryEstimate, PeakCheck, device_slices, \
-    error_band, estimate, estimate_stages, estimate_stages_per_rank, gpu_peak_checks, predict_peak_gib, predict_run, \
-    predict_state_bytes, run_model, \
-    uses_autocast, uses_bf16_optimizer
+    error_band, estimate, estimate_stages, estimate_stages_per_rank, gpu_peak_checks, predict_run, \
+    predict_state_bytes, run_model, uses_autocast, uses_bf16_optimizer
 from common.memory.recommend import DEFAULT_LORA_RANK, DEFAULT_ROWS_PER_GPU, FAST_FLAGS, LOSS_CHUNK_TOKENS, \
     OFFLOAD_LADDER, RUN_WITH, WHY, Ladder, NodeLayout, Recommendation, Rung, format_multi_node, \
     multi_node_layouts, recommend

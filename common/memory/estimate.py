@@ -514,23 +514,6 @@ def _estimate_slice(shape: ModelShape, piece: DeviceSlice, strategy: str, world_
         micro_batch_size=micro_batch_size, seq_len=seq_len, loss_chunk_tokens=loss_chunk_tokens, compiled=compiled)
 
 
-def predict_peak_gib(config_like, strategy: str, world_size: int = 1, *, seq_len: int, micro_batch_size: int = 1,
-                     activation_checkpointing: bool = False, lora_rank: int = 0, dtype: str = "bf16",
-                     attention: str = "sdpa-packed", precision: BytesPerParam | None = None,
-                     grad_accum: int = 1, loss_chunk_tokens: int = 0, compile: bool = False) -> float:
-    """Predicted peak GiB of one device, next to the measured `torch.cuda.max_memory_reserved()`. `strategy` is one
-    of STRATEGIES (zero-ft: f"zero-{stage}", with --cpu-offload f"zero-{stage}-offload"; fsdp-ft --cpu-offload:
-    "fsdp-offload"); `dtype` is the experiment's --dtype, priced as strategy_precision says that strategy's
-    experiment keeps it (zero-ft: DeepSpeed's layouts);
-    `precision` overrides it where an engine keeps other dtypes (pp-ds-ft's DeepSpeed bf16: DEEPSPEED_BF16);
-    `attention` is attention_kind() of the experiment's attention; `grad_accum` is the number of micro-batches whose
-    gradients accumulate before they are reduced (fsdp-ft: --grad-accum, or 1 with --reduce-every-micro-batch)."""
-    return estimate(config_like, strategy, world_size, seq_len=seq_len, micro_batch_size=micro_batch_size,
-                    activation_checkpointing=activation_checkpointing, lora_rank=lora_rank,
-                    precision=precision or dtype, attention=attention, grad_accum=grad_accum,
-                    loss_chunk_tokens=loss_chunk_tokens, compile=compile).total_gib
-
-
 # The strategy each experiment runs, as its summary.json names it (zero-ft's and fsdp-ft's flags refine it).
 EXPERIMENT_STRATEGY = {"single-ft": "single", "ddp-ft": "ddp", "fsdp-ft": "fsdp", "zero-ft": "zero", "tp-ft": "tp",
                        "tp-sp-ft": "tp-sp", "pp-ft": "pp", "pp-ds-ft": "pp", "fsdp-tp-ft": "fsdp-tp", "ep-ft": "ep"}
