@@ -98,6 +98,7 @@ class Rung:
     reference: str | None = None  # the run whose per-step losses this one must equal (same optimizer steps)
     nproc: int = 1
     instrument: bool = False  # profile, then count host syncs, inside its timing warm-up (instrument_child)
+    instruments_as: str = ""  # their files' label, profile-<label>.json (default: the target's, e.g. s1024-full)
 
     @property
     def compiled(self) -> bool:
@@ -193,6 +194,12 @@ LORA_FUSED = (
     "rung's median step by the profile's numbers (3.3-6.6 ms of 173), 98,000-100,000 tok/s by median on an H100; "
     "the same losses as the reference within the bf16 tolerance; 0 recompiles; memory within 2% of the varlen rung's "
     "(the same tensors saved for the backward: each layer's input and the [tokens x r] down outputs)")
+# Both at once, from the measured flex rung at this shape (171.2 ms median step against varlen's 173.0: FlexAttention
+# gained 1% here, not the 2-6% predicted) less the fused adapters' projected 3.3-6.6 ms: 164.6-167.9 ms.
+LORA_FUSED_FLEX = (
+    "--lora-fused with --attn flex at LoRA's target shape: the flex rung's measured 171.2 ms median step less the "
+    "fused adapters' projected 3.3-6.6 ms, 97,500-99,500 tok/s by median on an H100 (still short of 100,000); the "
+    "same losses as the reference within the bf16 tolerance; 0 recompiles; memory within 2% of the flex rung's")
 QLORA_PREDICTION = (
     "the command common.memory recommends for Qwen3-4B with QLoRA on one 24 GB card (random init): peak within 15% of "
     "its 11.25 GiB (max_memory_reserved); bitsandbytes' 4-bit matrix products under compile and activation "
@@ -266,11 +273,18 @@ def rungs(plan: Plan) -> list[Rung]:
             out.append(Rung(f"single-ft-{target.label}-fused-m{target.micro}", "single-ft",
                             (*fast_of[target.label], "--lora-fused"), target.fused_prediction,
                             ladder=f"targets {target.label}", estimate_s=75,
-                            reference=f"single-ft-{target.label}-reference"))
+                            reference=f"single-ft-{target.label}-reference", instrument=True,
+                            instruments_as=f"{target.label}-fused"))
     out.append(Rung("probe", "probe", (
         "--tokens", str(plan.bench_tokens), "--hidden", str(plan.bench_hidden), "--vocab", str(plan.bench_vocab),
         "--chunk", str(plan.chunk), "--chunks", ",".join(map(str, plan.bench_chunks))), PROBE_PREDICTION,
         ladder="probe", estimate_s=PROBE_ESTIMATE_S))
+    for target in plan.targets if plan.flex else ():  # both changes that each shortened LoRA's step, after the probe:
+        if target.lora and target.fused_prediction:  # the 9-minute budget holds the targets' own rungs
+            out.append(Rung(f"single-ft-{target.label}-fused-flex-m{target.micro}", "single-ft", tuple(
+                "flex" if arg == "varlen" else arg for arg in (*fast_of[target.label], "--lora-fused")),
+                LORA_FUSED_FLEX, ladder=f"targets {target.label}", estimate_s=75,
+                reference=f"single-ft-{target.label}-reference"))
     if plan.extras:
         out.append(Rung("single-ft-s1024-qlora16-4b", "single-ft", (
             *run_args(plan, 12, 4)[:1], "qwen3-4b", *run_args(plan, 12, 4)[2:], "--seq-len", "1024",
@@ -561,10 +575,11 @@ def write_entry(root: Path, entry: Path, series: str, plan: Plan, done: dict[str
                           f"The suite's own check (bf16): each of these within {BF16_TOLERANCE:g} of the reference's "
                           f"loss, relatively, over the first {FIRST_STEPS} steps; the table's 1e-5 column is the "
                           "fp32 tests' criterion." if plan.dtype == "bf16" else "", ""]
-        label = ladder.removeprefix("targets ")
-        for name, writer in ((f"profile-{label}.json", profile_lines), (f"host-syncs-{label}.json", syncs_lines)):
-            if ladder.startswith("targets") and (root / data / name).exists():
-                lines += writer(json.loads((root / data / name).read_text()), f"{data}/{name}")
+        for label in sorted({rung.instruments_as or ladder.removeprefix("targets ") for rung in members
+                             if rung.instrument}):
+            for name, writer in ((f"profile-{label}.json", profile_lines), (f"host-syncs-{label}.json", syncs_lines)):
+                if ladder.startswith("targets") and (root / data / name).exists():
+                    lines += writer(json.loads((root / data / name).read_text()), f"{data}/{name}")
         lines += ["Predicted before the runs:", ""]
         for rung in members:
             status = done.get(rung.name, "measured" if rung.name in kept else "not run")  # kept by an earlier call
@@ -745,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
 def keep_instruments(rung: Rung, run_dir: Path, kept: Path) -> None:
     """An instrumented rung's profile and sync count, kept beside its run as profile-<target>.json and
     host-syncs-<target>.json; the profile with the run's own median step (the unprofiled steps after the warm-up)."""
-    label = rung.ladder.removeprefix("targets ")
+    label = rung.instruments_as or rung.ladder.removeprefix("targets ")
     profile_file, syncs_file = run_dir / "profile.json", run_dir / "host-syncs.json"
     if profile_file.exists():
         summary = json.loads(profile_file.read_text())

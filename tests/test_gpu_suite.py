@@ -37,7 +37,7 @@ def test_the_targets_run_first_and_every_rung_is_a_command_line_of_its_experimen
     assert names.index("single-ft-s1024-qlora16-4b") > 7 and names.index("single-ft-s1024-full-1-baseline") > 7
     assert names[-2:] == ["fsdp-ft-s1024-full-1rank", "peer-s1024-full"]
     instrumented = [rung for rung in plan if rung.instrument]
-    assert [rung.name for rung in instrumented] == names[0:3:2]
+    assert [rung.name for rung in instrumented] == [*names[0:3:2], "single-ft-s2048-lora16-fused-m8"]
     for rung in instrumented:  # step 1 (compilation), the profiled and the sync-counted steps: all in the warm-up
         assert int(rung.option("--timing-warmup-steps")) >= 1 + gpu_suite.PROFILE_STEPS + gpu_suite.SYNC_STEPS
         assert int(rung.option("--steps")) - int(rung.option("--timing-warmup-steps")) >= 20  # measured steps
@@ -61,7 +61,10 @@ def test_the_targets_run_first_and_every_rung_is_a_command_line_of_its_experimen
     # between their step times is the fusion's.
     fused, varlen = by_name["single-ft-s2048-lora16-fused-m8"], by_name["single-ft-s2048-lora16-fast-m8"]
     assert fused.args == (*varlen.args, "--lora-fused") and fused.reference == varlen.reference
-    assert [rung.name for rung in plan if "--lora-fused" in rung.args] == [fused.name]
+    both = by_name["single-ft-s2048-lora16-fused-flex-m8"]  # and flex in place of varlen, after the probe
+    assert both.args == tuple("flex" if arg == "varlen" else arg for arg in fused.args)
+    assert [rung.name for rung in plan if "--lora-fused" in rung.args] == [fused.name, both.name]
+    assert names.index(both.name) == names.index("probe") + 1 and fused.instruments_as == "s2048-lora16-fused"
 
 
 def test_the_targets_fit_in_nine_minutes_with_the_start_up_and_the_probe_follows():
