@@ -509,23 +509,27 @@ LADDER_COLUMNS = ("run,seq,micro,lora,t_eff,step_ms,step_ms_median,step_ms_max,t
 HANDWRITTEN = "## What it says"
 
 
-def handwritten_section(entry: Path) -> str | None:
-    """The entry's hand-written "## What it says" section, kept when the suite rewrites the entry."""
+def handwritten_section(entry: Path, suite_headings: set[str]) -> str | None:
+    """The entry's hand-written part, kept when the suite rewrites the entry: from "## What it says" to the first
+    section the suite writes itself (the probe's, a ladder's), with every hand-written section between (a later
+    machine's notes)."""
     if not entry.exists():
         return None
     text = entry.read_text()
     if HANDWRITTEN not in text:
         return None
     section = text[text.index(HANDWRITTEN):]
-    following = re.search(r"^## ", section[len(HANDWRITTEN):], re.MULTILINE)
-    return section[:len(HANDWRITTEN) + following.start()].rstrip() if following else section.rstrip()
+    for heading in re.finditer(r"^## .*$", section, re.MULTILINE):
+        if heading.group(0).strip() in suite_headings:
+            return section[:heading.start()].rstrip()
+    return section.rstrip()
 
 
 def write_entry(root: Path, entry: Path, series: str, plan: Plan, done: dict[str, str], all_rungs: list[Rung],
                 started: str, invocation: str) -> None:
     data = f"devlog/data/{series}"
     kept = {rung.name for rung in all_rungs if (root / data / rung.name / "summary.json").exists()}
-    handwritten = handwritten_section(entry)
+    handwritten = handwritten_section(entry, {"## Probe", *(f"## {rung.ladder}" for rung in all_rungs)})
     lines = [f"# {series.split('-gpu-suite-')[0]} the GPU suite on {series.split('-gpu-suite-')[1]}", ""]
     if kept:
         lines += [f"<!-- generated:hardware runs={data}/* -->", "<!-- /generated -->", ""]

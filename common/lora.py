@@ -108,14 +108,18 @@ def _check(layer, name: str) -> None:
 def fuse_lora(model) -> dict[str, int]:
     """Give every plain LoRA linear layer of the peft `model` the fused forward (in place; parameters untouched).
     Returns what was fused: layers, and the groups that share one down product."""
-    from peft.tuners.lora import Linear, bnb
+    from peft.tuners.lora import Linear
+    try:  # peft's 4-bit LoRA layer imports bitsandbytes, which only QLoRA needs (the `qlora` group)
+        from peft.tuners.lora.bnb import Linear4bit
+    except ImportError:  # no bitsandbytes: no 4-bit layer can exist to fuse
+        Linear4bit = None
 
     # Under torch.compile with activation checkpointing, Dynamo traces a checkpointed layer as one region and refuses
     # side effects on objects from outside it (the groups' SharedDown) unless they need not be replayed when the
     # backward recomputes the region: these add up to nothing (bracketed_forward empties every group it fills).
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
-    fusable = (Linear, *((bnb.Linear4bit,) if hasattr(bnb, "Linear4bit") else ()))  # 4-bit: with bitsandbytes only
+    fusable = (Linear, *((Linear4bit,) if Linear4bit is not None else ()))
     counts = {"layers": 0, "shared_groups": 0}
     for parent_name, parent in model.named_modules():
         children = {name: child for name, child in parent.named_children() if type(child) in fusable}

@@ -177,6 +177,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     torch.mm(grad_logits, weight_c, out=grad_hidden[start:end])
                 if grad_weight is not None:
                     _accumulate_weight_grad(grad_weight, grad_logits, hidden_c[start:end])
+                del grad_logits  # before the next chunk's logits: two [chunk, V] buffers at a time, not three
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.hidden_dtype, ctx.weight_dtype, ctx.backward_done = hidden.dtype, weight.dtype, False
         return loss * scale

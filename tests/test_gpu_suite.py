@@ -175,10 +175,13 @@ def test_dry_run_keeps_each_run_in_the_entry_and_one_archive_and_only_merges(tmp
     assert {f"devlog/data/{series}/probe.json", f"devlog/data/{series}/single-ft-s64-full-reference/metrics.jsonl",
             f"runs/gpu-suite/{series}/single-ft-s64-full-fast-m2/train.log"} <= members
     # A later call with --only adds to the same entry: the earlier runs stay, and so does a hand-written section.
-    entry_file.write_text(entry.replace("\n## Probe", "\n## What it says\n\nWritten by hand.\n\n## Probe", 1))
+    # Its own sections (a later machine's) too, up to the first the suite writes.
+    handwritten = "## What it says\n\nWritten by hand.\n\n## A second machine\n\nAlso by hand.\n"
+    entry_file.write_text(entry.replace("\n## Probe", f"\n{handwritten}\n## Probe", 1))
     assert gpu_suite.main(["--dry-run", "--root", str(tmp_path), "--date", "2026-01-01", "--only", "peer-*"]) == 0
     merged = entry_file.read_text()
-    assert "## What it says\n\nWritten by hand." in merged and "| single-ft-s64-full-reference | 64 |" in merged
+    assert handwritten in merged and "| single-ft-s64-full-reference | 64 |" in merged
+    assert merged.count("## A second machine") == 1 and merged.count("## Probe") == 1
     with tarfile.open(archive) as tar:
         assert tar.extractfile(f"devlog/{series}.md").read().decode() == merged
 

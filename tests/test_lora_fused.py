@@ -104,6 +104,21 @@ def test_a_fused_decoder_layer_computes_peft_s_layer_with_fewer_thin_products():
         fused_backward["activation-sized adds and multiplies"] == 7 + 3
 
 
+def test_fusion_needs_no_bitsandbytes(monkeypatch):
+    """bitsandbytes is QLoRA's (the `qlora` group): a machine without it fuses plain LoRA all the same. peft's 4-bit
+    layer module imports it at its top, so the fusion asks for that module lazily (a GPU machine without
+    bitsandbytes failed here once)."""
+    import sys
+    model = tiny_lora(fused=False)  # peft's own model building, before bitsandbytes goes
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` raises ImportError
+    monkeypatch.delitem(sys.modules, "peft.tuners.lora.bnb", raising=False)  # as where peft never imported it
+    monkeypatch.delattr(sys.modules["peft.tuners.lora"], "bnb", raising=False)
+    with pytest.raises(ImportError):
+        import peft.tuners.lora.bnb  # noqa: F401
+    layers = model.config.num_hidden_layers
+    assert fuse_lora(model) == {"layers": 7 * layers, "shared_groups": 2 * layers}  # q/k/v and gate/up per layer
+
+
 def test_fusion_refuses_dropout_and_lora_variants():
     from peft import LoraConfig, get_peft_model
 

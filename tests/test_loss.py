@@ -87,6 +87,27 @@ def test_fused_loss_with_a_frozen_head_computes_no_weight_gradient():
     torch.testing.assert_close(trained.grad, reference_hidden.grad, rtol=1e-5, atol=1e-7)
 
 
+def test_fused_loss_holds_one_chunk_of_logits_and_its_gradient_at_a_time(monkeypatch):
+    """The [chunk, V] buffers are the loss's memory (common.memory prices two per element: the logits and their
+    gradient): each chunk's gradient is freed before the next chunk's logits exist."""
+    import weakref
+
+    import common.loss
+
+    hidden, weight, labels = problem(seed=4)
+    alive_at_each_chunk, earlier = [], []
+
+    def chunk_math(logits, labels, scale):
+        alive_at_each_chunk.append(sum(ref() is not None for ref in earlier))
+        loss, grad = common.loss._chunk_loss_and_logit_grad(logits, labels, scale)
+        earlier.append(weakref.ref(grad))
+        return loss, grad
+
+    monkeypatch.setattr(common.loss, "_chunk_math", lambda device: chunk_math)
+    fused(labels, 7, 0.1)(hidden.clone().requires_grad_(), weight.clone().requires_grad_()).backward()
+    assert len(alive_at_each_chunk) > 3 and alive_at_each_chunk == [0] * len(alive_at_each_chunk)
+
+
 class HostReads(TorchDispatchMode):
     """Counts the ops that copy a tensor's value to the host (item(), float(), bool(), int(): _local_scalar_dense)."""
 

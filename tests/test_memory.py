@@ -17,11 +17,12 @@ from transformers.masking_utils import create_causal_mask
 from common.memory import (BF16_RULE_OF_THUMB, DEEPSPEED_BF16, DEEPSPEED_FP32, DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD,
                            DEEPSPEED_REDUCE_BUCKET_ELEMENTS, ERROR_BAND, ERROR_BAND_FLOOR, EXPERIMENT_STRATEGY, GB, GIB,
                            GPU_MEMORY_GIB, PEAK_TESTED_FROM_GIB, PROJECT_BF16, PROJECT_FP32, STRATEGIES,
-                           USABLE_FRACTION, ZERO_PAPER, Ladder, PeakCheck, device_slices, error_band, estimate,
+                           USABLE_FRACTION, ZERO_PAPER, FAST_FLAGS, LORA_FUSED, LOSS_CHUNK_TOKENS, Ladder, PeakCheck,
+                           device_slices, error_band, estimate,
                            estimate_stages, gpu_peak_checks,
                            largest_trainable_parameter, layer_activation_terms, leaf_modules, main, model_shape,
                            model_state_bytes, multi_node_layouts, outside_layers_bytes_per_token,
-                           predict_run, recommend, strategy_precision, zero3_gathered_elements,
+                           predict_run, recommend, strategy_precision, uses_autocast, zero3_gathered_elements,
                            zero3_persistent_parameters, zero_paper_figure1)
 from common.models import MOE_COMMON, MOE_PRESETS, PRESET_COMMON, PRESETS, count_parameters, model_config
 
@@ -216,9 +217,10 @@ def _unique_bytes(tensors: list[torch.Tensor]) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
-def _terms_model(layers: int, lora_rank: int, base: str):
+def _terms_model(layers: int, lora_rank: int, base: str, fused: bool = False):
     """The model whose saved tensors are measured: fp32 or bf16 weights (a bf16 LoRA base, as common.models loads
-    it under --dtype bf16), or QLoRA's 4-bit base (bitsandbytes on the CPU), with LoRA on top where asked."""
+    it under --dtype bf16), or QLoRA's 4-bit base (bitsandbytes on the CPU), with LoRA on top where asked (`fused`:
+    --lora-fused)."""
     from common.models import add_lora, load_model_4bit, load_tokenizer
 
     torch.manual_seed(0)
@@ -232,7 +234,7 @@ def _terms_model(layers: int, lora_rank: int, base: str):
         config = Qwen3Config(**{**TERMS_GEOMETRY, "num_hidden_layers": layers}, **PRESET_COMMON)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
                                                  dtype=torch.bfloat16 if base == "bf16" else torch.float32)
-    return add_lora(model, lora_rank, 2.0 * lora_rank) if lora_rank else model
+    return add_lora(model, lora_rank, 2.0 * lora_rank, fused=fused) if lora_rank else model
 
 
 def _saving(model, saved: list[torch.Tensor]):
@@ -241,6 +243,10 @@ def _saving(model, saved: list[torch.Tensor]):
     during the forward would otherwise hand its storage to a later one, which would then count once for two."""
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     weight_shapes = {shape for p in model.parameters() for shape in (tuple(p.shape), tuple(p.shape[::-1]))}
+    for module in model.modules():  # --lora-fused: the stacked A of a group's shared down product, cast too
+        for group in getattr(module, "lora_shared_groups", ()):
+            rows = sum(layer.lora_A[layer.active_adapters[0]].weight.shape[0] for layer in group.layers)
+            weight_shapes |= {(rows, group.layers[0].in_features), (group.layers[0].in_features, rows)}
 
     def keep(tensor):
         is_weight_copy = tensor.dtype == torch.bfloat16 and tuple(tensor.shape) in weight_shapes
@@ -251,10 +257,10 @@ def _saving(model, saved: list[torch.Tensor]):
 
 
 def _saved_bytes_per_token(layers: int, autocast: bool, packed: bool, lora_rank: int = 0, base: str = "fp32",
-                           seq_len: int = 96) -> float:
+                           seq_len: int = 96, fused: bool = False) -> float:
     """Bytes autograd keeps for backward after one forward of the whole model, per token. Tensors sharing storage
     count once."""
-    model = _terms_model(layers, lora_rank, base)
+    model = _terms_model(layers, lora_rank, base, fused)
     model.train()
     saved: list[torch.Tensor] = []
     half = seq_len // 2
@@ -267,11 +273,11 @@ def _saved_bytes_per_token(layers: int, autocast: bool, packed: bool, lora_rank:
 
 
 def _compiled_layer_bytes_per_token(autocast: bool, packed: bool, lora_rank: int, base: str,
-                                    seq_len: int = 96) -> float:
+                                    seq_len: int = 96, fused: bool = False) -> float:
     """Bytes one compiled decoder layer keeps for backward, per token: the layer alone, given an input that needs
     its gradient (as every layer's but the first does) and the model's RoPE tables (shared by all layers, not
     counted)."""
-    model = _terms_model(1, lora_rank, base)
+    model = _terms_model(1, lora_rank, base, fused)
     model.train()
     decoder = model.get_decoder()
     layer = decoder.layers[0]
@@ -351,6 +357,28 @@ def test_compiled_layer_terms_match_what_autograd_keeps(case):
     measured = _compiled_layer_bytes_per_token(autocast, packed, lora_rank, base)
     assert measured == pytest.approx(sum(terms.values()), abs=1e-9)
     assert measured < 0.75 * sum(eager.values())  # what compiling buys
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fused_lora_terms_match_what_autograd_keeps(compiled):
+    """--lora-fused on a bf16 base under autocast: what a layer keeps against the terms with lora_fused, and less
+    than peft's own adapters keep (o_proj's input is not cast again; eagerly, q/k/v and gate/up share their casts)."""
+    shape = model_shape(Qwen3Config(**TERMS_GEOMETRY, **PRESET_COMMON))
+
+    def terms(fused):
+        return sum(layer_activation_terms(shape, compute_bytes=2, autocast=True, seq_len=96, attention="sdpa",
+                                          lora_rank=8, residual_bytes=2, compiled=compiled,
+                                          lora_fused=fused).values())
+
+    def measured(fused):
+        if compiled:
+            return _compiled_layer_bytes_per_token(True, False, 8, "bf16", fused=fused)
+        return _saved_bytes_per_token(3, True, False, 8, "bf16", fused=fused) - \
+            _saved_bytes_per_token(2, True, False, 8, "bf16", fused=fused)
+
+    assert measured(True) == pytest.approx(terms(True), abs=1e-9)
+    q_width, d = shape.heads * shape.head_dim, shape.hidden
+    assert terms(False) - terms(True) == 2 * q_width + (0 if compiled else 3 * 2 * d)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -866,7 +894,7 @@ def test_qwen3_4b_on_one_80gb_gpu_peaks_at_the_optimizer_step():
         + start.activations_bytes + start.logits_bytes  # weights, AdamW, autocast's copies: no gradient yet
     # the fused loss: one chunk of logits, the loss tokens' hidden states (fp32, bf16 cast, bf16 gradient), the head's
     # fp32 weight gradient
-    assert start.logits_bytes == 1024 * 151_936 * (2 + 12) + 8 * 1024 * 2560 * (4 + 2 * 2) + 151_936 * 2560 * 4
+    assert start.logits_bytes == 1024 * 151_936 * (2 + 2) + 8 * 1024 * 2560 * (4 + 2 * 2) + 151_936 * 2560 * 4
     assert not estimate("qwen3-4b", "single", micro_batch_size=1, grad_accum=8, attention="flash",
                         loss_chunk_tokens=1024, compile=True).fits(80)
 
@@ -874,7 +902,7 @@ def test_qwen3_4b_on_one_80gb_gpu_peaks_at_the_optimizer_step():
 def test_qwen3_4b_on_two_80gb_gpus_the_margin_refuses_ddp_and_fsdp_fits():
     # DDP's buckets hold the fp32 gradients from the first backward on: 16 P + 2 P of autocast copies = 67.4 GiB
     # before any activation, so no micro-batch fits without checkpointing. With it, 2 rows per micro-batch peak at
-    # 71.4 GiB of 72.0 usable on 2 x 80 GiB: within the usable share, but not with the model's 15% margin (82.1), so
+    # 70.5 GiB of 72.0 usable on 2 x 80 GiB: within the usable share, but not with the model's 15% margin (81.0), so
     # FSDP, which shards the states, is the answer. On two H100 NVL (93.6 GiB), 4 rows of DDP with checkpointing fit
     # with their margin (8 would not), and DDP's flag is tried before FSDP.
     states_and_copies = 16 * QWEN3_4B_PARAMETERS + 2 * (QWEN3_4B_PARAMETERS - QWEN3_4B_NORMS)
@@ -885,7 +913,7 @@ def test_qwen3_4b_on_two_80gb_gpus_the_margin_refuses_ddp_and_fsdp_fits():
     advice = recommend("qwen3-4b", 2, 80, kv_expanded=False, model="Qwen/Qwen3-4B-Base")
     assert (advice.strategy, advice.activation_checkpointing, advice.rung.micro_batch_size) == ("fsdp", False, 8)
     assert "the leanest option tried before, ddp + activation checkpointing, needs " in advice.reason
-    assert "GiB per GPU with its margin (71.41 predicted) of 72.00 usable" in advice.reason  # 1 row x 8
+    assert "GiB per GPU with its margin (69.96 predicted) of 72.00 usable" in advice.reason  # 1 row x 8
     nvl = recommend("qwen3-4b", 2, GPU_MEMORY_GIB["H100 NVL"], kv_expanded=False, model="Qwen/Qwen3-4B-Base")
     assert (nvl.strategy, nvl.activation_checkpointing) == ("ddp", True)
     assert (nvl.rung.micro_batch_size, nvl.rung.grad_accum) == (4, 2)
@@ -971,9 +999,9 @@ def test_lora_when_full_sft_fits_nowhere():
 
 
 def test_qlora_when_lora_fits_nowhere_on_the_gpu():
-    # One 10 GiB GPU: LoRA on a bf16 base holds 2 P = 7.5 GiB of weights alone; QLoRA's 4-bit layers and fp32
+    # One 9 GiB GPU: LoRA on a bf16 base holds 2 P = 7.5 GiB of weights alone; QLoRA's 4-bit layers and fp32
     # embedding (3.2 GiB) leave room for the activations and the margin.
-    advice = recommend("qwen3-4b", 1, 10)
+    advice = recommend("qwen3-4b", 1, 9)
     assert (advice.strategy, advice.lora_rank, advice.rung.qlora) == ("single", 16, True)
     assert advice.command().startswith("uv run python experiments/single-ft/train.py")
     assert "--qlora --lora-rank 16" in advice.command()
@@ -993,7 +1021,7 @@ def test_a_given_lora_rank_walks_the_ladder():
     assert advice.choice.weights_bytes == 2 * QWEN3_4B_PARAMETERS + 4 * adapters
     assert advice.command().endswith("--model Qwen/Qwen3-4B-Base --seq-len 1024 --micro-batch-size 8 --grad-accum 1 "
                                      "--attn varlen --loss-chunk-tokens 1024 --compile --activation-checkpointing "
-                                     "--lora-rank 16 --dtype bf16")
+                                     "--lora-rank 16 --lora-fused --dtype bf16")
 
 
 def test_fsdp_reduces_every_micro_batch_before_the_strategy_changes():
@@ -1428,26 +1456,45 @@ def test_attention_kind_of_each_backend():
     assert attention_kind({"impl": "sdpa"}, packing=False) == "sdpa"
 
 
+def test_a_lora_command_fuses_the_adapters_where_its_experiment_can():
+    """--lora-fused is one of LoRA's speed flags: priced (fewer casts kept) and in the command, where the experiment
+    takes it (single, ddp, fsdp, pp); tp-ft's DTensor adapters do not, so its rungs go without."""
+    advice = recommend("qwen3-4b", 1, 9)  # QLoRA on one GPU (test above)
+    assert advice.rung.lora_fused and "--lora-rank 16 --lora-fused" in advice.command()
+    ladder = Ladder("qwen3-4b", 2)
+    for strategy in ("single", "ddp", "fsdp", "pp", "tp", "tp-sp", "zero-2"):
+        world = 1 if strategy == "single" else 2
+        fused = ladder.price(strategy, False, 16, False, 4, 1)
+        assert fused.lora_fused == (strategy in LORA_FUSED)
+        assert not ladder.price(strategy, False, 0, False, 4, 1).lora_fused  # full fine-tuning: nothing to fuse
+        unfused = estimate("qwen3-4b", strategy, world, micro_batch_size=4, lora_rank=16, attention="flash",
+                           loss_chunk_tokens=LOSS_CHUNK_TOKENS, compile=FAST_FLAGS[strategy][2])
+        # Fewer casts kept where autocast casts (FSDP computes in bf16 without it: nothing to save there)
+        saves = strategy in LORA_FUSED and uses_autocast(strategy, strategy_precision(strategy, "bf16"))
+        assert (fused.estimate.activations_bytes < unfused.activations_bytes) == saves, strategy
+        assert fused.estimate.activations_bytes <= unfused.activations_bytes
+
+
 def test_cli_json_holds_the_gpu_memory_the_rungs_that_fit_and_the_choice(capsys):
-    main(["--model", "qwen3-4b", "--gpu-mem-gib", "10", "--json"])
+    main(["--model", "qwen3-4b", "--gpu-mem-gib", "9", "--json"])
     answer_json = json.loads(capsys.readouterr().out)
-    assert (answer_json["gpu_mem_gib"], answer_json["usable_gib"]) == (10.0, pytest.approx(9.0))
+    assert (answer_json["gpu_mem_gib"], answer_json["usable_gib"]) == (9.0, pytest.approx(8.1))
     assert answer_json["error_band"] == ERROR_BAND
     rungs = answer_json["rungs"]
-    assert [rung["fits"] for rung in rungs] == [rung["peak_gib"] * (1 + ERROR_BAND) <= 9.0 for rung in rungs]
-    assert any(rung["peak_gib"] <= 9.0 and not rung["fits"] for rung in rungs)  # the margin decides some rungs
+    assert [rung["fits"] for rung in rungs] == [rung["peak_gib"] * (1 + ERROR_BAND) <= 8.1 for rung in rungs]
+    assert any(rung["peak_gib"] <= 8.1 and not rung["fits"] for rung in rungs)  # the margin decides some rungs
     # recommend()'s answer is the first rung that fits, and the JSON says which one it is.
     assert answer_json["choice"] == next(i for i, rung in enumerate(rungs) if rung["fits"])
-    main(["--model", "qwen3-4b", "--gpu-mem-gib", "10"])
+    main(["--model", "qwen3-4b", "--gpu-mem-gib", "9"])
     (run_line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("run: ")]
     assert run_line == f"run: {answer_json['recommendation']}" == f"run: {rungs[answer_json['choice']]['command']}"
     assert answer_json["full_fine_tuning_fits"] is False and rungs[answer_json["choice"]]["qlora"]
 
 
 def test_cli_says_in_words_when_only_adapters_fit_and_prices_qlora_in_4_bits(capsys):
-    main(["--model", "qwen3-4b", "--gpu-mem-gib", "10"])
+    main(["--model", "qwen3-4b", "--gpu-mem-gib", "9"])
     out = capsys.readouterr().out
-    assert ("full fine-tuning fits nowhere on 1 x 10 GiB: the rows below train only QLoRA adapters of rank 16 on a "
+    assert ("full fine-tuning fits nowhere on 1 x 9 GiB: the rows below train only QLoRA adapters of rank 16 on a "
             "4-bit base (33,030,144 parameters), not every weight") in out
     (row,) = [line for line in out.splitlines() if line.startswith("single ")]
     assert row.endswith("QLoRA r16 (4-bit base), checkpointing")

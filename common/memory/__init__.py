@@ -24,7 +24,7 @@ from common.memory.cli import GPU_MEMORY_GIB, AnswerError, Asked, ask, build_par
 from common.memory.estimate import EXPERIMENT_STRATEGY, DeviceSlice, MemoryEstimate, PeakCheck, device_slices, \
     error_band, estimate, estimate_stages, estimate_stages_per_rank, gpu_peak_checks, predict_run, \
     predict_state_bytes, run_model, uses_autocast, uses_bf16_optimizer
-from common.memory.recommend import DEFAULT_LORA_RANK, DEFAULT_ROWS_PER_GPU, FAST_FLAGS, LOSS_CHUNK_TOKENS, \
+from common.memory.recommend import DEFAULT_LORA_RANK, DEFAULT_ROWS_PER_GPU, FAST_FLAGS, LORA_FUSED, LOSS_CHUNK_TOKENS, \
     OFFLOAD_LADDER, RUN_WITH, WHY, Ladder, NodeLayout, Recommendation, Rung, format_multi_node, \
     multi_node_layouts, recommend
 from common.memory.states import BF16_RULE_OF_THUMB, DATA_PARALLEL_SHARDING, DEEPSPEED_ALLREDUCE_BUCKET_ELEMENTS, \

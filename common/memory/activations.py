@@ -23,7 +23,8 @@ the cross-entropy hold at the start of backward. (common/memory/__init__.py says
        QK-norm        (H + G) h (4 + c) + 4 (H + G)   (fp32 upcast, normalised copy without LoRA, 1 / rms per head)
        attention      c h (H + 2 H_kv) [q, k, v as the kernel got them] + c H h [output = o_proj's input,
                       the kernels write it in (batch, seq, head) order so transformers' transpose copies nothing]
-                      + 4 H [log-sum-exp]; + c H h with LoRA under autocast (peft re-casts o_proj's input)
+                      + 4 H [log-sum-exp]; + c H h with LoRA under autocast (peft re-casts o_proj's input; the
+                      fused adapters of --lora-fused do not, and share one cast per input: 2 c d linear inputs)
        mask           c s: packed rows through SDPA: the block-diagonal mask, turned into an additive bias in the
                       compute dtype, one s x s matrix per row, saved by every layer
        MLP            3 o I + c I  [gate output, SiLU output, up output, and their product = down_proj's input]
@@ -53,8 +54,10 @@ the cross-entropy hold at the start of backward. (common/memory/__init__.py says
    dtype (c) as the LM head writes them, and inside the cross-entropy's backward three fp32 tensors of the same size
    alive together (log-probabilities, their gradient, the logits' gradient): c + 12 bytes per element, at the very
    start of backward, when every activation is still alive. The fused loss (--loss-chunk-tokens N,
-   common/loss.py's fused_linear_cross_entropy) holds the same per element for one chunk of at most N loss tokens
-   (every token of a micro-batch counted as a loss token: the prediction cannot know how many carry loss), and
+   common/loss.py's fused_linear_cross_entropy) holds one chunk of at most N loss tokens at a time (every token of a
+   micro-batch counted as a loss token: the prediction cannot know how many carry loss): its logits and their
+   gradient, 2c bytes per element, the fp32 arithmetic between them being one compiled kernel on a GPU (on the CPU,
+   where it runs eagerly, c + 12 as for the plain loss: this model prices the GPU), and
    beside it, computed in forward and handed on in backward, the gradient of the loss tokens' hidden states (c d
    each, with their gathered copy r d and its cast c d) and the head weight's fp32 gradient, 4 V d.
    Tensor parallelism with loss parallel keeps each rank's V / t columns.
@@ -91,11 +94,13 @@ def attention_kind(attention, packing: bool) -> str:
 def layer_activation_terms(shape: ModelShape, *, compute_bytes: int, autocast: bool, seq_len: int,
                            attention: str = "sdpa-packed", lora_rank: int = 0, expert_parallel: bool = False,
                            weight_bytes: int = FP32_BYTES, residual_bytes: int | None = None,
-                           projection_bytes: int | None = None, compiled: bool = False) -> dict[str, float]:
+                           projection_bytes: int | None = None, compiled: bool = False,
+                           lora_fused: bool = False) -> dict[str, float]:
     """Bytes per token that one decoder layer keeps for backward, term by term (module docstring, sections 1-2; a
     mixture of experts: common/memory/estimate.py, section 3, with `expert_parallel` for ep-ft's expert block and
     `weight_bytes`, the dtype transformers' experts compute in, for single-ft's). `residual_bytes` (r) defaults to 4
-    under autocast and c otherwise; `projection_bytes` (o) to c."""
+    under autocast and c otherwise; `projection_bytes` (o) to c. `lora_fused` (--lora-fused, common/lora.py): the
+    projections that read one input share one cast of it, and o_proj's input is not cast again."""
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"attention must be one of {ATTENTION_KINDS} (eager and the math kernel also keep the "
                          f"s x s probabilities, which this model leaves out), got {attention!r}")
@@ -106,7 +111,7 @@ def layer_activation_terms(shape: ModelShape, *, compute_bytes: int, autocast: b
     saved_kv_width = kv_width if attention in ("sdpa", "flash") else q_width
     heads = shape.heads + shape.kv_heads
     attention_bytes = c * (q_width + 2 * saved_kv_width) + c * q_width + f * shape.heads \
-        + (c * q_width if lora_rank and autocast else 0)
+        + (c * q_width if lora_rank and autocast and not lora_fused else 0)
     mask = c * seq_len if attention == "sdpa-packed" else 0
     adapters = LORA_PROJECTIONS * c * lora_rank
     if compiled and not shape.is_moe and o == c:
@@ -116,7 +121,8 @@ def layer_activation_terms(shape: ModelShape, *, compute_bytes: int, autocast: b
     keeps_normalised = lora_rank == 0
     # Under autocast each projection saves its own cast of the normed input: q, k, v and the dense MLP's gate and
     # up, or a sparse layer's router (its experts gather their rows themselves).
-    casts = 4 if shape.is_moe else 5
+    # Fused LoRA: one cast for q/k/v and one for gate/up (their adapters' shared down products).
+    casts = 4 if shape.is_moe else 2 if lora_rank and lora_fused else 5
     terms = dict(
         norms=2 * (f * d + f + (r * d if keeps_normalised else 0)),
         linear_inputs=casts * c * d if autocast else 2 * r * d,
@@ -154,9 +160,9 @@ def loss_bytes(shape: ModelShape, tokens: int, *, compute_bytes: int, vocab_shar
     forward: one chunk of logits and its fp32 arithmetic, the loss tokens' hidden states (gathered, and cast to the
     compute dtype), their gradient, and the head weight's fp32 gradient, which the loss computes in forward and
     hands on in backward."""
-    per_logit = compute_bytes + CROSS_ENTROPY_FP32_BUFFERS * FP32_BYTES
     if not loss_chunk_tokens:
-        return tokens * shape.vocab * vocab_share * per_logit
+        return tokens * shape.vocab * vocab_share * (compute_bytes + CROSS_ENTROPY_FP32_BUFFERS * FP32_BYTES)
+    per_logit = 2 * compute_bytes  # a chunk's logits and their gradient (the fp32 arithmetic is one GPU kernel)
     r = residual_bytes or FP32_BYTES
     chunk = min(loss_chunk_tokens, tokens) * shape.vocab * vocab_share * per_logit
     hidden = tokens * shape.hidden * (r + 2 * compute_bytes)  # gathered, its compute-dtype cast, its gradient

@@ -294,7 +294,7 @@ def estimate(config_like, strategy: str, world_size: int = 1, *, seq_len: int = 
              activation_checkpointing: bool = False, lora_rank: int = 0, precision: BytesPerParam | str = "bf16",
              attention: str = "sdpa-packed", grad_accum: int = 1, tensor_parallel: int = 2,
              loss_chunk_tokens: int = 0, compile: bool = False, qlora: bool = False,
-             reshard_after_forward: bool = True) -> MemoryEstimate:
+             reshard_after_forward: bool = True, lora_fused: bool = False) -> MemoryEstimate:
     """Peak memory of one device (for pp: of the fullest stage), broken down as in the module docstring.
     `precision`: the experiments' --dtype ("bf16", "fp32"), priced as each strategy's experiment keeps it
     (strategy_precision), or one BytesPerParam for every strategy. `grad_accum`: micro-batches per optimizer step
@@ -302,12 +302,13 @@ def estimate(config_like, strategy: str, world_size: int = 1, *, seq_len: int = 
     `tensor_parallel`: fsdp-tp's t (fsdp-tp-ft's --tp-degree) among the `world_size` ranks; ignored otherwise.
     `loss_chunk_tokens`, `compile`: the experiments' --loss-chunk-tokens and --compile. `qlora`: --qlora (4-bit
     base, LoRA of rank `lora_rank` on top, bf16 compute: single and ddp). `reshard_after_forward`: fsdp-ft's flag
-    (False also for its gather-once setting): every layer stays gathered from its forward to its backward."""
+    (False also for its gather-once setting): every layer stays gathered from its forward to its backward.
+    `lora_fused`: --lora-fused (common/lora.py), which keeps fewer casts of the layers' inputs."""
     stages = estimate_stages(config_like, strategy, world_size, seq_len=seq_len, micro_batch_size=micro_batch_size,
                              activation_checkpointing=activation_checkpointing, lora_rank=lora_rank,
                              precision=precision, attention=attention, grad_accum=grad_accum,
                              tensor_parallel=tensor_parallel, loss_chunk_tokens=loss_chunk_tokens, compile=compile,
-                             qlora=qlora, reshard_after_forward=reshard_after_forward)
+                             qlora=qlora, reshard_after_forward=reshard_after_forward, lora_fused=lora_fused)
     return max(stages, key=lambda stage: stage.total_bytes)
 
 
@@ -316,7 +317,7 @@ def estimate_stages(config_like, strategy: str, world_size: int = 1, *, seq_len:
                     precision: BytesPerParam | str = "bf16", attention: str = "sdpa-packed",
                     grad_accum: int = 1, tensor_parallel: int = 2, loss_chunk_tokens: int = 0,
                     compile: bool = False, qlora: bool = False,
-                    reshard_after_forward: bool = True) -> list[MemoryEstimate]:
+                    reshard_after_forward: bool = True, lora_fused: bool = False) -> list[MemoryEstimate]:
     """The estimate of every distinct device: one per pipeline stage for pp (stage k on rank k), else one for all."""
     if strategy not in STRATEGIES + MESH_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES + MESH_STRATEGIES)}")
@@ -349,7 +350,7 @@ def estimate_stages(config_like, strategy: str, world_size: int = 1, *, seq_len:
     precision = resolve_precision(strategy, precision)
     return [_estimate_slice(shape, piece, strategy, world_size, micro_batch_size, seq_len, activation_checkpointing,
                             lora_rank, precision, attention, grad_accum, loss_chunk_tokens, compile, qlora,
-                            reshard_after_forward)
+                            reshard_after_forward, lora_fused)
             for piece in device_slices(shape, strategy, world_size, lora_rank, tensor_parallel, qlora)]
 
 
@@ -389,7 +390,7 @@ def uses_bf16_optimizer(strategy: str, precision: BytesPerParam) -> bool:
 def _estimate_slice(shape: ModelShape, piece: DeviceSlice, strategy: str, world_size: int, micro_batch_size: int,
                     seq_len: int, activation_checkpointing: bool, lora_rank: int, precision: BytesPerParam,
                     attention: str, grad_accum: int, loss_chunk_tokens: int, compiled: bool,
-                    qlora: bool, reshard_after_forward: bool = True) -> MemoryEstimate:
+                    qlora: bool, reshard_after_forward: bool = True, lora_fused: bool = False) -> MemoryEstimate:
     # fsdp-tp: FSDP shards the tensor-parallel slice over the data-parallel ranks only, world / t of them.
     data_parallel = world_size // piece.tensor_parallel if strategy == "fsdp-tp" else world_size
     states = model_state_bytes(piece.trainable, piece.frozen, precision, strategy, data_parallel, piece.quantized)
@@ -420,7 +421,8 @@ def _estimate_slice(shape: ModelShape, piece: DeviceSlice, strategy: str, world_
     terms = layer_activation_terms(shape, compute_bytes=c, autocast=autocast, seq_len=seq_len, attention=attention,
                                    lora_rank=lora_rank, expert_parallel=strategy == "ep",
                                    weight_bytes=precision.weights, residual_bytes=residual,
-                                   projection_bytes=FP32_BYTES if qlora else c, compiled=compiled)
+                                   projection_bytes=FP32_BYTES if qlora else c, compiled=compiled,
+                                   lora_fused=lora_fused)
     tp = piece.tensor_parallel
     layer_per_token = sum(value / tp if name in TENSOR_PARALLEL_TERMS or (piece.sequence_parallel and name != "mask")
                           else value for name, value in terms.items())
@@ -585,7 +587,8 @@ def predict_run(summary: dict) -> MemoryEstimate:
                     loss_chunk_tokens=config.get("loss_chunk_tokens") or 0, compile=config.get("compile", False),
                     qlora=config.get("qlora", False),
                     tensor_parallel=summary.get("tensor_parallel") or config.get("tp_degree") or 2,
-                    reshard_after_forward=config.get("reshard_after_forward", True))
+                    reshard_after_forward=config.get("reshard_after_forward", True),
+                    lora_fused=config.get("lora_fused", False))
 
 
 def predict_state_bytes(summary: dict) -> list[dict] | None:
