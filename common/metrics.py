@@ -480,10 +480,6 @@ def quantization_state(parameters):
 # ---------------------------------------------------------------------------------------------------------------
 # The step line, metrics.jsonl and summary.json
 
-STEP_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens", "loss_tokens", "step_ms", "comm_ms", "tokens_per_s",
-               "peak_mem_gib", "mfu")
-
-
 def format_duration(seconds: float) -> str:
     """1m32s, 1h05m, 0m07s: the step line's eta."""
     seconds = max(0, round(seconds))

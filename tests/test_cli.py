@@ -342,7 +342,7 @@ def test_the_memory_cli_prices_a_qwen3_hub_id_with_its_preset_without_a_download
 
 
 def test_preset_for_maps_hub_ids_and_letter_case_and_leaves_the_rest():
-    from common.models import preset_for
+    from common.memory.cli import preset_for
 
     for name in ("Qwen/Qwen3-4B-Base", "Qwen/Qwen3-4B", "qwen/qwen3-4b-base", "Qwen3-4B", "QWEN3-4B"):
         assert preset_for(name)[0] == "qwen3-4b", name
