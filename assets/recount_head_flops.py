@@ -28,7 +28,8 @@ if str(REPO_ROOT) not in sys.path:  # common, for `python assets/recount_head_fl
     sys.path.insert(0, str(REPO_ROOT))
 
 from common.metrics import flops_averages, mfu, peak_flops_per_device, timed_records  # noqa: E402
-from common.models import count_parameters, model_config, preset_for, training_flops  # noqa: E402
+from common.memory.cli import preset_for  # noqa: E402
+from common.models import count_parameters, model_config, training_flops  # noqa: E402
 
 RECOUNT = ("recounted once from each step's tokens and loss_tokens (assets/recount_head_flops.py): the LM head on "
            "the loss tokens only, where the fused loss runs it; mfu_head_every_token keeps the figure before")

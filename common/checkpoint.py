@@ -352,35 +352,3 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> int:
     _set_rng_state(trainer["rng"])
     _resumed_from.add(path.resolve())
     return trainer["step"]
-
-
-# DeepSpeed's engines (zero-ft, pp-ds-ft) keep their optimizer state in their own sharded objects, which
-# get_state_dict does not understand; they save in DeepSpeed's own format, published by the same protocol.
-
-
-def save_deepspeed_checkpoint(out_dir: str | Path, step: int, engine, run: dict | None = None, keep: int = 0) -> Path:
-    """engine.save_checkpoint into step-<k>.tmp/, published as step-<k>/; the step rides along as client state."""
-    with _published(out_dir, step) as temporary:
-        _write_identity(temporary, run)
-        # DeepSpeed writes into <save_dir>/<tag>/. No "latest" file: --resume names the folder, and a "latest"
-        # naming the .tmp folder would be wrong after the rename anyway. The step fixes the data position.
-        engine.save_checkpoint(str(temporary.parent), tag=temporary.name, client_state={"step": step},
-                               save_latest=False)
-    prune_checkpoints(out_dir, keep)
-    return checkpoint_dir(out_dir, step)
-
-
-def load_deepspeed_checkpoint(path: str | Path, engine) -> int:
-    """Restore module, optimizer shards and LR schedule in place from a step-<k> folder; returns k.
-
-    The optimizer shards only fit the layout that wrote them (ZeRO stage, pipeline stages, number of ranks)."""
-    path = Path(path)
-    _check_resumable(path)
-    if problem := checkpoint_problem(path):
-        raise SystemExit(f"--resume {path}: {problem}")
-    loaded, client_state = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
-                                                  load_lr_scheduler_states=True)
-    if loaded is None:
-        raise SystemExit(f"{path}: DeepSpeed found no checkpoint of this run's layout (stages, number of ranks)")
-    _resumed_from.add(path.resolve())
-    return client_state["step"]

@@ -422,51 +422,6 @@ def state_bytes(parameters, optimizer: torch.optim.Optimizer | None = None, mast
                 optimizer=storage_bytes(optimizer_tensors), master=storage_bytes(master))
 
 
-def deepspeed_state_bytes(engine) -> dict[str, int]:
-    """The model-state bytes this rank holds inside DeepSpeed after a step's last backward, before its update, in
-    state_bytes' kinds (each storage counted once) plus `buffers` (zero-ft). Where each kind lives then:
-    - weights: what the module holds. Stages 1 and 2: every parameter whole, as views of one flat buffer per
-      parameter group (plus frozen parameters as they are). Stage 3: each parameter's partition (`ds_tensor`, views
-      of one flat buffer), and whole copies of the "persistent" parameters (at most
-      stage3_param_persistence_threshold elements), which stay gathered on every rank; the others are empty
-      placeholders between uses.
-    - grads: the reduced gradients DeepSpeed keeps for this rank. Stages 1 and 2: `averaged_gradients`, views of one
-      buffer holding the whole gradient of every parameter that overlaps the rank's partition (stage 1 too: it
-      accumulated full gradients in param.grad until this last backward, then reduced and released them); with
-      --cpu-offload the fp32 partition's .grad in host memory. Stage 3: one flat buffer of every gradient's
-      partition. Any param.grad still held is counted too. Stage 1 with bf16 weights is another optimizer
-      (DeepSpeed picks its BF16_Optimizer for fp32 gradient accumulation): it keeps the whole fp32 gradient, one flat
-      buffer per parameter group.
-    - master: DeepSpeed's fp32 partition of the weights, which AdamW updates and the module's weights are copied
-      from: a separate copy even in an fp32 run (host memory with --cpu-offload).
-    - optimizer: the torch optimizer's state on that partition (AdamW's moments and step counters).
-    - buffers: the gradient-reduction bucket (reduce_bucket_size elements) where one is allocated at this point:
-      stage 3 keeps one for the whole run; stages 1 and 2 allocate theirs at each backward and have released it.
-    """
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer  # a run that calls this has DeepSpeed loaded
-
-    zero = engine.optimizer
-    params = list(engine.module.parameters())
-    if engine.zero_optimization_stage() == 3:
-        weights = params + [p.ds_tensor for p in params]
-        master = list(zero.fp32_partitioned_groups_flat)
-        grads = [zero.grad_partitions_flat_buffer]
-    elif isinstance(zero, BF16_Optimizer):
-        weights = params
-        master = list(zero.fp32_groups_flat_partition)
-        grads = list(zero.fp32_groups_gradients_flat)
-    else:
-        weights = params
-        master = list(zero.single_partition_of_fp32_groups)
-        grads = [g for group in zero.averaged_gradients.values() if group is not None for g in group]
-    grads += [p.grad for p in params] + [p.grad for p in master]
-    buffers = [buffer for bucket in getattr(zero, "ipg_buckets", {}).values()
-               for buffer in (bucket.buffer if isinstance(bucket.buffer, list) else [bucket.buffer])]
-    return dict(weights=storage_bytes(weights), grads=storage_bytes(grads),
-                optimizer=state_bytes((), zero.optimizer)["optimizer"], master=storage_bytes(master),
-                buffers=storage_bytes(buffers))
-
-
 def quantization_state(parameters):
     """The tensors a 4-bit weight keeps beside its packed values (QLoRA: bitsandbytes' Params4bit holds its block
     absmaxes, their own scales and code books in a quant_state): part of what the weight costs."""
@@ -479,10 +434,6 @@ def quantization_state(parameters):
 
 # ---------------------------------------------------------------------------------------------------------------
 # The step line, metrics.jsonl and summary.json
-
-STEP_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens", "loss_tokens", "step_ms", "comm_ms", "tokens_per_s",
-               "peak_mem_gib", "mfu")
-
 
 def format_duration(seconds: float) -> str:
     """1m32s, 1h05m, 0m07s: the step line's eta."""

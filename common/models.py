@@ -145,26 +145,6 @@ def refuse_moe(config: PretrainedConfig) -> None:
                          f"experiments/ep-ft")
 
 
-# Hub ids that have a preset with their published geometry (the memory CLI prices them without a download), in the
-# lower case preset_for compares, without "-Base": the post-trained models share the base's geometry.
-HUB_PRESETS = {hub.lower().removesuffix("-base"): preset for preset, hub in PRESET_HUB_IDS.items()}
-
-
-def preset_for(name: str) -> tuple[str, str | None]:
-    """(name to price, note): a Qwen3 hub id with a preset (base or post-trained, any letter case, with or without
-    the `Qwen/`) or a preset in other letter case -> the preset, with a note saying so; anything else unchanged."""
-    if is_preset(name) or Path(name).exists():
-        return name, None
-    key = name.lower().removesuffix("-base")
-    key = key if key.startswith("qwen/") else f"qwen/{key}"
-    preset = HUB_PRESETS.get(key) or (name.lower() if is_preset(name.lower()) else None)
-    if preset is None:
-        return name, None
-    return preset, (f"note: {name} is priced with the {preset} preset: the published geometry of Qwen3's "
-                    f"{preset.removeprefix('qwen3-').upper()} model (layers, widths, heads, vocabulary), read "
-                    f"without a download")
-
-
 def _offline_fix(name: str) -> str:
     return (f"on a machine that is online run `hf download {name}`, copy ~/.cache/huggingface here and set "
             f"HF_HUB_OFFLINE=1; or pass a local folder written by save_pretrained; for a run without downloads use a "

@@ -12,6 +12,7 @@ The file costs about 140 s of CPU on a 2-core machine (subprocesses included).
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import os
@@ -259,6 +260,58 @@ def test_a_copied_script_runs_from_an_empty_folder_with_an_installed_common(laun
 # (run() in common/cli.py, exercised by the subprocesses above)
 
 
+# What a train.py reaches of common/ is what a reader of it may have to open, and what a copy of it needs: the runtime
+# stays thin. The predictions and the commands (NOT_RUNTIME) read runs afterwards and are reached by no train.py.
+RUNTIME_LINES_CEILING = 4_600
+
+
+def common_modules_reached(script: Path) -> set[Path]:
+    """The files of common/ that `script` imports, directly or through them, at module level or inside a function
+    (`import common.x`, `from common.x import y`, `from common import x`, and a package's __init__.py)."""
+    def module_files(name: str) -> list[Path]:
+        parts = name.split(".")
+        found = []
+        for depth in range(1, len(parts) + 1):
+            base = REPO_ROOT.joinpath(*parts[:depth])
+            found += [path for path in (base.with_suffix(".py"), base / "__init__.py") if path.is_file()]
+        return found
+
+    reached, todo = set(), [script]
+    while todo:
+        for node in ast.walk(ast.parse(todo.pop().read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            for name in names:
+                if name == "common" or name.startswith("common."):
+                    new = [path for path in module_files(name) if path not in reached]
+                    reached.update(new)
+                    todo += new
+    return reached
+
+
+def test_common_modules_reached_follow_every_import_form(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import common.generate\n\ndef f():\n    from common import ep\n")
+    reached = {path.relative_to(REPO_ROOT).as_posix() for path in common_modules_reached(script)}
+    # ep.py only through the import inside f(), dist.py through ep.py, cli.py through dist.py
+    assert {"common/__init__.py", "common/generate.py", "common/ep.py", "common/dist.py", "common/cli.py"} <= reached
+    assert not any(path.startswith("common/memory/") for path in reached)
+    script.write_text("import common.generate\n")
+    assert "common/ep.py" not in {path.relative_to(REPO_ROOT).as_posix() for path in common_modules_reached(script)}
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_a_script_reaches_only_the_runtime_of_common(experiment):
+    reached = common_modules_reached(REPO_ROOT / "experiments" / experiment / "train.py")
+    names = {path.relative_to(REPO_ROOT / "common").parts[0] for path in reached}
+    assert not names & set(NOT_RUNTIME), f"{experiment} reaches {sorted(names & set(NOT_RUNTIME))}"
+    lines = sum(len(path.read_text().splitlines()) for path in reached)
+    assert lines <= RUNTIME_LINES_CEILING, f"{experiment} reaches {lines:,} lines of common/: {sorted(names)}"
+
+
 def stop_message(main, argv) -> str:
     with pytest.raises(SystemExit) as stop:
         main([str(arg) for arg in argv])
@@ -289,7 +342,7 @@ def test_the_memory_cli_prices_a_qwen3_hub_id_with_its_preset_without_a_download
 
 
 def test_preset_for_maps_hub_ids_and_letter_case_and_leaves_the_rest():
-    from common.models import preset_for
+    from common.memory.cli import preset_for
 
     for name in ("Qwen/Qwen3-4B-Base", "Qwen/Qwen3-4B", "qwen/qwen3-4b-base", "Qwen3-4B", "QWEN3-4B"):
         assert preset_for(name)[0] == "qwen3-4b", name

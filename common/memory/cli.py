@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from common.memory.activations import ATTENTION_KINDS, layer_activation_terms
 from common.memory.estimate import MemoryEstimate, estimate, uses_autocast
@@ -161,11 +162,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def preset_for(name: str) -> tuple[str, str | None]:
+    """(name to price, note): a Qwen3 hub id with a preset (base or post-trained, any letter case, with or without
+    the `Qwen/`) or a preset in other letter case -> the preset, with a note saying so; anything else unchanged."""
+    from common.models import PRESET_HUB_IDS, is_preset
+
+    if is_preset(name) or Path(name).exists():
+        return name, None
+    # The hub ids that have a preset, in lower case and without "-Base": the post-trained models share its geometry.
+    hub_presets = {hub.lower().removesuffix("-base"): preset for preset, hub in PRESET_HUB_IDS.items()}
+    key = name.lower().removesuffix("-base")
+    key = key if key.startswith("qwen/") else f"qwen/{key}"
+    preset = hub_presets.get(key) or (name.lower() if is_preset(name.lower()) else None)
+    if preset is None:
+        return name, None
+    return preset, (f"note: {name} is priced with the {preset} preset: the published geometry of Qwen3's "
+                    f"{preset.removeprefix('qwen3-').upper()} model (layers, widths, heads, vocabulary), read "
+                    f"without a download")
+
+
 def _shape(args, parser) -> tuple[ModelShape, str | None]:
     """The model to price, and a note when a hub id is priced with its preset's published geometry (no download)."""
     if args.model:
-        from common.models import preset_for
-
         name, note = preset_for(args.model)
         try:
             return model_shape(name), note

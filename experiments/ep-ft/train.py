@@ -5,11 +5,9 @@ experts, the rest of the model is replicated, and tokens travel to their experts
     uv run torchrun --nproc_per_node=2 experiments/ep-ft/train.py --steps 3 --seq-len 128    # CPU smoke run
     uv run torchrun --nproc_per_node=2 experiments/ep-ft/train.py --model Qwen/Qwen3-30B-A3B-Base  # see README
 
-One optimizer step consumes B = micro_batch_size x grad_accum x world_size packed rows, rank r runs the r-th slice,
-as in ddp-ft. Each sparse layer's expert block (ExpertParallelExperts) dispatches its (token, expert) rows to the
-experts' ranks (all-to-all), runs the rank's experts on what it received and sends the results back (all-to-all).
-An expert's gradient is complete on its owner; the dense ones are summed once per step. With fp32 every step equals
-single-ft's on the same B and micro-batch size, aux loss included (tests/test_ep_ft.py); the README tells the rest.
+One step consumes B = micro_batch_size x grad_accum x world_size packed rows, rank r the r-th slice (as ddp-ft). Each
+sparse layer's expert block (ExpertParallelExperts) sends its (token, expert) rows to the experts' ranks and the
+results back (all-to-all). With fp32 every step is single-ft's on the same micro-batches (tests/test_ep_ft.py).
 
 Strategy flags: --dense-bucket-mb (size of the all-reduce buckets of the dense gradients).
 """
@@ -28,7 +26,6 @@ from common.cli import InputError, parse_config, plan_run, resolve_paths, run, s
 stop_early(__name__, __file__)  # --help and a flag mistake answer now, before torch and transformers load
 import torch  # noqa: E402
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
@@ -37,12 +34,13 @@ from torch.distributed.tensor import DTensor, Shard
 from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import DataError, build_data, describe, evaluate, sample_text, to_device, token_loss_sum
-from common.dist import all_ranks, init_distributed, print0, record_collectives_in, teardown
+from common.dist import init_distributed, print0, record_collectives_in, teardown
 from common.generate import generate, sample_prompt
 from common.loss import fused_linear_cross_entropy
 from common.metrics import MetricsLogger, Recorder
-from common.models import TINY_PRESETS, checkpoint_activations, count_parameters, flops_per_token, is_moe, is_preset, \
-    load_model, load_tokenizer, model_config, resolve_model_name, share_export
+from common.models import TINY_PRESETS, checkpoint_activations, count_parameters, flops_per_token, is_moe, \
+    is_preset, load_model, load_tokenizer, model_config, record_adapter_base, resolve_model_name, weights_dtype
+from common.ep import Dispatches, all_reduce_in_buckets, clip_expert_parallel_grad_norm, grouped_linear
 from common.moe import RouterStats
 
 EXPERIMENT = "ep-ft"
@@ -51,15 +49,14 @@ SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from 
 
 @dataclass
 class Config:
-    model: str = "qwen3-moe-tiny"  # a mixture of experts: preset (qwen3-moe-tiny, qwen3-30b-a3b), hub id
-        # (Qwen/Qwen3-30B-A3B-Base) or local folder
+    model: str = "qwen3-moe-tiny"  # a mixture of experts: preset (README), hub id (Qwen/Qwen3-30B-A3B-Base) or folder
     data: str = "assets/data/sft_en.jsonl"  # JSONL/JSON/parquet/CSV/arrow file or folder, save_to_disk folder or hub id
     data_split: str = "train"  # with a hub id or a saved DatasetDict: the split to train on
     data_config: str | None = None  # with a hub id: the dataset's configuration (subset)
     data_columns: str | None = None  # your column names for the expected ones, e.g. prompt=question,completion=answer
     train_empty_think: bool = False  # also train the empty <think></think> block Qwen3 puts before a plain answer
     show_sample: bool = False  # before training, print the first conversation with the text that carries loss marked
-    seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-moe-tiny, 1024 otherwise
+    seq_len: int | None = None  # tokens per packed row; default 256 for qwen3-tiny and qwen3-moe-tiny, 1024 otherwise
     micro_batch_size: int = 1  # rows per forward pass, per rank
     grad_accum: int = 1  # micro-batches per optimizer step, per rank
     steps: int = 300  # optimizer steps (0 = only evaluate / export); 300: a minute or two of qwen3-tiny on 2 CPU cores
@@ -111,10 +108,6 @@ def resolve(config: Config) -> Config:
     return config
 
 
-def dense_refusal(model: str) -> str:
-    return f"ep-ft splits the experts of a mixture of experts; {model} is dense: use ddp-ft or fsdp-ft"
-
-
 def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
     """Linear warm-up to the peak over `warmup_steps`, then cosine decay to 0 at the last step."""
     if step < warmup_steps:
@@ -125,16 +118,6 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
 
 # ---------------------------------------------------------------------------------------------------------------
 # The expert-parallel block: this rank's experts, and the two all-to-alls around them
-
-
-def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """rows [n, in] grouped by expert (counts[e] rows for expert e), weight [experts, out, in] -> [n, out].
-    torch.nn.functional.grouped_mm (torch >= 2.10: CPU, and CUDA sm80+ in bf16 only) multiplies every expert's rows
-    by its weight in one call, as the model's own "grouped_mm" experts path does; elsewhere (older torch, fp32 on a
-    GPU) a loop over the experts."""
-    if hasattr(F, "grouped_mm") and (rows.device.type == "cpu" or rows.dtype == torch.bfloat16):
-        return F.grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
-    return torch.cat([chunk @ w.T for chunk, w in zip(rows.split(counts), weight)])
 
 
 class ExpertParallelExperts(nn.Module):
@@ -215,35 +198,20 @@ def shard_experts(model: nn.Module, mesh) -> list[ExpertParallelExperts]:
             raise InputError(f"{experts.num_experts} experts do not split evenly over {mesh.size()} ranks")
         layer.mlp.experts = ExpertParallelExperts(experts, mesh, group)
         sharded.append(layer.mlp.experts)
+    if not sharded:  # a hub id or a folder, known once loaded (a dense preset stops before anything starts)
+        raise InputError("ep-ft splits the experts of a mixture of experts; this model is dense: use ddp-ft or fsdp-ft")
     return sharded
-
-
-def all_reduce_dense(grads: list[torch.Tensor], group, bucket_bytes: int) -> None:
-    """Sum the replicated parameters' gradients over the ranks, a few large calls instead of one per tensor.
-    DDP would do this with overlap, but it reduces every parameter it wraps and averages: the experts' gradients,
-    already complete on their owner, must be left alone, and the step needs sums (see the loss below)."""
-    bucket, size = [], 0
-    for grad in [*grads, None]:
-        if grad is not None:
-            bucket.append(grad)
-            size += grad.numel() * grad.element_size()
-        if bucket and (grad is None or size >= bucket_bytes):
-            flat = torch.cat([g.reshape(-1) for g in bucket])
-            dist.all_reduce(flat, group=group)
-            for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
-                g.copy_(part.view_as(g))
-            bucket, size = [], 0
 
 
 def main(argv: list[str] | None = None) -> dict:
     config = parse_config(Config, argv)  # a flag mistake stops with one line (common/cli.py)
     MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
-    # What ep-ft does not train stops the run before anything starts (a hub model is checked once loaded).
     if config.lora_rank or config.qlora:
         raise InputError("ep-ft trains every parameter: LoRA on its sharded experts is not built here (single-ft "
                          "--lora-rank trains LoRA on a mixture of experts in one process)")
     if is_preset(config.model) and not is_moe(model_config(config.model)):
-        raise InputError(dense_refusal(config.model))
+        raise InputError(f"ep-ft splits the experts of a mixture of experts; {config.model} is dense: use ddp-ft or "
+                         "fsdp-ft")
 
     # ---------------------------------------------------------------------------------------------------------
     # Processes and device: one process per device, started by torchrun (NCCL/RCCL on GPUs, gloo on CPU).
@@ -255,6 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
     print0(f"config: {json.dumps(asdict(config))}")
     torch.manual_seed(config.seed)
     attention = setup_attention(device, config.attn, print_fn=print0)
+    # bf16: fp32 weights, gradients and AdamW state (the "master weights"), matmuls in bf16 under autocast.
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if config.dtype == "bf16" else nullcontext
 
     # ---------------------------------------------------------------------------------------------------------
@@ -275,22 +244,20 @@ def main(argv: list[str] | None = None) -> dict:
     if config.show_sample and config.steps == 0:  # --show-sample --steps 0: look at the data, then stop
         teardown()
         return {}
-    micro_batches_per_step = config.grad_accum * world_size  # the aux loss is their mean
 
     # ---------------------------------------------------------------------------------------------------------
-    # Model: every rank builds the whole model (same seed: single-ft's weights), then keeps 1/W of the experts.
-    model = load_model(config.model, tokenizer, attention.impl, dtype=torch.float32, device=device,
-                           allow_moe=True)
-    if not is_moe(model.config):
-        raise InputError(dense_refusal(config.model))
+    # Model
+    # Every rank builds the whole model (same seed: single-ft's weights), then keeps 1/W of the experts.
+    model = load_model(config.model, tokenizer, attention.impl, device=device, allow_moe=True,
+                       dtype=weights_dtype(config.dtype, config.lora_rank))
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("ep",))
     ep_layers = shard_experts(model, mesh)
     if config.activation_checkpointing:
         # The recomputed forward runs the layer's all-to-alls again, in backward, on every rank in the same order.
         checkpoint_activations(model, use_reentrant=False)
     if config.compile:
-        # One compiled graph per decoder layer, not one for the whole model (as torchtitan does): compile time stays
-        # bounded, and a graph break stays inside its layer (the expert block's host read of the split sizes is one).
+        # One graph per decoder layer (as torchtitan): bounded compile time; in place, so parameter names stay.
+        # A graph break stays inside its layer: the expert block's host read of the split sizes is one.
         for layer in model.get_decoder().layers:
             layer.compile()
     # --loss-chunk-tokens runs the decoder body (no LM head) and applies the head itself.
@@ -298,25 +265,23 @@ def main(argv: list[str] | None = None) -> dict:
     moe = RouterStats.attach(model)  # a mixture of experts: each forward's load-balancing loss and expert load
     model.train()
     n_params = count_parameters(model.config)["total"]
-    experts = [p for module in ep_layers for p in module.parameters()]
-    expert_ids = {id(p) for p in experts}
-    dense = [p for p in model.parameters() if id(p) not in expert_ids]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    n_trainable = sum(p.numel() for p in trainable)
+    model_flops_per_token = flops_per_token(model.config, config.seq_len, config.lora_rank)
+    print0(f"model: {config.model} | {n_params:,} parameters, {n_trainable:,} trainable | "
+           f"{model_flops_per_token / 1e9:.3f} GFLOP/token (training) | dtype {config.dtype}")
+    experts = [p for module in ep_layers for p in module.parameters()]  # DTensors: each rank holds its shard
+    dense = [p for p in trainable if not isinstance(p, DTensor)]  # replicated, as in ddp-ft
     local_expert_params = sum(p.to_local().numel() for p in experts)
-    model_flops_per_token = flops_per_token(model.config, config.seq_len)
-    print0(f"model: {config.model} | {n_params:,} parameters: {sum(p.numel() for p in dense):,} dense (replicated), "
-           f"{sum(p.numel() for p in experts):,} in {model.config.num_experts} experts x {len(ep_layers)} layers | "
-           f"{model_flops_per_token / 1e9:.3f} GFLOP/token (training, {model.config.num_experts_per_tok} experts "
-           f"per token) | dtype {config.dtype}")
-    print0(f"ep: {world_size} ranks | rank r holds experts [r x {ep_layers[0].local_experts}, "
-           f"(r + 1) x {ep_layers[0].local_experts}) of every layer: {local_expert_params:,} expert parameters "
-           f"per rank | tokens to experts and back: 2 all-to-alls per layer forward, 2 backward | backend "
-           f"{dist.get_backend()}")
+    print0(f"ep: {world_size} ranks, each with {ep_layers[0].local_experts} experts of every layer "
+           f"({local_expert_params:,} parameters) and every dense parameter ({sum(p.numel() for p in dense):,}) | "
+           f"2 all-to-alls per layer forward, 2 backward | backend {dist.get_backend()}")
     print0(f"batch: B = {config.micro_batch_size} x {config.grad_accum} x {world_size} ranks = {rows_per_step} rows "
            f"of {config.seq_len} -> T_eff = {rows_per_step * config.seq_len:,} token slots per optimizer step")
 
     # ---------------------------------------------------------------------------------------------------------
-    # Optimizer: AdamW; no weight decay on norms. The experts are a group of their own: their DTensors do not
-    # mix with plain tensors in one foreach/fused update (each rank updates its shard, as FSDP2's ranks do).
+    # Optimizer: AdamW; no weight decay on norms (1-D weights). Fused kernels on GPU.
+    # The experts are a group of their own: their DTensors do not mix with plain tensors in one fused update.
     groups = [{"params": [p for p in dense if p.ndim >= 2], "weight_decay": config.weight_decay},
               {"params": [p for p in dense if p.ndim < 2], "weight_decay": 0.0},
               {"params": experts, "weight_decay": config.weight_decay}]
@@ -328,17 +293,16 @@ def main(argv: list[str] | None = None) -> dict:
     # ---------------------------------------------------------------------------------------------------------
     # Training loop
     sample_messages = sample_prompt(data)  # --sample-every: the turns before the first held-out answer
-    # The step count is the whole data position: step k always consumes the same rows. DCP reads the shards.
+    # The step count is the whole data position: step k always consumes the same rows.
     start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
     if config.resume:
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
     # Step clock, comm_ms, the step line, metrics.jsonl, summary.json; the garbage collector on a schedule from here.
     rec = Recorder(EXPERIMENT, config, device, model.config, data, rows_per_step, world_size=world_size, rank=rank,
                    steps_per_epoch=plan.steps_per_epoch, start_step=start_step, script_dir=SCRIPT_DIR,
-                   n_parameters=n_params, n_trainable=n_params, flops_per_token=model_flops_per_token)
+                   n_parameters=n_params, n_trainable=n_trainable, flops_per_token=model_flops_per_token)
     rec.model.update(expert_parameters_per_rank=local_expert_params)
-    profiled_forwards = []  # per profiled step: its step_forwards
-    rows_sent = [0] * world_size  # (token, expert) rows this rank dispatched to each rank over the training steps
+    dispatches = Dispatches(ep_layers, world_size)  # the rows each expert block sent to each rank (summary.json)
     for step in range(start_step, config.steps):
         micro_batches = data.micro_batches(step, config.micro_batch_size, config.grad_accum, rank, world_size)
         loss_tokens = data.step_loss_tokens(step, rows_per_step)  # the denominator of the whole step, all its rows
@@ -349,14 +313,12 @@ def main(argv: list[str] | None = None) -> dict:
         rec.start(step)
         # The step's micro-batches go to the device up front (pinned on a GPU): the copies overlap queued compute.
         batches = [to_device(host_batch, device) for host_batch in micro_batches]
-        step_forwards = []  # (rows sent to each rank, rows received) of each training forward's expert blocks
         step_loss = torch.zeros((), device=device)
         for host_batch, batch in zip(micro_batches, batches):
             # --attn varlen: the documents' boundaries, from the host copy of position_ids ({} otherwise).
             packed = attention.forward_kwargs(host_batch["position_ids"], device)
             moe.begin()
-            for module in ep_layers:  # what ran since the last forward (evaluation, recomputation) is not counted
-                module.forwards.clear()
+            dispatches.begin()
             # Divided by the whole step's loss tokens: the micro-batches' gradients sum to the step loss's gradient.
             with autocast():
                 # No mask + restarted position_ids + no cache: packed conversations stay isolated (common/data.py).
@@ -370,27 +332,17 @@ def main(argv: list[str] | None = None) -> dict:
                     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                    attention_mask=None, use_cache=False, **packed).logits
                     loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
-            # The mean over all ranks' micro-batches: summed over the ranks, the gradients are single-ft's.
-            loss = loss + moe.aux_loss(micro_batches_per_step)
-            step_forwards += [rows for module in ep_layers for rows in module.forwards]
+            # This micro-batch's share of the mean over all ranks' micro-batches: summed over the ranks, single-ft's.
+            loss = loss + moe.aux_loss(len(micro_batches) * world_size)
+            dispatches.end()
             loss.backward()
             step_loss += loss.detach()
         # The dense gradients: one sum over the ranks per step (after the last micro-batch, as ddp-ft's no_sync).
-        all_reduce_dense([p.grad for p in dense if p.grad is not None], dist.group.WORLD,
-                         int(config.dense_bucket_mb * 2**20))
+        all_reduce_in_buckets([p.grad for p in dense if p.grad is not None], int(config.dense_bucket_mb * 2**20))
         rec.state(step, model.parameters(), optimizer)  # dense whole, experts their shard, AdamW's state
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
-        # The global gradient norm: the dense part is the same on every rank; the experts' squares are summed over
-        # the ranks that own them. Then every gradient is scaled as clip_grad_norm_ would (README: why not here).
-        expert_grads = [p.grad.to_local() for p in experts if p.grad is not None]
-        dense_grads = [p.grad for p in dense if p.grad is not None]
-        expert_sq = torch.nn.utils.get_total_norm(expert_grads).square() if expert_grads else \
-            torch.zeros((), device=device)
-        dist.all_reduce(expert_sq)
-        grad_norm = (torch.nn.utils.get_total_norm(dense_grads).square() + expert_sq).sqrt()
-        clip = torch.clamp(max_norm / (grad_norm + 1e-6), max=1.0)
-        for grad in [*dense_grads, *expert_grads]:
-            grad.mul_(clip)
+        # The norm before clipping: the dense part counted once, the experts' squares summed over their owners.
+        grad_norm = clip_expert_parallel_grad_norm(trainable, max_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -401,9 +353,7 @@ def main(argv: list[str] | None = None) -> dict:
         # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together.
         values = torch.cat([logged[:1], grad_norm.reshape(1).float(), logged[1:]]).tolist()
         rec.step(step, values[0], lr, values[1], extra=moe.read(values[2:]))
-        rows_sent = [a + sum(send[r] for send, _ in step_forwards) for r, a in enumerate(rows_sent)]
-        if rec.comm.profiled and rec.comm.profiled[-1] == step + 1:  # the rows this step's forwards moved
-            profiled_forwards.append(step_forwards)
+        dispatches.end_step(profiled=rec.comm.profiled[-1:] == [step + 1])
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             rec.eval(step + 1, evaluate(model, data, config.micro_batch_size, device, autocast))
         if config.sample_every and (step + 1) % config.sample_every == 0 and sample_messages:
@@ -420,22 +370,17 @@ def main(argv: list[str] | None = None) -> dict:
     eval_loss = evaluate(model, data, config.micro_batch_size, device, autocast)
     rec.eval(config.steps, eval_loss)
     # summary.json: what was measured, and the settings the predictions read from it afterwards (not in this run).
-    summary = rec.finish(
-        attention=asdict(attention), eval_loss=eval_loss,
-        routed_rows_profiled=profiled_forwards,  # per profiled step and forward: rows sent to each rank, received
-        # (token, expert) rows rank 0..W-1 dispatched to each rank over the training steps (its own in column r)
-        dispatched_rows=all_ranks(rows_sent))
+    summary = rec.finish(attention=asdict(attention), eval_loss=eval_loss, **dispatches.summary())
 
     if config.save_hf:
-        # The whole model on rank 0: each expert weight gathered from its shards (a collective: every rank calls).
-        full = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
-                for name, p in model.state_dict().items()}
-        if rank == 0:
-            save_dir = Path(config.save_hf)
-            model.save_pretrained(save_dir, state_dict=full)
-            tokenizer.save_pretrained(save_dir)
-            share_export(save_dir)  # safetensors writes 0600; the export is readable like its config
-            print0(f"saved model to {save_dir}")
+        # Each expert weight gathered from its shards (a collective: every rank calls); rank 0 writes the model.
+        full = {name: p.full_tensor() if isinstance(p, DTensor) else p for name, p in model.state_dict().items()}
+    if config.save_hf and rank == 0:
+        save_dir = Path(config.save_hf)
+        model.save_pretrained(save_dir, state_dict=full)  # safetensors
+        tokenizer.save_pretrained(save_dir)
+        record_adapter_base(save_dir, config.model, config.seed)  # a full model: only the files' permissions
+        print0(f"saved model to {save_dir}")
     teardown()
     return summary
 

@@ -1,0 +1,98 @@
+"""Expert parallelism's bookkeeping (experiments/ep-ft): what its script calls besides the exchange itself, which
+stays in the script (ExpertParallelExperts and shard_experts).
+
+- grouped_linear: the products of a rank's experts, each on the rows routed to it.
+- all_reduce_in_buckets: the replicated (dense) gradients summed over the ranks once per step, in a few large calls.
+  Not DDP: DDP reduces every parameter it wraps and averages, while the experts' gradients, complete on their owner,
+  must be left alone, and the step needs sums.
+- clip_expert_parallel_grad_norm: the global gradient norm with the dense part counted once and the experts' squares
+  summed over their owners.
+- Dispatches: the rows each expert block sent to each rank, which summary.json keeps (common.comm prices them).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from common.dist import all_ranks
+
+
+def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """rows [n, in] grouped by expert (counts[e] rows for expert e), weight [experts, out, in] -> [n, out].
+    torch.nn.functional.grouped_mm (torch >= 2.10: CPU, and CUDA sm80+ in bf16 only) multiplies every expert's rows
+    by its weight in one call, as the model's own "grouped_mm" experts path does; elsewhere (older torch, fp32 on a
+    GPU) a loop over the experts."""
+    if hasattr(F, "grouped_mm") and (rows.device.type == "cpu" or rows.dtype == torch.bfloat16):
+        return F.grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
+    return torch.cat([chunk @ w.T for chunk, w in zip(rows.split(counts), weight)])
+
+
+def all_reduce_in_buckets(tensors: list[torch.Tensor], bucket_bytes: int, group=None) -> None:
+    """Sum `tensors` over the ranks in place, a few large calls instead of one per tensor: in order, a bucket is sent
+    once it holds `bucket_bytes` or more (common.comm.dense_buckets counts them the same way)."""
+    bucket, size = [], 0
+    for tensor in [*tensors, None]:
+        if tensor is not None:
+            bucket.append(tensor)
+            size += tensor.numel() * tensor.element_size()
+        if bucket and (tensor is None or size >= bucket_bytes):
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            dist.all_reduce(flat, group=group)
+            for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
+                t.copy_(part.view_as(t))
+            bucket, size = [], 0
+
+
+def clip_expert_parallel_grad_norm(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """common.step.clip_grad_norm for expert parallelism: the plain gradients (replicated, the same on every rank)
+    count once; the DTensor ones are sharded on the experts of a 1-D mesh, each shard complete on its owner, so their
+    squares are summed over the mesh in one all-reduce of one fp32 (clip_grad_norm's DTensor path sends one norm
+    per tensor). Every gradient is then scaled as clip_grad_norm_ would; returns the norm before clipping."""
+    meshes = {p.device_mesh for p in parameters if isinstance(p, DTensor)}
+    if len(meshes) != 1 or next(iter(meshes)).ndim != 1:
+        raise ValueError("clip_expert_parallel_grad_norm: the DTensor parameters must share one 1-D mesh")
+    shards = [p.grad.to_local() for p in parameters if isinstance(p, DTensor) and p.grad is not None]
+    replicated = [p.grad for p in parameters if not isinstance(p, DTensor) and p.grad is not None]
+    squared = torch.nn.utils.get_total_norm(shards).square() if shards else \
+        torch.zeros((), device=replicated[0].device)
+    dist.all_reduce(squared, group=next(iter(meshes)).get_group())
+    norm = (torch.nn.utils.get_total_norm(replicated).square() + squared).sqrt()
+    clip = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for grad in [*replicated, *shards]:
+        grad.mul_(clip)
+    return norm
+
+
+class Dispatches:
+    """What the expert blocks dispatched, for summary.json: each block appends (rows sent to each rank, rows
+    received) to its `forwards` list per forward. begin() before a training forward drops what ran since the last
+    one (evaluation, activation checkpointing's recomputation in backward), end() after it takes that forward's.
+    Kept: the (token, expert) rows this rank sent to each rank over the training steps (`dispatched_rows`, every
+    rank's), and each profiled step's forwards (`routed_rows_profiled`), which common.comm prices afterwards."""
+
+    def __init__(self, blocks: list[nn.Module], world_size: int):
+        self.blocks, self.rows_sent = blocks, [0] * world_size
+        self.step_forwards: list[tuple[list[int], int]] = []
+        self.profiled: list[list[tuple[list[int], int]]] = []
+
+    def begin(self) -> None:
+        for block in self.blocks:
+            block.forwards.clear()
+
+    def end(self) -> None:
+        self.step_forwards += [rows for block in self.blocks for rows in block.forwards]
+
+    def end_step(self, profiled: bool) -> None:
+        """After an optimizer step; `profiled`: the step ran under the profiler that measured its collectives."""
+        self.rows_sent = [n + sum(send[r] for send, _ in self.step_forwards) for r, n in enumerate(self.rows_sent)]
+        if profiled:
+            self.profiled.append(self.step_forwards)
+        self.step_forwards = []
+
+    def summary(self) -> dict:
+        """summary.json's fields (all_ranks: every rank calls it)."""
+        return dict(routed_rows_profiled=self.profiled, dispatched_rows=all_ranks(self.rows_sent))
