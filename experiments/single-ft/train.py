@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     # The step count is the whole data position: step k always consumes the same rows.
     start_step = load_checkpoint(config.resume, masters.module, optimizer, scheduler) if config.resume else 0
     if config.resume:
-        masters.copy_to_model()
+        masters.copy_to_model()  # the loaded fp32 masters, rounded into the weights the forward reads
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
     # Step clock, comm_ms, the step line, metrics.jsonl, summary.json; the garbage collector on a schedule from here.
     rec = Recorder(EXPERIMENT, config, device, model.config, data, rows_per_step,
