@@ -21,8 +21,9 @@ from common.memory import (BF16_RULE_OF_THUMB, DEEPSPEED_BF16, DEEPSPEED_FP32, D
                            estimate_stages, gpu_peak_checks,
                            largest_trainable_parameter, layer_activation_terms, leaf_modules, main, model_shape,
                            model_state_bytes, multi_node_layouts, outside_layers_bytes_per_token,
-                           predict_run, recommend, strategy_precision, zero3_gathered_elements,
+                           predict_run, recommend, strategy_precision, uses_autocast, zero3_gathered_elements,
                            zero3_persistent_parameters, zero_paper_figure1)
+from common.precision import MasterWeights
 from common.models import MOE_COMMON, MOE_PRESETS, PRESET_COMMON, PRESETS, count_parameters, model_config
 
 QWEN3_4B_PARAMETERS = 4_022_468_096  # count_parameters of the preset (tests/test_models_metrics.py checks 0.6B)
@@ -257,10 +258,12 @@ def _saving(model, saved: list[torch.Tensor]):
 
 
 def _saved_bytes_per_token(layers: int, autocast: bool, packed: bool, lora_rank: int = 0, base: str = "fp32",
-                           seq_len: int = 96) -> float:
+                           seq_len: int = 96, masters: bool = False) -> float:
     """Bytes autograd keeps for backward after one forward of the whole model, per token. Tensors sharing storage
-    count once."""
+    count once. `masters`: the trainable weights made bf16 beside fp32 masters, as single-ft's --dtype bf16 does."""
     model = _terms_model(layers, lora_rank, base)
+    if masters:
+        MasterWeights(model)
     model.train()
     saved: list[torch.Tensor] = []
     half = seq_len // 2
@@ -332,6 +335,23 @@ def test_activation_formula_matches_what_autograd_keeps(case):
     else:
         # Outside the layers: the formula, plus the int64 input ids the embedding keeps (8 bytes per token)
         assert two - 2 * (three - two) == outside + 8
+
+
+@pytest.mark.parametrize("lora_rank", [0, 8])
+def test_single_ft_bf16_weights_keep_what_estimate_prices(lora_rank):
+    """single-ft --dtype bf16 (common/precision.py): bf16 weights beside fp32 masters, no autocast. One layer keeps
+    the no-autocast terms with a bf16 residual stream (the normed inputs shared by the projections, no casts), which
+    is how estimate() prices strategy "single" at bf16."""
+    shape = model_shape(Qwen3Config(**TERMS_GEOMETRY, **PRESET_COMMON))
+    assert not uses_autocast("single", MASTER_BF16)
+    terms = layer_activation_terms(shape, compute_bytes=2, autocast=False, seq_len=96, attention="sdpa-packed",
+                                   lora_rank=lora_rank, residual_bytes=2)
+    base = "bf16" if lora_rank else "fp32"  # as weights_dtype loads them; MasterWeights makes the trainable ones bf16
+    two, three = (_saved_bytes_per_token(n, False, True, lora_rank, base, masters=True) for n in (2, 3))
+    assert three - two == pytest.approx(sum(terms.values()), abs=1e-9)
+    autocast_terms = layer_activation_terms(shape, compute_bytes=2, autocast=True, seq_len=96, attention="sdpa-packed",
+                                            lora_rank=lora_rank, residual_bytes=2 if lora_rank else 4)
+    assert sum(terms.values()) < sum(autocast_terms.values())  # what dropping autocast saves per layer
 
 
 COMPILED_CASES = {  # name: autocast, packed, LoRA rank, base weights
