@@ -130,3 +130,17 @@ def test_a_step_from_the_masters_tracks_fp32_within_bf16_rounding(accumulate):
         fp32(ids).backward()
     for master, p in zip(masters.parameters, fp32.parameters()):
         assert (master.grad - p.grad).norm() / p.grad.norm() < 2e-2  # bf16 products: about 1%
+
+
+def test_state_bytes_count_the_masters_gradients():
+    """common.metrics.state_bytes with the masters passed as `master`: bf16 weights 2, fp32 gradients 4 (on the
+    masters: the bf16 ones are freed), fp32 masters 4 bytes a parameter; what summary.json's state_bytes_per_rank
+    holds and common.memory's MASTER_BF16 prices."""
+    from common.metrics import state_bytes
+
+    model = make_model()
+    masters = MasterWeights(model)
+    n = sum(m.numel() for m in masters.parameters)
+    model(torch.randint(0, 32, (2, 4))).backward()
+    held = state_bytes(model.parameters(), None, masters.copies)
+    assert held == dict(weights=2 * n, grads=4 * n, optimizer=0, master=4 * n)
