@@ -1,10 +1,10 @@
 """bf16 weights for compute, fp32 master copies for the update: single-ft's --dtype bf16.
 
-Under torch.autocast the weights stay fp32 and every matrix multiply casts its weight to bf16, in every micro-batch's
-forward (and the cast's graph again in backward); the embedding and the norms are not cast, so the residual stream,
-the norms' outputs and the normed queries and keys stay fp32: twice the bytes of those element-wise passes and of the
-activations they save. `MasterWeights` keeps the layout FSDP2's MixedPrecisionPolicy(param_dtype=bf16) gives fsdp-ft
-(and DeepSpeed's bf16 mode zero-ft) instead:
+Under torch.autocast the weights stay fp32 and every matrix multiply casts its weight to bf16 again in every
+micro-batch's forward (and its gradient back to fp32 in backward); the embedding and the norms are not cast, so the
+residual stream, the norms' outputs and the normed queries and keys stay fp32: twice the bytes of those element-wise
+passes and of the activations they save. `MasterWeights` keeps the layout that FSDP2's
+MixedPrecisionPolicy(param_dtype=bf16) gives fsdp-ft (and DeepSpeed's bf16 mode zero-ft) instead:
 - the model's trainable parameters become bf16: the forward computes in bf16 throughout, no autocast;
 - an fp32 copy of each (the "master") is what AdamW updates, so small updates are not lost to bf16's 8-bit mantissa;
 - each parameter's bf16 gradient is added into its master's fp32 .grad as soon as backward has accumulated it
