@@ -1490,3 +1490,17 @@ def test_cli_says_in_words_when_only_adapters_fit_and_prices_qlora_in_4_bits(cap
     main(["--model", "qwen3-4b", "--gpu-mem-gib", "80"])  # full fine-tuning fits: no such line, no adapters in the rows
     out = capsys.readouterr().out
     assert "fits nowhere" not in out and "LoRA r" not in out.split("recommendation:")[0]
+
+
+def test_predict_run_prices_single_ft_by_the_layout_its_run_had():
+    """summary.json's `master_weights` names single-ft's bf16 weights with fp32 masters (common/precision.py); a run
+    without it ran fp32 weights under autocast (the committed GPU runs) and is priced so."""
+    run = json.loads((REPO_ROOT / "devlog" / "data" / "2026-11-26-gpu-suite-nvidia-h200" /
+                      "single-ft-s1024-full-5-micro8" / "summary.json").read_text())
+    assert "master_weights" not in run and run["config"]["dtype"] == "bf16"
+    before = predict_run(run)
+    assert before.precision is PROJECT_BF16 and before.compute_copy_bytes > 0
+    after = predict_run({**run, "master_weights": {"compute_dtype": "bfloat16", "master_dtype": "float32"}})
+    assert after.precision is MASTER_BF16 and after.compute_copy_bytes == 0
+    assert after.activations_bytes < before.activations_bytes  # a bf16 residual stream, no autocast casts saved
+    assert after.step_bytes == before.step_bytes  # the bf16 weights are freed for the step: 16 bytes either way
