@@ -159,7 +159,11 @@ FULL_PREDICTION = (
     "95,000-110,000 tok/s by the median step on an H100 (103,333 measured on 2026-11-27 with this code), "
     "110,000-125,000 on an H200; the mean within 5% of the median; 0 recompiles after step 1; its profile (steps "
     "2-4): matrix products under half of the busy time, the device idle under 5% of the median step; one host "
-    "sync per step; losses equal to the reference's within the bf16 tolerance")
+    "sync per step; losses equal to the reference's within the bf16 tolerance. Since that run single-ft's --dtype "
+    "bf16 computes in bf16 weights with fp32 masters instead of autocast (common/precision.py): no weight cast per "
+    "micro-batch, and the residual stream, norms and normed q/k in bf16, half the bytes of those element-wise passes "
+    "and of the activations they save, so the element-wise time (42 of 153 ms busy then) should fall, the step by "
+    "3-10%, and the peak memory with it")
 FULL_REFERENCE = (
     "the eager reference at the same 16 rows per step (8 x 2: SDPA with the packed rows' [seq x seq] mask, the plain "
     "fp32 loss, no compile): 30,000-36,000 tok/s on an H100 (33,223 measured); its per-step losses are the ones the "
@@ -172,7 +176,9 @@ LORA_PREDICTION = (
     "92,000-100,000 tok/s by the median step on an H100 (96,239 measured): short of 100,000, its step longer than full "
     "SFT's for the same tokens; its profile (steps 2-4) says where: peft's adapters run unfused (per projection a "
     "dropout, two thin products, a scale and an add, and their backward), expected as element-wise and small-GEMM "
-    "time above 15% of the busy time; one host sync per step; the same losses as its reference")
+    "time above 15% of the busy time; one host sync per step; the same losses as its reference. The adapters now "
+    "compute in bf16 copies of fp32 masters (common/precision.py) and the residual stream, norms and normed q/k in "
+    "bf16 rather than fp32 under autocast: fewer bytes in the element-wise passes, a step 2-8% shorter than that run's")
 LORA_REFERENCE = (
     "the eager LoRA reference at the same 8 rows of 2,048 per step (4 x 2): 27,000-32,000 tok/s on an H100 (29,319 "
     "measured)")
@@ -205,8 +211,8 @@ QLORA_PREDICTION = (
     "its 11.25 GiB (max_memory_reserved); bitsandbytes' 4-bit matrix products under compile and activation "
     "checkpointing at 8 rows of 1,024: 8,000-16,000 tok/s on an H100")
 MOE_PREDICTION = (
-    "the mixture-of-experts preset trains on one GPU (transformers' per-expert loop under autocast, fp32 master "
-    "weights): a few thousand tok/s, host-bound at this size; aux_loss and the per-expert token counts logged")
+    "the mixture-of-experts preset trains on one GPU (transformers' per-expert loop in bf16 weights with fp32 "
+    "masters): a few thousand tok/s, host-bound at this size; aux_loss and the per-expert token counts logged")
 
 PROBE_ESTIMATE_S = 60  # a process of its own: imports, the kernel check, each loss timed (Triton and compile first)
 PROBE_PREDICTION = (
@@ -382,7 +388,8 @@ def predict_before_launch(rung: Rung) -> float | None:
     impl = config.get("attn", "auto")
     attention = {"impl": impl, "expands_kv": impl == "varlen" and not torch_varlen_takes_gqa(), "reason": ""}
     pre_run = {"experiment": rung.experiment, "config": config, "hardware": {"world_size": rung.nproc},
-               "attention": attention, "model": {}}
+               "attention": attention, "model": {},  # single-ft's bf16 weights and fp32 masters (common/precision.py)
+               "master_weights": rung.experiment == "single-ft" and config["dtype"] == "bf16" and not config["qlora"]}
     try:
         return predict_run(pre_run).total_gib
     except (ValueError, KeyError, TypeError, OSError):  # a model or setting the memory model cannot price

@@ -411,14 +411,14 @@ def storage_bytes(tensors) -> int:
 def state_bytes(parameters, optimizer: torch.optim.Optimizer | None = None, master=()) -> dict[str, int]:
     """Model-state bytes held by this rank, by kind, as common.memory names them: the weights (every parameter, its
     local shard under FSDP2 or TP), their gradients, the optimizer's state (AdamW's moments and step counters) and
-    any separate master copy (`master`: tensors an engine keeps beside the weights, e.g. DeepSpeed's fp32 partition).
-    Call it after a backward, before the optimizer's update (so gradients exist) and after one update (so the
-    optimizer's state exists)."""
-    parameters = list(parameters)
+    any separate master copy (`master`: tensors an engine keeps beside the weights, e.g. DeepSpeed's fp32 partition;
+    their gradients count as gradients: common/precision.py's masters hold them). Call it after a backward, before
+    the optimizer's update (so gradients exist) and after one update (so the optimizer's state exists)."""
+    parameters, master = list(parameters), list(master)
     optimizer_tensors = [] if optimizer is None else [
         value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
     return dict(weights=storage_bytes([*parameters, *quantization_state(parameters)]),
-                grads=storage_bytes(p.grad for p in parameters),
+                grads=storage_bytes(p.grad for p in [*parameters, *master]),
                 optimizer=storage_bytes(optimizer_tensors), master=storage_bytes(master))
 
 

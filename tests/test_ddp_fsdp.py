@@ -72,10 +72,12 @@ def reloaded_eval_loss(export, small_data) -> tuple[float, torch.nn.Module]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, small_data):
-    """single-ft on B = 4 rows (1 x 4): full SFT for STEPS steps, LoRA for 3."""
+    """single-ft on B = 4 rows (1 x 4): full SFT for STEPS steps, LoRA for 3, bf16 for 3."""
     root = tmp_path_factory.mktemp("single-ft")
     single_ft.main(argv("--data", small_data, *FP32, *NO_PROFILE, *split(1, 4), "--steps", STEPS,
                         "--out-dir", root / "full"))
+    single_ft.main(argv("--data", small_data, *FP32, *NO_PROFILE, *split(1, 4), "--steps", 3, "--dtype", "bf16",
+                        "--out-dir", root / "bf16"))
     single_ft.main(argv("--data", small_data, *FP32, *NO_PROFILE, *split(1, 4), *LORA, "--out-dir", root / "lora"))
     return root
 
@@ -324,6 +326,17 @@ def test_fsdp_bf16_tracks_fp32(fsdp):
     # bf16 compute (weights gathered in bf16, fp32 master shards and fp32 gradient reduction): about 1%, not 1e-5.
     assert bf16 == pytest.approx(fp32, rel=2e-2)
     assert bf16 != pytest.approx(fp32, rel=1e-6)
+
+
+def test_fsdp_bf16_computes_single_ft_s_bf16_steps(fsdp, reference):
+    """Under --dtype bf16 both keep fp32 masters and compute in bf16 weights without autocast (fsdp-ft: FSDP2's
+    MixedPrecisionPolicy; single-ft: common/precision.py): the same bf16 forward, so the first step's loss is the
+    same to fp32 rounding (single-ft under autocast, its residual stream fp32, was 2.5e-5 away), the next within
+    bf16 rounding of each other's updates."""
+    got, want = read_losses(fsdp / "bf16"), read_losses(reference / "bf16")
+    assert len(got) == len(want) == 3
+    assert got == pytest.approx(want, rel=2e-2)
+    assert got[0] == pytest.approx(want[0], rel=1e-6)
 
 
 def test_fsdp_memory_options_change_nothing_but_memory(fsdp):

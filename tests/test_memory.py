@@ -16,7 +16,7 @@ from transformers.masking_utils import create_causal_mask
 
 from common.memory import (BF16_RULE_OF_THUMB, DEEPSPEED_BF16, DEEPSPEED_FP32, DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD,
                            DEEPSPEED_REDUCE_BUCKET_ELEMENTS, ERROR_BAND, ERROR_BAND_FLOOR, EXPERIMENT_STRATEGY, GB, GIB,
-                           GPU_MEMORY_GIB, PEAK_TESTED_FROM_GIB, PROJECT_BF16, PROJECT_FP32, STRATEGIES,
+                           GPU_MEMORY_GIB, MASTER_BF16, PEAK_TESTED_FROM_GIB, PROJECT_BF16, PROJECT_FP32, STRATEGIES,
                            USABLE_FRACTION, ZERO_PAPER, FAST_FLAGS, LORA_FUSED, LOSS_CHUNK_TOKENS, Ladder, PeakCheck,
                            device_slices, error_band, estimate,
                            estimate_stages, gpu_peak_checks,
@@ -24,6 +24,7 @@ from common.memory import (BF16_RULE_OF_THUMB, DEEPSPEED_BF16, DEEPSPEED_FP32, D
                            model_state_bytes, multi_node_layouts, outside_layers_bytes_per_token,
                            predict_run, recommend, strategy_precision, uses_autocast, zero3_gathered_elements,
                            zero3_persistent_parameters, zero_paper_figure1)
+from common.precision import MasterWeights
 from common.models import MOE_COMMON, MOE_PRESETS, PRESET_COMMON, PRESETS, count_parameters, model_config
 
 QWEN3_4B_PARAMETERS = 4_022_468_096  # count_parameters of the preset (tests/test_models_metrics.py checks 0.6B)
@@ -56,12 +57,17 @@ def test_project_precisions_are_what_the_scripts_keep():
     assert (PROJECT_BF16.weights, PROJECT_BF16.grads, PROJECT_BF16.optimizer, PROJECT_BF16.master,
             PROJECT_BF16.compute) == (4, 4, 8, 0, 2)
     assert (PROJECT_FP32.trainable, PROJECT_FP32.compute) == (16, 4)
-    single = estimate("qwen3-4b", "single")
-    assert single.model_states_bytes == QWEN3_4B_PARAMETERS * 16  # the "64 GB" of Qwen3-4B full SFT
-    assert 64e9 < single.model_states_bytes < 65e9
+    ddp = estimate("qwen3-4b", "ddp")
+    assert ddp.model_states_bytes == QWEN3_4B_PARAMETERS * 16  # the "64 GB" of Qwen3-4B full SFT
+    assert 64e9 < ddp.model_states_bytes < 65e9
     # Autocast's bf16 copy of every matmul weight (norm weights are never cast)
     norms = 36 * (2 * 2560 + 2 * 128) + 2560
-    assert single.compute_copy_bytes == (QWEN3_4B_PARAMETERS - norms) * 2
+    assert ddp.compute_copy_bytes == (QWEN3_4B_PARAMETERS - norms) * 2
+    # single-ft (common/precision.py): bf16 weights 2 + fp32 grads 4 + fp32 masters 4 + AdamW 8, no autocast copies;
+    # the bf16 weights are freed for the optimizer step, whose peak is the same 16 bytes a parameter.
+    single = estimate("qwen3-4b", "single")
+    assert single.precision is MASTER_BF16 and single.model_states_bytes == QWEN3_4B_PARAMETERS * 18
+    assert single.compute_copy_bytes == 0 and single.step_bytes == QWEN3_4B_PARAMETERS * 16 == ddp.step_bytes
     # FSDP2's mixed-precision policy gathers bf16 layers instead: no autocast copies, bf16 buffers
     assert estimate("qwen3-4b", "fsdp", 2).compute_copy_bytes == 0
 
@@ -76,7 +82,8 @@ def test_each_strategy_is_priced_as_its_experiment_runs_it():
     assert layout(DEEPSPEED_BF16) == (2, 4, 4, 8) and layout(DEEPSPEED_FP32) == (4, 4, 4, 8)
     for strategy in STRATEGIES:
         deepspeed = strategy.startswith("zero-")
-        assert strategy_precision(strategy, "bf16") is (DEEPSPEED_BF16 if deepspeed else PROJECT_BF16)
+        assert strategy_precision(strategy, "bf16") is (DEEPSPEED_BF16 if deepspeed else
+                                                        MASTER_BF16 if strategy == "single" else PROJECT_BF16)
         assert strategy_precision(strategy, "fp32") is (DEEPSPEED_FP32 if deepspeed else PROJECT_FP32)
     with pytest.raises(ValueError, match="dtype"):
         strategy_precision("zero-2", "fp16")
@@ -201,10 +208,10 @@ def test_activation_formula_by_hand_for_qwen3_0_6b():
     outside = (4 * d + 4 * d + 4) + 2 * d + 2 * 128 * 4  # final norm, LM head's bf16 input, RoPE cos and sin
     assert outside_layers_bytes_per_token(shape, compute_bytes=2, autocast=True) == outside
 
-    single = estimate(shape, "single", seq_len=s)
+    single = estimate(shape, "ddp", seq_len=s)  # one process under autocast (single-ft's bf16 weights: no autocast)
     assert single.activations_bytes == s * (28 * by_hand + outside)
     assert single.logits_bytes == s * 151_936 * (2 + 12)
-    checkpointed = estimate(shape, "single", seq_len=s, activation_checkpointing=True)
+    checkpointed = estimate(shape, "ddp", seq_len=s, activation_checkpointing=True)
     assert checkpointed.activations_bytes == s * (28 * 4 * d + by_hand + outside)  # inputs + one recomputed layer
 
 
@@ -257,10 +264,12 @@ def _saving(model, saved: list[torch.Tensor]):
 
 
 def _saved_bytes_per_token(layers: int, autocast: bool, packed: bool, lora_rank: int = 0, base: str = "fp32",
-                           seq_len: int = 96, fused: bool = False) -> float:
+                           seq_len: int = 96, fused: bool = False, masters: bool = False) -> float:
     """Bytes autograd keeps for backward after one forward of the whole model, per token. Tensors sharing storage
-    count once."""
+    count once. `masters`: the trainable weights made bf16 beside fp32 masters, as single-ft's --dtype bf16 does."""
     model = _terms_model(layers, lora_rank, base, fused)
+    if masters:
+        MasterWeights(model)
     model.train()
     saved: list[torch.Tensor] = []
     half = seq_len // 2
@@ -332,6 +341,23 @@ def test_activation_formula_matches_what_autograd_keeps(case):
     else:
         # Outside the layers: the formula, plus the int64 input ids the embedding keeps (8 bytes per token)
         assert two - 2 * (three - two) == outside + 8
+
+
+@pytest.mark.parametrize("lora_rank", [0, 8])
+def test_single_ft_bf16_weights_keep_what_estimate_prices(lora_rank):
+    """single-ft --dtype bf16 (common/precision.py): bf16 weights beside fp32 masters, no autocast. One layer keeps
+    the no-autocast terms with a bf16 residual stream (the normed inputs shared by the projections, no casts), which
+    is how estimate() prices strategy "single" at bf16."""
+    shape = model_shape(Qwen3Config(**TERMS_GEOMETRY, **PRESET_COMMON))
+    assert not uses_autocast("single", MASTER_BF16)
+    terms = layer_activation_terms(shape, compute_bytes=2, autocast=False, seq_len=96, attention="sdpa-packed",
+                                   lora_rank=lora_rank, residual_bytes=2)
+    base = "bf16" if lora_rank else "fp32"  # as weights_dtype loads them; MasterWeights makes the trainable ones bf16
+    two, three = (_saved_bytes_per_token(n, False, True, lora_rank, base, masters=True) for n in (2, 3))
+    assert three - two == pytest.approx(sum(terms.values()), abs=1e-9)
+    autocast_terms = layer_activation_terms(shape, compute_bytes=2, autocast=True, seq_len=96, attention="sdpa-packed",
+                                            lora_rank=lora_rank, residual_bytes=2 if lora_rank else 4)
+    assert sum(terms.values()) < sum(autocast_terms.values())  # what dropping autocast saves per layer
 
 
 COMPILED_CASES = {  # name: autocast, packed, LoRA rank, base weights
@@ -485,12 +511,16 @@ def test_lora_shrinks_grads_and_optimizer_to_the_adapters():
     # rank x (in + out) for q, k, v, o, gate, up, down, per layer
     adapters = 16 * 28 * ((1024 + 2048) + 2 * (1024 + 1024) + (2048 + 1024) + 2 * (1024 + 3072) + (3072 + 1024))
     assert shape.lora_parameters(16) == adapters == 10_092_544
-    full, lora = estimate(shape, "single"), estimate(shape, "single", lora_rank=16)
+    full, lora = estimate(shape, "ddp"), estimate(shape, "ddp", lora_rank=16)  # one process under autocast
     assert lora.grads_bytes == adapters * 4
     assert lora.optimizer_bytes == adapters * 8
     assert lora.weights_bytes == shape.total_parameters * 2 + adapters * 4  # a bf16 base, fp32 adapters
     assert lora.compute_copy_bytes == adapters * 2  # autocast casts the adapters; the bf16 base needs no copy
     assert lora.total_bytes < full.total_bytes
+    # single-ft: bf16 adapters with fp32 masters, nothing cast
+    single = estimate(shape, "single", lora_rank=16)
+    assert (single.weights_bytes, single.master_bytes, single.grads_bytes, single.compute_copy_bytes) == (
+        (shape.total_parameters + adapters) * 2, adapters * 4, adapters * 4, 0)
     # --dtype fp32 keeps the base in fp32
     assert estimate(shape, "single", lora_rank=16, precision="fp32").weights_bytes == (
         shape.total_parameters + adapters) * 4
@@ -545,12 +575,13 @@ def test_ddp_gradients_are_its_buckets():
     # process with zero_grad(set_to_none=True) and one micro-batch has none then.
     for lora_rank in (0, 16):
         ddp = estimate("qwen3-0.6b", "ddp", 2, lora_rank=lora_rank)
-        single = estimate("qwen3-0.6b", "single", lora_rank=lora_rank)
+        single = estimate("qwen3-0.6b", "single", lora_rank=lora_rank, precision=PROJECT_BF16)  # ddp's layout
         assert ddp.buffers_bytes == 0 and ddp.model_states_bytes == single.model_states_bytes
         assert ddp.grads_held_bytes == ddp.grads_bytes and single.grads_held_bytes == 0
         assert ddp.forward_bytes == single.forward_bytes + ddp.grads_bytes
         # with two micro-batches the single process holds the first one's gradients too
-        assert estimate("qwen3-0.6b", "single", lora_rank=lora_rank, grad_accum=2).total_bytes == ddp.total_bytes
+        assert estimate("qwen3-0.6b", "single", lora_rank=lora_rank, grad_accum=2,
+                        precision=PROJECT_BF16).total_bytes == ddp.total_bytes
 
 
 def test_fsdp_units_and_gradients_by_hand():
@@ -884,17 +915,18 @@ def test_qwen3_4b_on_one_80gb_gpu_peaks_at_the_optimizer_step():
     # Full SFT of 4B on one 80 GB GPU (72 GiB usable). Without checkpointing even one micro-batch is too much once
     # gradients accumulate over 8 of them (4 P of fp32 gradients held at every backward after the first), and 8 rows
     # in one micro-batch keep 31.8 GiB of activations. With checkpointing, 8 rows in one micro-batch: no gradient
-    # exists at the start of backward, and the peak is the optimizer step, every model state at once: 16 P bytes.
+    # exists at the start of backward, and the peak is the optimizer step, every model state at once: 16 P bytes (the
+    # fp32 masters, gradients and AdamW moments; single-ft frees its bf16 weights for the step, common/precision.py).
     advice = recommend("qwen3-4b", 1, 80, kv_expanded=False)
     assert (advice.strategy, advice.activation_checkpointing, advice.rung.micro_batch_size) == ("single", True, 8)
     assert advice.choice.peak_phase == "optimizer step"
     assert advice.choice.total_bytes == 16 * QWEN3_4B_PARAMETERS
     start = advice.choice
-    assert start.forward_bytes == (4 + 8) * QWEN3_4B_PARAMETERS + 2 * (QWEN3_4B_PARAMETERS - QWEN3_4B_NORMS) \
-        + start.activations_bytes + start.logits_bytes  # weights, AdamW, autocast's copies: no gradient yet
-    # the fused loss: one chunk of logits, the loss tokens' hidden states (fp32, bf16 cast, bf16 gradient), the head's
+    assert start.forward_bytes == (2 + 4 + 8) * QWEN3_4B_PARAMETERS \
+        + start.activations_bytes + start.logits_bytes  # bf16 weights, fp32 masters, AdamW: no gradient yet
+    # the fused loss: one chunk of logits, the loss tokens' hidden states (bf16, its cast, its gradient), the head's
     # fp32 weight gradient
-    assert start.logits_bytes == 1024 * 151_936 * (2 + 2) + 8 * 1024 * 2560 * (4 + 2 * 2) + 151_936 * 2560 * 4
+    assert start.logits_bytes == 1024 * 151_936 * (2 + 2) + 8 * 1024 * 2560 * (2 + 2 * 2) + 151_936 * 2560 * 4
     assert not estimate("qwen3-4b", "single", micro_batch_size=1, grad_accum=8, attention="flash",
                         loss_chunk_tokens=1024, compile=True).fits(80)
 
@@ -1240,12 +1272,13 @@ def test_ep_model_states_by_hand():
     assert (ep.weights_bytes, ep.grads_bytes, ep.optimizer_bytes, ep.master_bytes) == (4 * held, 4 * held,
                                                                                       8 * held, 0)
     one = estimate(shape, "ep", 1)
-    assert one.model_states_bytes == estimate(shape, "single").model_states_bytes == 16 * shape.total_parameters
+    assert one.model_states_bytes == 16 * shape.total_parameters
+    assert estimate(shape, "single").model_states_bytes == 18 * shape.total_parameters  # bf16 weights, fp32 masters
     # bf16 copies: autocast's of the attention, routers and LM head; ep-ft's own of its experts, every layer's
-    # (one layer's with checkpointing). single's experts compute in fp32 (grouped_mm is not autocast-aware).
+    # (one layer's with checkpointing). single computes in its bf16 weights (common/precision.py): no copies.
     attention_and_router = 48 * (2048 * 4096 + 2 * 2048 * 512 + 4096 * 2048 + 2048 * 128)
     lm_head = 151_936 * 2048
-    assert estimate(shape, "single").compute_copy_bytes == 2 * (attention_and_router + lm_head)
+    assert estimate(shape, "single").compute_copy_bytes == 0
     assert ep.compute_copy_bytes == 2 * (attention_and_router + lm_head + experts // 8)
     assert estimate(shape, "ep", 8, activation_checkpointing=True).compute_copy_bytes == 2 * (
         attention_and_router + lm_head + experts // 8 // 48)
@@ -1504,3 +1537,17 @@ def test_cli_says_in_words_when_only_adapters_fit_and_prices_qlora_in_4_bits(cap
     main(["--model", "qwen3-4b", "--gpu-mem-gib", "80"])  # full fine-tuning fits: no such line, no adapters in the rows
     out = capsys.readouterr().out
     assert "fits nowhere" not in out and "LoRA r" not in out.split("recommendation:")[0]
+
+
+def test_predict_run_prices_single_ft_by_the_layout_its_run_had():
+    """summary.json's `master_weights` names single-ft's bf16 weights with fp32 masters (common/precision.py); a run
+    without it ran fp32 weights under autocast (the committed GPU runs) and is priced so."""
+    run = json.loads((REPO_ROOT / "devlog" / "data" / "2026-11-26-gpu-suite-nvidia-h200" /
+                      "single-ft-s1024-full-5-micro8" / "summary.json").read_text())
+    assert "master_weights" not in run and run["config"]["dtype"] == "bf16"
+    before = predict_run(run)
+    assert before.precision is PROJECT_BF16 and before.compute_copy_bytes > 0
+    after = predict_run({**run, "master_weights": {"compute_dtype": "bfloat16", "master_dtype": "float32"}})
+    assert after.precision is MASTER_BF16 and after.compute_copy_bytes == 0
+    assert after.activations_bytes < before.activations_bytes  # a bf16 residual stream, no autocast casts saved
+    assert after.step_bytes == before.step_bytes  # the bf16 weights are freed for the step: 16 bytes either way

@@ -114,9 +114,10 @@ def test_lora_trains_only_adapters_and_merges(tmp_path, small_data, tokenizer):
 
 @pytest.mark.slow
 def test_lora_on_a_bf16_base_tracks_fp32_and_holds_what_was_predicted(tmp_path, small_data):
-    """--dtype bf16 under LoRA: the frozen base is stored in bf16 (2 bytes a weight), the adapters and their AdamW
-    state in fp32. The steps track the fp32 run's within bf16 rounding; the model states held are common.memory's
-    prediction (besides AdamW's step counters); the merged export is a bf16 model, as its base was."""
+    """--dtype bf16 under LoRA: the frozen base is stored in bf16 (2 bytes a weight), the adapters compute in bf16
+    with fp32 masters, gradients and AdamW state (common/precision.py). The steps track the fp32 run's within bf16
+    rounding; the model states held are common.memory's prediction (besides AdamW's step counters); the merged
+    export is a bf16 model, as its base was."""
     export = tmp_path / "merged"
     lora = ("--steps", 4, "--micro-batch-size", 2, "--lora-rank", 4)
     fp32_summary, fp32 = run(tmp_path, "fp32", small_data, *lora)
@@ -124,7 +125,7 @@ def test_lora_on_a_bf16_base_tracks_fp32_and_holds_what_was_predicted(tmp_path, 
     assert bf16 == pytest.approx(fp32, rel=2e-2) and bf16 != pytest.approx(fp32, rel=1e-6)
     adapters, base = summary["model"]["trainable_parameters"], summary["model"]["parameters"]
     (held,) = summary["state_bytes_per_rank"]
-    assert held["weights"] == 2 * base + 4 * adapters and held["grads"] == 4 * adapters
+    assert held["weights"] == 2 * (base + adapters) and held["grads"] == held["master"] == 4 * adapters
     assert fp32_summary["state_bytes_per_rank"][0]["weights"] == 4 * (base + adapters)
     assert {**held, "optimizer": held["optimizer"] - 4 * 2 * 4 * 7} == predict_state_bytes(summary)[0]
     model = AutoModelForCausalLM.from_pretrained(export)
@@ -184,6 +185,29 @@ def test_resume_equals_the_uninterrupted_run(tmp_path, small_data):
     assert first_half == pytest.approx(uninterrupted, rel=1e-5)
     assert len(resumed) == 3
     assert resumed == pytest.approx(uninterrupted[3:], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [(), ("--lora-rank", 4)], ids=["full", "lora"])
+def test_bf16_resume_continues_exactly_and_exports_the_fp32_masters(tmp_path, small_data, lora):
+    """--dtype bf16: bf16 weights, fp32 masters (common/precision.py). A checkpoint holds the masters and AdamW's
+    state (a LoRA run's bf16 base too), so the resumed steps are the uninterrupted run's, bit for bit (weights
+    rebuilt from the bf16 ones would have lost the masters' low bits). The states held are common.memory's
+    prediction; --save-hf writes the fp32 masters, as it wrote the fp32 weights under autocast."""
+    args = ("--steps", 4, "--warmup-steps", 2, "--dtype", "bf16", *lora)
+    summary, uninterrupted = run(tmp_path, "whole", small_data, *args, "--checkpoint-every", 2,
+                                 "--save-hf", tmp_path / "hf")
+    _, resumed = run(tmp_path, "resumed", small_data, *args, "--resume", tmp_path / "whole" / "checkpoints" / "step-2")
+    assert resumed == uninterrupted[2:]
+    assert summary["master_weights"]["master_dtype"] == "float32"
+    (held,) = summary["state_bytes_per_rank"]
+    trainable, frozen = summary["model"]["trainable_parameters"], summary["model"]["parameters"] if lora else 0
+    assert (held["weights"], held["grads"], held["master"]) == (2 * (trainable + frozen), 4 * trainable, 4 * trainable)
+    counters = 4 * summary["master_weights"]["tensors"]  # AdamW's fp32 step, one per tensor, which it does not price
+    assert {**held, "optimizer": held["optimizer"] - counters} == predict_state_bytes(summary)[0]
+    if not lora:
+        exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").get_output_embeddings().weight
+        assert exported.dtype == torch.float32 and not torch.equal(exported, exported.bfloat16().float())
 
 
 @pytest.mark.slow

@@ -96,15 +96,16 @@ def describe_precisions(strategies: list[str], precision: BytesPerParam | str, q
 
 def describe_activations(shape: ModelShape, precision: BytesPerParam, tokens: int, seq_len: int, attention: str,
                          lora_rank: int, compiled: bool = False) -> str:
-    """The per-layer activation terms for the single/ddp regime, in bytes per token and in MiB per micro-batch."""
-    autocast = uses_autocast("single", precision)
+    """The per-layer activation terms for the ddp regime (autocast; single for a mixture of experts, which ddp does not
+    train), in bytes per token and in MiB per micro-batch."""
+    regime = "single" if shape.is_moe else "ddp"
+    autocast = uses_autocast(regime, precision)
     residual = (precision.frozen if lora_rank else precision.weights) if autocast else precision.compute
     terms = layer_activation_terms(shape, compute_bytes=precision.compute, autocast=autocast, seq_len=seq_len,
                                    attention=attention, lora_rank=lora_rank, weight_bytes=precision.weights,
                                    residual_bytes=residual, compiled=compiled)
     total = sum(terms.values())
     listed = " + ".join(f"{name.replace('_', ' ')} {value:,.0f}" for name, value in terms.items() if value)
-    regime = "single" if shape.is_moe else "single/ddp"
     how = ", ".join(["autocast" if autocast else "no autocast", attention] + ["compiled"] * compiled)
     return (f"activations per layer of {regime} ({how}): {listed} = {total:,.0f} bytes/token -> "
             f"{total * tokens / 2**20:.1f} MiB per layer per micro-batch of {tokens:,} tokens; checkpointed: "
@@ -323,7 +324,8 @@ def answer(argv: list[str] | None = None) -> int:
     print(describe_precisions([e.strategy for e in shown], precision, qlora=any(e.qlora for e in shown)))
     chosen = advice.choice
     tokens = (chosen.micro_batch_size if chosen else 1) * args.seq_len
-    print(describe_activations(shape, resolve_precision("single", precision), tokens, args.seq_len,
+    regime = "single" if shape.is_moe else "ddp"  # describe_activations' regime
+    print(describe_activations(shape, resolve_precision(regime, precision), tokens, args.seq_len,
                                "flash-expanded-kv" if args.fast and kv_expanded else "flash" if args.fast
                                else args.attention, advice.lora_rank, compiled=args.fast))
     layout = (f"micro-batches of {args.micro_batch_size} x {args.seq_len} tokens, {args.grad_accum or 1} per step"

@@ -12,7 +12,8 @@ The peak. A step passes through two high points, and the estimate is the larger:
   gradient is written only by the last reduce-scatter). With one micro-batch and `zero_grad(set_to_none=True)`,
   single, tp and ep start backward without gradients: they grow while the activations shrink, layer by layer, so
   the backward's memory lies between its two ends.
-- the optimizer step (`step_bytes`): every model state, and the buffers that outlive backward (DeepSpeed's).
+- the optimizer step (`step_bytes`): every model state, and the buffers that outlive backward (DeepSpeed's);
+  single-ft's bf16 weights are freed for it (common/precision.py: rebuilt from the fp32 masters after it).
 The estimate's columns (weights, grads, ...) list everything a step ever holds; `total_bytes` is that peak.
 Not counted: the CUDA context and NCCL's own buffers (outside `max_memory_reserved`, hence USABLE_FRACTION), the
 caching allocator's fragmentation (reserved beyond allocated: the committed GPU runs put it at a few percent, the
@@ -82,9 +83,10 @@ the input ids and labels. tests/test_memory.py holds every GPU run committed und
      experts of every layer (DTensor Shard(0)), with their fp32 gradients and AdamW state: 16 bytes per held
      parameter under --dtype bf16 and fp32 alike, no reduce bucket counted (ep-ft all-reduces the dense gradients
      in 25 MiB flat copies, section 1's "none counted" for tp/pp). single: the whole model, as for a dense one.
-   - Compute copies. Autocast caches its bf16 casts of the attention projections, the routers and the LM head, as
-     for a dense model. torch's grouped_mm is not autocast-aware: transformers' experts (single) cast the tokens to
-     the weights' dtype, so under --dtype bf16 single-ft's experts compute in fp32 and make no copy; ep-ft casts its
+   - Compute copies. Autocast (ep) caches its bf16 casts of the attention projections, the routers and the LM head,
+     as for a dense model; single computes in its bf16 weights (common/precision.py) and makes no copy. torch's
+     grouped_mm is not autocast-aware: transformers' experts (single) cast the tokens to the weights' dtype, bf16
+     under --dtype bf16 (fp32 in single-ft's runs from before its bf16 weights, priced so); ep-ft casts its
      rows and its E / W experts of each layer to bf16 itself, copies that backward keeps (the grouped product saves
      its weight) until the layer's backward: every layer's, or with checkpointing one layer's (the recomputed one).
    - Activations, per token of one sparse layer, in place of the dense MLP's 4 c I (symbols of activations.py, and e the
@@ -113,9 +115,9 @@ from dataclasses import dataclass
 from common.memory.activations import TENSOR_PARALLEL_TERMS, layer_activation_terms, loss_bytes, \
     outside_layers_bytes_per_token
 from common.memory.states import DEEPSPEED_ALLREDUCE_BUCKET_ELEMENTS, DEEPSPEED_REDUCE_BUCKET_ELEMENTS, \
-    DEEPSPEED_STRATEGIES, ERROR_BAND, ERROR_BAND_FLOOR, FP32_BYTES, FSDP_STRATEGIES, GIB, MESH_STRATEGIES, \
-    MOE_STRATEGIES, OFFLOADED_STATES, PEAK_TESTED_FROM_GIB, PROJECT_BF16, PROJECT_FP32, QLORA, QLORA_STRATEGIES, \
-    STRATEGIES, UNIT_SHARDED, USABLE_FRACTION, ZERO3_STRATEGIES, BytesPerParam, ModelShape, \
+    DEEPSPEED_STRATEGIES, ERROR_BAND, ERROR_BAND_FLOOR, FP32_BYTES, FSDP_STRATEGIES, GIB, MASTER_BF16, \
+    MESH_STRATEGIES, MOE_STRATEGIES, OFFLOADED_STATES, PEAK_TESTED_FROM_GIB, PROJECT_BF16, PROJECT_FP32, QLORA, \
+    QLORA_STRATEGIES, STRATEGIES, UNIT_SHARDED, USABLE_FRACTION, ZERO3_STRATEGIES, BytesPerParam, ModelShape, \
     largest_trainable_parameter, model_shape, model_state_bytes, resolve_precision, zero3_gathered_elements, \
     zero3_persistent_parameters
 
@@ -243,6 +245,7 @@ class MemoryEstimate:
     seq_len: int = 1024
     loss_chunk_tokens: int = 0
     compiled: bool = False
+    released_at_step_bytes: float = 0.0  # of weights_bytes, what is freed for the optimizer step (single's bf16)
 
     @property
     def model_states_bytes(self) -> float:
@@ -261,8 +264,9 @@ class MemoryEstimate:
 
     @property
     def step_bytes(self) -> float:
-        """At the optimizer step: every model state, and the buffers that outlive backward."""
-        return self.model_states_bytes + self.step_buffers_bytes
+        """At the optimizer step: every model state (but weights freed for it), and the buffers that outlive
+        backward."""
+        return self.model_states_bytes - self.released_at_step_bytes + self.step_buffers_bytes
 
     @property
     def peak_phase(self) -> str:
@@ -513,7 +517,9 @@ def _estimate_slice(shape: ModelShape, piece: DeviceSlice, strategy: str, world_
         activations_bytes=tokens * per_token, logits_bytes=logits, buffers_bytes=buffers + step_buffers,
         cpu_bytes=cpu + cpu_buffers, cpu_buffers_bytes=cpu_buffers, note=piece.label,
         grads_held_bytes=states["grads"] if held else 0.0, step_buffers_bytes=step_buffers, qlora=qlora,
-        micro_batch_size=micro_batch_size, seq_len=seq_len, loss_chunk_tokens=loss_chunk_tokens, compiled=compiled)
+        micro_batch_size=micro_batch_size, seq_len=seq_len, loss_chunk_tokens=loss_chunk_tokens, compiled=compiled,
+        # single-ft's bf16 weights are freed before the step and rebuilt from the masters after (common/precision.py)
+        released_at_step_bytes=piece.trainable * precision.weights if precision.name == MASTER_BF16.name else 0.0)
 
 
 # The strategy each experiment runs, as its summary.json names it (zero-ft's and fsdp-ft's flags refine it).
@@ -541,11 +547,11 @@ def run_model(summary: dict) -> str:
 
 def predict_run(summary: dict) -> MemoryEstimate:
     """This model's prediction for the settings a recorded run had (its summary.json: experiment, model, batch
-    layout, attention, the chunked loss, compile, LoRA, QLoRA), so that a run measured with an earlier prediction is
-    held to the current one. A LoRA run's frozen bytes per weight are read off its own state bytes: runs made before
-    the experiments loaded a LoRA base in bf16 held it in fp32. A model folder that only existed on the machine the
-    run ran on (the peer baseline saves a preset) is priced as the preset with the run's parameter count
-    (run_model)."""
+    layout, attention, the chunked loss, compile, LoRA, QLoRA, the weights' layout), so that a run measured with an
+    earlier prediction is held to the current one. A LoRA run's frozen bytes per weight are read off its own state
+    bytes: runs made before the experiments loaded a LoRA base in bf16 held it in fp32. A model folder that only
+    existed on the machine the run ran on (the peer baseline saves a preset) is priced as the preset with the run's
+    parameter count (run_model)."""
     from dataclasses import replace
 
     from common.memory.activations import attention_kind
@@ -573,6 +579,8 @@ def predict_run(summary: dict) -> MemoryEstimate:
         world //= config.get("replicate_degree") or 1
     precision = DEEPSPEED_BF16 if experiment == "pp-ds-ft" and config["dtype"] == "bf16" else \
         strategy_precision(strategy, config["dtype"])
+    if strategy == "single" and config["dtype"] == "bf16" and not summary.get("master_weights"):
+        precision = PROJECT_BF16  # a run from before common/precision.py: fp32 weights under autocast
     if config.get("lora_rank") and not config.get("qlora") and summary.get("state_bytes_per_rank"):
         held = summary["state_bytes_per_rank"][0]["weights"]
         adapters = summary["model"]["trainable_parameters"]

@@ -38,6 +38,7 @@ from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_
     is_preset, load_model, load_model_4bit, load_tokenizer, qlora_unavailable, record_adapter_base, \
     resolve_model_name, weights_dtype
 from common.moe import RouterStats
+from common.precision import MasterWeights
 from common.step import clip_grad_norm
 
 EXPERIMENT = "single-ft"
@@ -130,8 +131,8 @@ def main(argv: list[str] | None = None) -> dict:
     print0(f"config: {json.dumps(asdict(config))}")
     torch.manual_seed(config.seed)
     attention = setup_attention(device, config.attn, print_fn=print0)
-    # bf16: fp32 weights, gradients and AdamW state (the "master weights"), matmuls in bf16 under autocast.
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if config.dtype == "bf16" else nullcontext
+    # bf16: the weights themselves are bf16 (fp32 masters below), no autocast; --qlora's fp32 adapters keep autocast.
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if config.qlora else nullcontext
 
     # ---------------------------------------------------------------------------------------------------------
     # Data: every row of every step is fixed by (seed, data, seq_len); see common/data.py.
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Model
-    # fp32 weights, their own master copy; a LoRA base under --dtype bf16 is frozen and stored in bf16 (--qlora: 4-bit).
+    # Loaded in fp32; a LoRA base under --dtype bf16 is frozen and stored in bf16 (--qlora: 4-bit).
     model = load_model_4bit(config.model, tokenizer, attention.impl, device) if config.qlora else \
         load_model(config.model, tokenizer, attention.impl, device=device, allow_moe=True,
                    dtype=weights_dtype(config.dtype, config.lora_rank))
@@ -172,8 +173,10 @@ def main(argv: list[str] | None = None) -> dict:
     decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
     moe = RouterStats.attach(model)  # a mixture of experts: each forward's load-balancing loss and expert load
     model.train()
+    # --dtype bf16: the trainable weights become bf16, AdamW updates fp32 master copies (common/precision.py).
+    masters = MasterWeights(model, torch.bfloat16 if config.dtype == "bf16" and not config.qlora else None)
     n_params = count_parameters(model.config)["total"]
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    trainable = masters.parameters  # the fp32 masters, or the model's own trainable weights (fp32, --qlora)
     n_trainable = sum(p.numel() for p in trainable)
     model_flops_per_token = flops_per_token(model.config, config.seq_len, config.lora_rank)
     print0(f"model: {config.model} | {n_params:,} parameters, {n_trainable:,} trainable | "
@@ -195,8 +198,9 @@ def main(argv: list[str] | None = None) -> dict:
     # Training loop
     sample_messages = sample_prompt(data)  # --sample-every: the turns before the first held-out answer
     # The step count is the whole data position: step k always consumes the same rows.
-    start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
+    start_step = load_checkpoint(config.resume, masters.module, optimizer, scheduler) if config.resume else 0
     if config.resume:
+        masters.copy_to_model()  # the loaded fp32 masters, rounded into the weights the forward reads
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
     # Step clock, comm_ms, the step line, metrics.jsonl, summary.json; the garbage collector on a schedule from here.
     rec = Recorder(EXPERIMENT, config, device, model.config, data, rows_per_step,
@@ -235,13 +239,15 @@ def main(argv: list[str] | None = None) -> dict:
                 loss = loss + moe.aux_loss(len(micro_batches))
             loss.backward()
             step_loss += loss.detach()
-        rec.state(step, model.parameters(), optimizer)  # every weight, its gradient, AdamW's state
+        rec.state(step, model.parameters(), optimizer, masters.copies)  # weights, gradients, AdamW, masters
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
         # The norm before clipping; the clipping itself rides on fused AdamW's step (GPU), or is done here (CPU).
         grad_norm = clip_grad_norm(optimizer, trainable, max_norm)
+        masters.free_weights()  # the bf16 weights are not read again before the next forward (common/precision.py)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        masters.copy_to_model()  # the updated fp32 masters, rounded into the weights the next forward reads
         rec.stop()
         # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together.
         values = torch.stack([step_loss, grad_norm.float()])
@@ -253,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
             completion = generate(model, tokenizer, sample_messages, device, autocast=autocast)
             print0(f"sample step {step + 1}: {completion!r}")
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
-            saved = save_checkpoint(config.out_dir, step + 1, model, optimizer, scheduler, run=plan.identity,
+            saved = save_checkpoint(config.out_dir, step + 1, masters.module, optimizer, scheduler, run=plan.identity,
                                     keep=config.keep_checkpoints)
             print0(f"checkpoint: {saved}")
 
@@ -262,10 +268,11 @@ def main(argv: list[str] | None = None) -> dict:
     eval_loss = evaluate(model, data, config.micro_batch_size, device, autocast)
     rec.eval(config.steps, eval_loss)
     # summary.json: what was measured, and the settings the predictions read from it afterwards (not in this run).
-    summary = rec.finish(attention=asdict(attention), eval_loss=eval_loss)
+    summary = rec.finish(attention=asdict(attention), eval_loss=eval_loss, master_weights=masters.summary())
 
     if config.save_hf:
         save_dir = Path(config.save_hf)
+        masters.restore_masters()  # the fp32 weights, as an export under autocast wrote them
         if config.lora_rank and config.merge_lora:
             model = model.merge_and_unload()
         model.save_pretrained(save_dir)  # safetensors; a peft model writes only its adapter
