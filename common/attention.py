@@ -1,60 +1,7 @@
 """Which attention kernel to use on this device, decided once and printed with its reason.
 
 Every experiment calls `setup_attention(device, config.attn)` before building the model and passes
-`choice.impl` to transformers as `attn_implementation`. The choice, per device:
-
-- CPU: transformers' "sdpa", i.e. PyTorch's fused CPU kernel with the math kernel as fallback.
-- NVIDIA: "sdpa" with every PyTorch backend enabled (flash, memory-efficient, cuDNN, math); PyTorch picks
-  the fastest one that applies to each call.
-- AMD MI200 (gfx90a), MI300 (gfx942), MI350 (gfx950): "sdpa" with flash, memory-efficient and math.
-  PyTorch's ROCm flash and memory-efficient kernels come from AOTriton, which is built for these archs.
-  cuDNN does not exist on ROCm.
-- AMD MI100 (gfx908) and MI50/MI60 (gfx906): AOTriton is not built for them, so PyTorch rejects its flash
-  and memory-efficient kernels there ("Flash attention was not compiled for current AMD GPU architecture",
-  `check_flash_attention_hardware_support` in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp). Even
-  where they exist, PyTorch's ROCm memory-efficient kernel takes no grouped-query attention (it is built with
-  `supports_gqa = false` in that file), and Qwen3 uses GQA. So these archs get only the math backend, through
-  "sdpa_math_expanded_kv": a copy of transformers' SDPA path that first expands the KV heads to the query
-  head count (like `repeat_kv`) and then runs SDPA pinned to the math kernel. What goes into the kernel
-  is then the same on every device: full-head q, k, v and the same mask.
-- Any other ROCm arch: not in the table above, so we assume nothing and take the gfx908 path.
-
-`--attn sdpa|eager|flash|varlen|flex` overrides "auto". "flash" is transformers' "flash_attention_2" and needs the
-`flash_attn` package. An override that cannot work on the device (flash on CPU) stops the run with a clear
-error instead of falling back without saying so.
-
-"varlen" treats a packed row as what it is, a list of separate documents: each attention call gets the
-cumulative document lengths (`cu_seq_lens`, built once per micro-batch on the host from the restarted
-position_ids, see `document_kwargs`) and runs a variable-length kernel over the flattened tokens. There is no
-[seq x seq] mask to build, keep for backward or read in every layer, no K/V repeated for GQA where the kernel
-takes grouped heads, and no FLOP spent on the masked-out blocks between documents. The kernel, chosen once:
-- NVIDIA: PyTorch's own `torch.nn.attention.varlen.varlen_attn` (torch 2.10+), else flash-attn's
-  `flash_attn_varlen_func` when that package is installed, else FlexAttention with a document mask (compiled;
-  the code of "flex" below, the flattened tokens taken as one row).
-  "auto" picks varlen on NVIDIA when one of the first two exists (the FlexAttention fallback is only as fast as
-  its compilation, so it is never picked silently).
-- CPU, and ROCm archs without a fused kernel (gfx906/gfx908): a reference that runs SDPA once per document with
-  a plain causal mask. It is the same plumbing as the GPU kernels (same kwargs, same layout), which is what lets
-  the CPU tests prove that `--attn varlen` computes the same losses as the masked SDPA path.
-- ROCm MI200/MI300/MI350: torch's varlen_attn where the installed torch has it (not run by this project yet),
-  else the reference.
-
-"flex" keeps the packed row's shape: every attention call runs PyTorch's FlexAttention over [batch, heads, seq,
-d] with a block mask built once per micro-batch from the row's document ids (`flex_kwargs`: same document and
-causal). Blocks of 128 x 128 query/key positions that the mask leaves empty are skipped, partly filled ones are
-masked inside the kernel, and every tensor has the same shape whatever the number of documents: a compiled step
-does not recompile when that number changes. FlexAttention is compiled (a fused Triton kernel) on a GPU; on CPU
-the installed torch runs its forward only (no backward), so the CPU tests check its forward and training with it
-is refused there.
-
-Neither varlen nor flex registers a mask function with transformers: the documents reach the kernel through the
-model call's keyword arguments, and without a registered mask function transformers builds no mask and does not look
-for packed rows in position_ids, a check that reads a flag back from the device in every forward. The SDPA path does
-need that check: packed rows (several conversations in one row) rely on transformers building a block-diagonal mask
-from position_ids that restart at 0, which it only does when attention_mask is None and the attention
-implementation has a mask function registered. The custom SDPA attention therefore registers transformers' own
-`sdpa_mask` under its name (see `register_math_expanded_kv_attention`).
-"""
+`choice.impl` to transformers. The choice per device, varlen and flex: see common/README.md."""
 
 import functools
 import importlib.util

@@ -1,35 +1,6 @@
 """Sharded, atomic training checkpoints with torch.distributed.checkpoint (DCP).
 
-A checkpoint is the folder `<out-dir>/checkpoints/step-<k>/` holding:
-- the model and optimizer state, written by DCP: each rank writes only the shards it owns (an FSDP rank its
-  parameter shards, a DDP or single process its full copy, deduplicated by DCP so rank 0 writes replicated
-  tensors once), plus DCP's metadata file;
-- `trainer_state_rank<r>.pt` per rank: the step (which fixes the data position, since step k always consumes
-  the same rows), the LR scheduler and the RNG states.
-
-- `run.json`: what the run was (experiment, model, data, sequence length, rows per step, seed, LoRA rank): a resume
-  that differs in any of them stops and says which (common.cli.plan_run), unless --resume-anyway.
-
-`--resume` takes a step-<k> folder, a run folder (its newest complete checkpoint) or `latest` (the newest complete
-checkpoint of this experiment's runs under ./runs): find_checkpoint. A checkpoint is checked before it is loaded
-(checkpoint_problem: every file DCP's metadata names is there and of the size written, run.json and the trainer state
-readable); a run folder or `latest` falls back to the newest checkpoint that passes and says which it skipped and why.
-
-`--keep-checkpoints N` keeps the newest N complete checkpoints of the run: the older ones are deleted once a new one
-is published (never the one this process resumed from).
-
-The trainer state holds tensors and plain types only (the RNG states as tensors), read with weights_only=True: a file
-that needs more (arbitrary pickled objects) is refused, never executed.
-
-Atomicity: everything is written to `step-<k>.tmp/` and renamed to `step-<k>/` by rank 0 only after every rank has
-finished. A crash mid-save leaves a `.tmp` folder that is never read (and is cleared by the next save of that step);
-the previous `step-<j>/` stays intact. On a shared filesystem a directory rename is atomic, so a reader sees either
-no checkpoint or a complete one.
-
-get_state_dict / set_state_dict (torch.distributed.checkpoint.state_dict) give the same keys for a plain module,
-DDP, FSDP2, DTensor tensor parallelism and pipeline stages, so a checkpoint written by one layout can be read by
-another of the same parameters: fsdp-ft written on 2 ranks resumes on 1, on 4, or as HSDP (tests/test_multinode.py).
-"""
+Layout of a checkpoint, --resume, atomicity and resharding: see common/README.md."""
 
 from __future__ import annotations
 

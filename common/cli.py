@@ -1,18 +1,6 @@
 """The command line every experiment shares: its Config's flags, --help, one-line errors, and a run's plan.
 
-Each train.py declares one `@dataclass Config` with a comment on every field. This module reads that class from the
-script's source (ast and tokenize; it imports neither torch nor transformers), so that
-- `--help` prints every flag with its meaning (the field's comment) and default, in well under a second: the script
-  calls `stop_early(__name__, __file__)` before its heavy imports;
-- a flag mistake stops with one line that names the flag and what it allows, before anything loads: an unknown flag
-  (with the closest known one), a value of the wrong type or out of range, an inconsistent pair;
-- dashes and underscores are both accepted (`--seq-len`, `--seq_len`); a bool field is `--flag` (or `--flag false`)
-  and, when it defaults to on, also `--no-flag`.
-A run that stops (SystemExit with a message) under torchrun prints its line on rank 0 only and leaves it in
-torchrun's error file, so the launcher's failure summary ends with the same line instead of "To enable traceback
-see ...": `run(main)` at the bottom of each script. A refusal of the input (InputError: bad flags, bad training data,
-a model or world size the strategy cannot take) is the same on every rank: rank 0 alone reports it, exit status 2.
-"""
+Reads the Config from the script's source (no torch import): see common/README.md."""
 
 from __future__ import annotations
 

@@ -1,25 +1,6 @@
 """SFT data: records -> chat template -> token ids and loss labels -> packed rows -> deterministic batches.
 
-The semantics here are the contract every experiment shares (the tests hold each one to it):
-- --data is a JSONL file or folder (read here), or a .json, .parquet, .csv or .arrow file, a save_to_disk folder
-  or a hub id (read by `datasets`, memory-mapped and cached). Records are {"messages": [...]} (roles
-  system/user/assistant, an assistant turn may carry "reasoning_content"), ShareGPT {"conversations":
-  [{"from": "human"|"gpt"|"system", "value"}]}, {"instruction", "input"?, "output"} or {"prompt", "completion"};
-  --data-columns renames other columns to these. Bad input stops the run before training with
-  `<file>:<line>: <what is wrong>` (`<file>: row <n>:` where the format has no lines).
-- Text is rendered with the tokenizer's own chat template; only assistant tokens (and the <|im_end|> that closes
-  each assistant turn, so the model learns to stop) carry loss. Where an assistant turn starts comes from the
-  template's rendering of the turns before it (`assistant_spans`), so the hub's Qwen3 template works as it is,
-  with thinking on, off or mixed; an empty <think></think> block is prompt, not content (--train-empty-think).
-  A run in which no end-of-turn token carries loss stops.
-- `labels` are already shifted: labels[t] is the token that should follow input t, or -100. Shifting per
-  conversation (not per row) means the last token of one packed conversation never predicts the first of the next.
-- Packing puts whole conversations into rows of seq_len tokens (first-fit); position_ids restart at 0 for
-  each conversation, which is what lets transformers' SDPA/eager attention keep them apart when attention_mask is
-  None. A conversation longer than seq_len is truncated, and counted.
-- Optimizer step k consumes rows [k*B, (k+1)*B) of a fixed row sequence (B = micro x accum x data-parallel ranks),
-  so any split of the same B is the same step, and the loss is sum(token losses) / number of loss tokens in the step.
-"""
+The contract every experiment shares (formats, loss mask, shifted labels, packing, steps): see common/README.md."""
 
 from __future__ import annotations
 

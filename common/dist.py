@@ -1,24 +1,6 @@
 """Process-group setup, device choice, rank-0 printing, the collective watchdog and teardown.
 
-Every experiment runs either as a plain process (`python train.py`) or under torchrun, which sets RANK,
-WORLD_SIZE and LOCAL_RANK. On a GPU machine the backend is NCCL (RCCL on ROCm, where torch.cuda and "nccl" map
-to AMD's libraries); on a CPU-only machine it is gloo, so the same scripts and tests run anywhere.
-
-A rank that is lost (killed, frozen, cut off from the others) must not leave the others waiting forever in their
-next collective. Every experiment's `--collective-timeout-s` is the process group's timeout: how long one collective
-may wait for the other ranks.
-- gloo: the waiting collective raises after the timeout, or at once when the peer's process is gone (its sockets
-  close). The rank then prints one line that names itself, the collective (from PyTorch's flight recorder, which
-  records gloo's collectives in torch 2.15; else the torch.distributed call it was in) and the ranks that stopped
-  answering, and exits without tearing down a group that a peer will never join again. Which ranks stopped: every
-  rank adds to a counter in the launch's store every HEARTBEAT_S seconds from a thread of its own (a rank blocked in
-  a collective has released the GIL, so its thread goes on); the counters that no longer move are the lost ranks.
-- NCCL: PyTorch's watchdog thread does the waiting. With async error handling it ends the process after the
-  timeout, logging the collective (sequence number, type, sizes), and its flight recorder (the ring of the last
-  collectives of every group) is dumped beforehand into `<out-dir>/flight_recorder/rank_<r>` (see
-  record_collectives_in); torch.distributed.flight_recorder's analyzer reads those files and names the rank that
-  fell behind.
-"""
+How a lost rank ends the run under gloo and NCCL: see common/README.md."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""Expert parallelism's bookkeeping (experiments/ep-ft): what its script calls besides the exchange itself, which
-stays in the script (ExpertParallelExperts and shard_experts).
-
-- grouped_linear: the products of a rank's experts, each on the rows routed to it.
-- all_reduce_in_buckets: the replicated (dense) gradients summed over the ranks once per step, in a few large calls.
-  Not DDP: DDP reduces every parameter it wraps and averages, while the experts' gradients, complete on their owner,
-  must be left alone, and the step needs sums.
-- clip_expert_parallel_grad_norm: the global gradient norm with the dense part counted once and the experts' squares
-  summed over their owners.
-- Dispatches: the rows each expert block sent to each rank, which summary.json keeps (common.comm prices them).
-"""
+"""Expert parallelism's bookkeeping (experiments/ep-ft) besides the exchange itself, which stays in the script
+(common/README.md)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Generation from a model being trained or exported: the chat prompt, the end-of-turn stop, greedy or sampled.
-
-Used by --sample-every in the experiments and by experiments/infer.py. The model is called as transformers
-generates (with its KV cache), not as training calls it (packed rows, no cache).
-"""
+"""Generation from a model being trained or exported (--sample-every, experiments/infer.py): the chat prompt,
+the end-of-turn stop, greedy or sampled, with transformers' KV cache."""
 
 from __future__ import annotations
 

@@ -1,36 +1,5 @@
-"""The LM head and its cross-entropy without ever holding the [tokens x vocabulary] logits: a fused loss (what
-`--loss-chunk-tokens` runs) and the chunked, recomputing reference it is tested against.
-
-The plain loss (common/data.py's `token_loss_sum`) multiplies every position's final hidden state by the LM head,
-then takes cross-entropy over the whole logits tensor. With Qwen3's 151,936-token vocabulary that is the largest
-activation of a small model: for Qwen3-0.6B at micro-batch 1 x 4,096 tokens, fp32 logits alone are
-4,096 x 151,936 x 4 B = 2.5 GB; in bf16 training the step holds the bf16 logits (1.2 GB), their fp32 copy and the
-fp32 log-softmax kept for backward (2.5 GB each), and backward allocates the same sizes again for their gradients.
-
-Both functions here give the same number and the same gradients as the plain loss while saving two things:
-- memory: logits and softmax buffers exist for one chunk of `chunk_tokens` tokens at a time;
-- compute: positions whose label is -100 (prompts, system turns, padding: only assistant tokens carry loss) never
-  go through the LM head (summary.json's data.train_loss_tokens over the row slots says how many positions do).
-
-`fused_linear_cross_entropy` (the one the experiments run) computes the gradients during the forward pass. For each
-chunk: the logits (one GEMM, in the compute dtype), their log-sum-exp and loss in fp32, and at once the gradient of
-the logits, softmax - one_hot, already multiplied by the step's 1 / loss tokens; from it the gradient of the chunk's
-hidden states (a second GEMM) and the chunk's share of the head's weight gradient (a third, accumulated in fp32).
-Backward then only hands the two stored gradients on. The head costs 6*d*V FLOPs per loss token, as in the plain
-loss, and nothing is recomputed; the weight is cast to the compute dtype once per call, not once per chunk. What it
-holds from forward to backward: the gradient of the loss tokens' hidden states ([n_loss, d]) and, when the head is
-trained, an fp32 weight gradient ([V, d], 0.6 GB for Qwen3-0.6B); for one chunk at a time, its logits and their
-gradient in the compute dtype (run eagerly, as on the CPU, fp32 temporaries of the chunk's shape too). The scale
-(1 / the step's loss tokens) comes in as a tensor, so nothing is read back to the host, and on a GPU the per-chunk
-arithmetic is compiled (a reduction and one element-wise kernel) whatever the scale's value. This is the scheme of
-Liger-Kernel's fused linear cross-entropy and, in spirit, of cut-cross-entropy (which never writes the logits at all);
-the GPU suite's probe times the three on the real shapes (assets/gpu_suite.py). Those two are Triton kernels, which do
-not run on CPU; this is plain PyTorch, so the CPU tests run the same code the GPU runs (uncompiled).
-
-`chunked_token_loss_sum` is the reference: it keeps only the loss tokens' hidden states for backward and recomputes
-each chunk's logits there (torch.utils.checkpoint): 8*d*V FLOPs per loss token. tests/test_loss.py holds both to the
-plain loss and its gradients.
-"""
+"""The LM head and its cross-entropy without the [tokens x vocabulary] logits: the fused loss that
+`--loss-chunk-tokens` runs, and the chunked, recomputing reference it is tested against (common/README.md)."""
 
 from __future__ import annotations
 

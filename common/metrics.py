@@ -1,33 +1,5 @@
-"""Step timing, communication time, tokens/s, peak memory and MFU; the step line; metrics.jsonl and summary.json.
-
-Definitions (the same in every experiment):
-- step_ms: wall time of one optimizer step (forward, backward, communication, optimizer), excluding data loading:
-  on a GPU two CUDA events around the step (StepClock), read after the step's one host read, with no synchronisation
-  of their own; on a CPU, perf_counter.
-- comm_ms: time inside collectives per step, from torch.profiler over a window of steps: NCCL/RCCL kernels on
-  the GPU timeline, gloo's own events on CPU. Overlapping intervals are merged, so a collective that runs while
-  the GPU also computes is counted once. Profiling slows the steps it covers, so those steps are left out of the
-  step_ms, tokens/s and MFU averages (summary.json lists them as `profiled_steps`); the same window counts the
-  collectives by kind and the bytes each one was handed (`collectives_per_step`, `collective_bytes_per_step`).
-- state bytes: the weights, gradients and optimizer state a rank holds, summed from its local tensors
-  (`state_bytes`), to set beside common.memory's prediction.
-- tokens/s: real (non-pad) tokens of the step over all ranks / step time; in summary.json, the timed steps'
-  tokens over their summed time (not the mean of per-step rates, which a few fast steps would inflate).
-- peak memory: torch.cuda.max_memory_reserved() per device; on CPU the process's peak resident set size.
-- MFU: the step's training FLOPs / step time / (dense bf16 peak per device x devices). The FLOPs are those of the
-  work the step does (common/models.py's training_flops): 6 per trained weight and 4 per frozen one per token, and
-  attention per document of each packed row, from the step's conversation lengths (`flops` in metrics.jsonl); the
-  LM head on every real token, or, under the fused loss (--loss-chunk-tokens), on the step's loss tokens only, the
-  only ones it runs on (summary.json's `lm_head_flops_on` says which). In
-  summary.json, the timed steps' FLOPs over their time; `flops_per_token` is their FLOPs per real token, and
-  `mfu_dense` the MFU of the model's figure with every token attending to its whole row (model.flops_per_token).
-  A GPU missing from the peak table gets null, said once on rank 0.
-- gc_ms: time in Python's garbage collector between two step lines (common/step.py schedules the collections).
-- compiles: frames torch.compile compiled between two step lines; summary.json's `recompiles` counts those after the
-  first optimizer step (once every compiled region has run, a compilation means a changed shape or guard), and
-  `warmup_steps_observed` the leading steps slower than 1.5x the median of the run's second half (compilation,
-  allocator growth): when it exceeds the configured warm-up, the averages include unsettled steps.
-"""
+"""The recorder: step time, comm time, tokens/s, peak memory and MFU; the step line; metrics.jsonl and
+summary.json. The definition of every field: see common/README.md."""
 
 from __future__ import annotations
 

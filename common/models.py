@@ -1,20 +1,6 @@
-"""Model and tokenizer loading, parameter counts and training FLOPs per token.
+"""Model and tokenizer loading (presets, hub ids, local folders), parameter counts and training FLOPs per token.
 
-`--model` takes one of:
-- a preset: `qwen3-tiny`, `qwen3-0.6b`, `qwen3-1.7b`, `qwen3-4b` (and the larger published sizes `qwen3-8b`,
-  `qwen3-14b`, `qwen3-32b`, for pricing them in common.memory). The real sizes use the published Qwen3
-  geometry (hidden size, layers, heads, KV heads, head_dim, MLP width, vocabulary, tied embeddings, RoPE base) with
-  random weights, so throughput and memory are those of the real model without downloading it; `qwen3-tiny` is
-  the same architecture at ~5M parameters for CPU runs and tests. The mixture-of-experts presets build
-  transformers' Qwen3-MoE model: `qwen3-30b-a3b` and `qwen3-235b-a22b` (the published geometries: 128 experts,
-  8 per token) and `qwen3-moe-tiny` (8 experts, 2 per token, ~8M parameters, for CPU runs and tests). Presets use
-  the byte-level BPE tokenizer in assets/tokenizer/ (8k tokens; the larger embedding tables of the real sizes have
-  unused rows).
-- a hub id such as `Qwen/Qwen3-0.6B-Base` (downloaded by transformers, or read from its cache when offline: when
-  the Hub cannot be reached, a cached model loads at once and an uncached one stops in seconds with the fix);
-- a local folder written by `save_pretrained` (or by any experiment's `--save-hf`); it is recorded by its absolute
-  path, so a LoRA adapter trained on it names a base that loads from any working directory.
-"""
+What --model takes: see common/README.md."""
 
 from __future__ import annotations
 

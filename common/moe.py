@@ -1,22 +1,5 @@
-"""Mixture of experts: the router's load-balancing loss and the tokens each expert receives, per layer.
-
-Qwen3-MoE (transformers' Qwen3MoeForCausalLM) replaces every MLP with a sparse block: a linear router scores the
-E experts for each token, the top k are kept (their probabilities renormalised), and the token's output is the
-weighted sum of those k experts' SwiGLU outputs. Two things come with it that a dense model does not have:
-
-- the auxiliary load-balancing loss (Switch Transformer, eq. 4-6; transformers' `load_balancing_loss_func`):
-  E x sum_i f_i P_i, with f_i the share of the routed (token, slot) pairs that went to expert i and P_i the mean
-  router probability of expert i, both over every layer's tokens of one forward. It is smallest when the load is
-  even; the model adds `router_aux_loss_coef` (0.001 for Qwen3-MoE) times it to the loss. It is computed per
-  forward (per micro-batch), so unlike the token loss it depends on how B is split: the experiments here define
-  the step's aux loss as the mean over the step's micro-batches, which equals across strategies that run the same
-  micro-batches (single-ft with grad_accum G x W and ep-ft on W ranks with grad_accum G, same micro-batch size).
-- the load: how many tokens each expert of each layer received, the number expert parallelism's all-to-all and
-  the experts' matmuls are sized by.
-
-RouterStats reads both from forward hooks on the routers, so the model's code is untouched and single-ft and ep-ft
-count the same way.
-"""
+"""Mixture of experts: the router's load-balancing loss and the tokens each expert receives, per layer
+(common/README.md)."""
 
 from __future__ import annotations
 

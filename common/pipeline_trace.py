@@ -1,18 +1,5 @@
-"""What only a pipeline measures: the bubble per rank, one step's schedule as a timeline, and what each rank holds.
-
-pp-ft hands its stages and its loss function to `PipelineTrace`, which times every compute action of this rank's
-stages inside the schedule, and calls `start(step, labels)` / `stop()` around `schedule.step`; `finish(rec)`
-gathers every rank's numbers into summary.json's pipeline fields (the textbook bubble beside them is a prediction,
-common.comm.predict_bubble, computed from summary.json where it is shown):
-
-- bubble_fraction(_per_rank), busy_ms_per_rank, schedule_ms_per_rank: per rank, busy = compute inside the schedule,
-  idle = the rest of the schedule's wall time (waiting for a neighbour's activation or gradient, plus any transfer
-  that does not overlap with compute), averaged over the measured steps that torch.profiler did not slow down;
-- schedule_trace: every rank's actions of one step on one time axis (the last measured step not profiled);
-- peak_mem_gib_per_rank, collective_bytes_per_step_per_rank (`per_rank_measures`, pp-ds-ft's too): stages hold
-  different layers and, under 1F1B, a different number of micro-batches' activations, and the step line shows only
-  rank 0's memory.
-"""
+"""What only a pipeline measures: the bubble per rank, one step's schedule as a timeline, and what each
+rank holds (common/README.md)."""
 
 from __future__ import annotations
 

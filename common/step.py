@@ -1,23 +1,5 @@
-"""Two things a fast training step needs besides data, attention and the loss: no pause from Python's garbage
-collector in the middle of a step, and gradient clipping without a pass of its own over the gradients.
-
-Garbage collection. CPython collects cyclic garbage when allocations cross a threshold, wherever the program is: in
-a process that holds torch and transformers, a full collection walks millions of objects and takes hundreds of
-milliseconds, and it lands in whichever step happens to allocate at that moment (on a GPU, with the device waiting
-for the host). `GarbageCollection` follows torchtitan's policy (torchtitan/tools/utils.py): once the set-up is done,
-collect, freeze what survived (`gc.freeze()`: the model's modules, the libraries' objects, the data) into the
-permanent generation that no collection scans again, turn automatic collection off, and run a young-generation
-collection (`gc.collect(1)`) every `every_steps` steps, before the step's clock starts. MetricsLogger times every
-collection (`gc_ms` in metrics.jsonl), so a slow step can still be told apart from a slow collection.
-
-Clipping. torch.nn.utils.clip_grad_norm_ computes the global norm (one pass that reads every gradient) and then
-multiplies every gradient by min(1, max_norm / norm) (a second pass that reads and writes them all). PyTorch's fused
-AdamW already reads every gradient once more, and it can divide them by a device scalar on the way: the `grad_scale`
-it takes from torch.amp.GradScaler to unscale fp16 gradients. `clip_grad_norm` computes the norm and hands the
-fused step 1 / min(1, max_norm / norm) as that scalar, so the clipped gradients are never written: the same update
-up to rounding (tests/test_step.py), one pass over the gradients fewer, no host read. Where the optimizer is not the
-fused one (CPU runs, DTensor-sharded parameters), it clips as clip_grad_norm_ does.
-"""
+"""A fast step's two helpers: garbage collection between steps, never inside one, and gradient clipping folded
+into the fused AdamW step (common/README.md)."""
 
 from __future__ import annotations
 
