@@ -20,11 +20,9 @@ import torch.distributed as dist
 
 from common.cli import FlagError
 
-# A collective that waits this long for a peer ends the run. Long enough for what one rank legitimately does while the
-# others wait (rank 0 reading or writing a model, the first step's compilation, a loaded 2-core CI machine), short
-# enough that a lost rank costs minutes, not the hours until a job's time limit. PyTorch's own default for NCCL.
+# A collective that waits this long for a peer ends the run (PyTorch's NCCL default; why: common/README.md).
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
-HEARTBEAT_S = 2.0  # seconds between two heartbeats of a rank (see the module docstring)
+HEARTBEAT_S = 2.0  # seconds between two heartbeats of a rank (common/README.md)
 
 
 @dataclass(frozen=True)
@@ -45,13 +43,8 @@ _created_group = False  # whether init_distributed created the default group (an
 
 def init_distributed(collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, *,
                      group_of_one: bool = False) -> DistInfo:
-    """Create the default process group when launched by torchrun; pick this rank's device.
-
-    `collective_timeout_s` (--collective-timeout-s) bounds every collective's wait for the other ranks (module
-    docstring). If a group already exists (a test driver running several configurations in one launch), it is
-    reused as it is. `group_of_one`: a strategy whose code needs a group (DeviceMesh, DTensor, fully_shard) gets one
-    of a single rank in a plain `python train.py` too (CPU tensors through gloo beside NCCL); teardown() ends it.
-    """
+    """Create the default process group when launched by torchrun (an existing one is reused) and pick this rank's
+    device. `group_of_one`: a group of one rank in a plain `python train.py` too, for code that needs one."""
     global _created_group
     if not collective_timeout_s > 0:
         raise FlagError(f"--collective-timeout-s must be a number of seconds > 0, got {collective_timeout_s}")
@@ -70,8 +63,7 @@ def init_distributed(collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
     else:
         device = torch.device("cpu")
         backend = "gloo"
-        # transformers imports DeepSpeed when it saves a model; told the accelerator, DeepSpeed does not print
-        # a warning that it is "unable to detect" a GPU this machine does not have.
+        # transformers imports DeepSpeed when it saves: told the accelerator, it does not warn of a missing GPU
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if "WORLD_SIZE" not in os.environ:
         if group_of_one:
@@ -84,8 +76,7 @@ def init_distributed(collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
                         backend=dist.get_backend())
     if backend == "nccl":
         _enable_nccl_watchdog()
-    # Passing device_id binds the NCCL communicator to this GPU eagerly, which avoids a lazy init on the first
-    # collective (and a warning from recent PyTorch); gloo has no such notion.
+    # device_id binds the NCCL communicator eagerly (no lazy init on the first collective, no warning)
     dist.init_process_group(
         backend=backend,
         timeout=timedelta(seconds=collective_timeout_s),
@@ -98,16 +89,12 @@ def init_distributed(collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
 
 
 def _enable_nccl_watchdog() -> None:
-    """NCCL's watchdog, as PyTorch documents its variables (torch_nccl_environment_variables, the flight recorder
-    tutorial), set before the group exists because the group reads them when it is created. A value the user set
-    wins. Both names where PyTorch has two (the flight recorder's TORCH_NCCL_* names came first, TORCH_FR_* ones
-    later; torch 2.15 reads either): each release takes the names it knows."""
+    """NCCL's watchdog and flight recorder variables, set before the group exists (a user's value wins; old and new
+    names, common/README.md)."""
     for names, value in (
-        # 3: on a timeout or a NCCL error, the watchdog ends the process (without aborting the communicator, which
-        # can itself hang): the rank exits instead of waiting, and torchrun ends the others.
+        # 3: on a timeout or a NCCL error the watchdog ends the process, and torchrun the others
         (("TORCH_NCCL_ASYNC_ERROR_HANDLING",), "3"),
-        # The flight recorder: a ring of the last 2,000 collectives of every group (kind, sequence number, sizes,
-        # state, Python stack), dumped to a file per rank when the watchdog sees a timeout.
+        # the flight recorder: the last 2,000 collectives of every group, dumped per rank on a timeout
         (("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"), "2000"),
         (("TORCH_FR_DUMP_ON_TIMEOUT", "TORCH_NCCL_DUMP_ON_TIMEOUT"), "1"),
     ):
@@ -116,11 +103,8 @@ def _enable_nccl_watchdog() -> None:
 
 
 def record_collectives_in(out_dir: str | Path) -> None:
-    """On CUDA, where NCCL's flight recorder dumps on a timeout: `<out_dir>/flight_recorder/rank_<r>`.
-
-    PyTorch reads the path when it writes the first dump (not when the group is created), so it can be set once the
-    run's out-dir is known. Nothing to do with gloo, whose ranks report the failure themselves (module docstring).
-    """
+    """On CUDA, where NCCL's flight recorder dumps on a timeout: `<out_dir>/flight_recorder/rank_<r>` (read at the
+    first dump, so it can be set once out-dir is known)."""
     if not torch.cuda.is_available() or not dist.is_initialized():
         return
     prefix = Path(out_dir).resolve() / "flight_recorder" / "rank_"
@@ -151,8 +135,7 @@ class _Heartbeat:
                 return
 
     def silent_ranks(self) -> list[int] | None:
-        """The ranks whose counter did not move for 2.5 heartbeats (what a lost rank looks like); None when the
-        store itself does not answer (it lived in the lost rank's launcher)."""
+        """The ranks whose counter did not move for 2.5 heartbeats; None when the store itself does not answer."""
         def counts():
             return [self.store.add(str(rank), 0) for rank in range(self.world_size)]
         try:
@@ -172,12 +155,10 @@ _heartbeat: _Heartbeat | None = None
 
 
 def watch_for_lost_ranks(rank: int, world_size: int, timeout_s: float) -> None:
-    """Start this rank's heartbeat and make a collective's failure end the process with lost_rank_line (module
-    docstring). init_distributed calls it; a driver that creates the group itself (tests/run_many.py) can too."""
+    """Start this rank's heartbeat and make a collective's failure end the process with lost_rank_line."""
     global _heartbeat
     _heartbeat = _Heartbeat(rank, world_size)
-    # Stopped before the interpreter shuts down when a run ends without teardown() (an error before its end): a
-    # thread still inside a store call while C++ objects are destroyed at exit could crash the process.
+    # a thread inside a store call while C++ objects are destroyed at exit could crash the process
     atexit.register(_stop_heartbeat)
     previous_hook = sys.excepthook
 
@@ -192,8 +173,7 @@ def watch_for_lost_ranks(rank: int, world_size: int, timeout_s: float) -> None:
 
 
 def is_collective_failure(exc: BaseException) -> bool:
-    """A collective that could not complete: its timeout, or the connection to a peer lost (gloo reports both as a
-    RuntimeError from its transport; newer releases raise torch.distributed's DistError kinds)."""
+    """A collective's timeout or a lost peer (gloo's transport RuntimeError, or a DistError)."""
     text = str(exc)
     return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo/transport" in text)
 
@@ -217,8 +197,7 @@ def lost_rank_line(rank: int, exc: BaseException, traceback, timeout_s: float) -
 
 
 def _failed_collective(traceback) -> str:
-    """The flight recorder's last entry of this process (torch 2.15 records gloo's collectives natively), else the
-    torch.distributed function the traceback ends in."""
+    """The flight recorder's last entry (gloo's in torch 2.15), else the torch.distributed call in the traceback."""
     try:
         entries = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(
             includeCollectives=True, onlyActive=False, backend="gloo"))["entries"]
@@ -243,11 +222,7 @@ def _failed_collective(traceback) -> str:
 
 
 def act_as_launcher_if_alone() -> None:
-    """Outside torchrun, set the variables torchrun would set for a world of one.
-
-    DeepSpeed's engines read LOCAL_RANK and need a real (TCP-rendezvous) process group even for one process, so
-    a plain `python train.py` of a DeepSpeed experiment plays its own launcher.
-    """
+    """Outside torchrun, set torchrun's variables for a world of one (DeepSpeed needs a TCP rendezvous even then)."""
     if "WORLD_SIZE" in os.environ:
         return
     with socket.socket() as probe:  # a free port for the rendezvous
@@ -279,15 +254,8 @@ def _stop_heartbeat() -> None:
 
 
 def teardown() -> None:
-    """Stop the heartbeat and destroy the process group, if init_distributed created them (a test driver's own
-    group and heartbeat, shared by several runs, stay).
-
-    The barrier first: no rank destroys its group, and exits, while a peer may still have a collective in flight
-    with it (a peer that exits closes its sockets, and gloo fails whatever it still had to receive). It was added
-    after fsdp-ft over gloo twice aborted at exit after writing its summary ("terminate called without an active
-    exception", SIGABRT); that abort has not been seen again, with or without the barrier, in repeated runs of
-    that sweep's cells under load, nor in python -m common.soak's.
-    """
+    """Stop the heartbeat and destroy the process group if init_distributed created them, after a barrier: no rank
+    exits while a peer still has a collective in flight with it (common/README.md)."""
     global _created_group
     if _created_group and dist.is_initialized():
         _stop_heartbeat()
