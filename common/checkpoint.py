@@ -18,20 +18,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-# One optimizer entry per parameter name ("optimizer.param_groups.<name>.lr") instead of per param-group index.
-# Ranks that hold different parameters (pipeline stages) would otherwise all write "optimizer.param_groups.0..."
-# for different groups; DCP keeps one rank's copy of such a key and a resume fails (KeyError 'betas' in AdamW).
+# Optimizer entries per parameter name, not group index: pipeline stages' groups would collide (common/README.md).
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-# A model with quantized (integer) weights, QLoRA's 4-bit base, saves and restores only its trainable parameters:
-# the resuming run loads the frozen base again from its source, and bitsandbytes cannot load its packed weights and
-# their quantization constants in place (set_state_dict stops on those keys).
+# QLoRA's 4-bit base is reloaded from its source, not restored: only the trainable parameters are saved.
 TRAINABLE_ONLY = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
 
 
 @contextmanager
 def _alone_is_expected() -> Iterator[None]:
-    """One process without a process group (single-ft) saves and loads alone, which DCP announces with a UserWarning
-    on every save and load: expected here, and nothing the user can act on."""
+    """Silences DCP's warning that one process without a process group saves and loads alone."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
                                 category=UserWarning)
@@ -57,8 +52,7 @@ def _barrier() -> None:
 
 
 def _rng_state() -> dict:
-    """Tensors and plain types only, so that torch.load(weights_only=True) reads it: Python's Mersenne Twister state
-    (version, 625 words, gauss_next) as an int64 tensor of its words."""
+    """The RNG states as tensors and plain types (weights_only=True reads them); Python's as an int64 tensor."""
     version, words, gauss_next = random.getstate()
     state = {"torch": torch.get_rng_state(), "python": torch.tensor(words, dtype=torch.int64),
              "python_version": version, "python_gauss_next": gauss_next}
@@ -130,9 +124,8 @@ def _read_trainer_state(file: Path) -> dict:
 
 
 def checkpoint_problem(path: Path) -> str | None:
-    """What makes a step-<k> folder unusable, naming the file (None when it passes): run.json readable; for DCP
-    every file its .metadata names present and at least as long as written, the trainer state readable as tensors and
-    plain types; for DeepSpeed's format every .pt file a whole archive."""
+    """What makes a step-<k> folder unusable, naming the file; None when its files are all there, whole and
+    readable."""
     if path.name.endswith(".tmp"):
         return f"{path} is unfinished (a save was interrupted)"
     if not path.is_dir():
@@ -183,9 +176,8 @@ def _rank0_print(message: str) -> None:
 
 
 def find_checkpoint(path: str | Path, experiment: str, print_fn=_rank0_print) -> Path:
-    """The step-<k> folder `--resume` names: itself (one line naming the file when it fails checkpoint_problem), a
-    run folder's newest checkpoint that passes, or with `latest` the newest that passes of ./runs/<experiment>-*.
-    An unfinished save (step-<k>.tmp) is never taken; a damaged checkpoint skipped is printed with the reason."""
+    """The step-<k> folder `--resume` names (itself, a run folder's newest good one, or `latest` of ./runs), each
+    damaged one skipped printed with its reason."""
     if str(path) == "latest":
         runs = sorted(Path("runs").glob(f"{experiment}-*"), key=lambda run: run.stat().st_mtime, reverse=True)
         found = _first_sound([step for run in runs for step in _complete(run / "checkpoints")], print_fn)
@@ -308,9 +300,7 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> int:
         raise SystemExit(f"--resume {path}: {problem}")
     trainer_file = path / f"trainer_state_rank{_rank()}.pt"
     if not trainer_file.exists():
-        # Written by fewer ranks (DCP reshards the model and optimizer to any layout): this rank takes rank 0's
-        # step, scheduler and RNG state. The step and the schedule are the same on every rank, and no experiment
-        # draws random numbers after initialization (step k's rows are fixed by k), so nothing else differs.
+        # written by fewer ranks (DCP reshards): rank 0's step, schedule and RNG are every rank's
         trainer_file = path / "trainer_state_rank0.pt"
     model_state, optimizer_state, options = _state_dicts(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
