@@ -14,12 +14,8 @@ def routers(model: nn.Module) -> list[nn.Module]:
 
 
 class RouterStats:
-    """Per forward: the routers' logits (for the aux loss) and the experts each token was sent to (the load).
-
-    begin() before a forward, end() after it. A forward hook fires whenever a router runs, which includes the
-    recomputation of activation checkpointing during backward and the evaluation's forwards: begin() drops whatever
-    was recorded since the last end(), so only the training forwards count, each once.
-    """
+    """Per forward: the routers' logits (the aux loss) and the experts each token was sent to (the load). begin()
+    before a training forward drops what recomputation and evaluation recorded; end() after it."""
 
     def __init__(self, model: nn.Module, num_experts: int, top_k: int, aux_coef: float = 0.0):
         self.num_experts, self.top_k, self.aux_coef = num_experts, top_k, aux_coef
@@ -53,7 +49,7 @@ class RouterStats:
         if len(self.logits) != len(self.layers):
             raise RuntimeError(f"expected one routing per sparse layer ({len(self.layers)}), got {len(self.logits)}")
         aux = load_balancing_loss_func(tuple(self.logits), self.num_experts, self.top_k)
-        # scatter_add into a fixed-size tensor: no device-to-host read (bincount would need one to size its output).
+        # scatter_add into a fixed-size tensor: no host read (bincount would need one)
         load = torch.stack([torch.zeros(self.num_experts, device=ids.device).scatter_add_(
             0, ids.reshape(-1), torch.ones(ids.numel(), device=ids.device)) for ids in self.indices])
         self.load = load if self.load is None else self.load + load
@@ -61,15 +57,13 @@ class RouterStats:
         return aux
 
     def aux_loss(self, micro_batches_per_step: int) -> torch.Tensor:
-        """end(), as the term a training step adds to this micro-batch's loss: its aux loss's share of the mean over
-        the step's micro-batches, times the model's coefficient. The share is kept for step_values()."""
+        """end() as this micro-batch's loss term: its share of the step's mean aux loss x the coefficient."""
         aux = self.end() / micro_batches_per_step
         self.step_aux = aux.detach() if self.step_aux is None else self.step_aux + aux.detach()
         return self.aux_coef * aux
 
     def step_values(self) -> torch.Tensor:
-        """The step's aux loss and [layers, experts] load as one flat device tensor, to be read (or summed over
-        ranks) with the step's other values; read() turns the host copy back into the step record's fields."""
+        """The step's aux loss and [layers, experts] load as one flat device tensor, read with the step's values."""
         aux, self.step_aux = self.step_aux, None
         return torch.cat([aux.reshape(1), self.take_load().flatten()])
 
@@ -78,7 +72,7 @@ class RouterStats:
         return dict(aux_loss=values[0], expert_tokens=split_load(values[1:], self.num_experts))
 
     def take_load(self) -> torch.Tensor:
-        """The [layers, experts] count since the last call (a device tensor; read it with the step's other values)."""
+        """The [layers, experts] count since the last call (a device tensor)."""
         load, self.load = self.load, None
         return load
 
@@ -88,5 +82,5 @@ class RouterStats:
 
 
 def split_load(flat: list[float], experts: int) -> list[list[float]]:
-    """A flattened [layers, experts] count, read from the device with the step's other values, back into rows."""
+    """A flattened [layers, experts] count back into rows."""
     return [flat[i:i + experts] for i in range(0, len(flat), experts)]

@@ -13,8 +13,8 @@ GC_EVERY_STEPS = 20  # young-generation collections every this many optimizer st
 
 
 class GarbageCollection:
-    """The collector on a schedule. Create it after the set-up, call `step(step)` before each step's clock starts
-    and `close()` after the last step (automatic collection comes back, the frozen objects become collectable)."""
+    """The collector on a schedule: created after the set-up, `step(step)` before each step's clock, `close()` after
+    the last step."""
 
     def __init__(self, every_steps: int = GC_EVERY_STEPS):
         if every_steps < 1:
@@ -41,8 +41,7 @@ class GarbageCollection:
 
 
 def folds_clipping(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `optimizer.step()` can apply the clipping factor itself: a fused Adam/AdamW (its kernels take the
-    grad_scale GradScaler uses; the installed torch marks such optimizers with _step_supports_amp_scaling)."""
+    """Whether `optimizer.step()` can apply the clipping factor itself, as GradScaler's grad_scale (fused AdamW)."""
     return bool(optimizer.defaults.get("fused")) and getattr(optimizer, "_step_supports_amp_scaling", False)
 
 
@@ -74,9 +73,8 @@ def clip_grad_norm(optimizer: torch.optim.Optimizer, parameters: list[torch.Tens
 
 
 def _clip_sharded_grad_norm(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """clip_grad_norm_ for DTensor gradients, alone or beside plain ones (tensor parallelism's replicated norms),
-    which clip_grad_norm_ refuses to stack (meta-pytorch/torchtune#2420): one norm per device mesh (plain tensors,
-    the same on every rank, count once), each DTensor norm summed over its mesh, then every group clipped."""
+    """clip_grad_norm_ for DTensor gradients beside plain ones, which it refuses to stack
+    (meta-pytorch/torchtune#2420): one norm per device mesh, then every group clipped."""
     groups: dict = {}
     for p in parameters:
         groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
