@@ -13,17 +13,8 @@ from common.metrics import memory_label, peak_memory_gib, synchronize
 
 
 class BusyTimer:
-    """Times every compute action of this rank's stages inside the schedule, and remembers which one it was.
-
-    An action is a forward ("F"), a backward ("B": the full backward, or its input-gradient half under ZBV), a
-    weight-gradient backward ("W", ZBV's other half) or a loss call ("loss"), each of one stage and one micro-batch.
-
-    Clocks: on CPU time.perf_counter, which is CLOCK_MONOTONIC on Linux, one clock for all the processes of a
-    machine, so the ranks' times are directly comparable. On a GPU, CUDA events on the compute stream (a wait on a
-    receive, queued before the event, is then not counted as busy), measured from an event each rank records when
-    the step starts; `start_step(aligned=True)` puts a barrier before it so that the ranks' origins coincide (to
-    the barrier's exit skew, microseconds on one machine) and the traced step's timelines can be drawn together.
-    """
+    """Times every compute action ("F", "B", ZBV's "W", "loss"; one stage, one micro-batch) of this rank's stages
+    inside the schedule, and remembers which one it was. Clocks: common/README.md."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -99,10 +90,8 @@ def per_rank_measures(rec) -> dict:
 
 
 class PipelineTrace:
-    """The bubble and the schedule trace of a torch.distributed.pipelining run (see the module's docstring).
-
-    `config` gives the schedule, the micro-batches (grad_accum), the stages per rank, the steps and the timing
-    warm-up and profiled window (as common.metrics.Recorder uses them)."""
+    """The bubble and the schedule trace of a torch.distributed.pipelining run; `config` gives the schedule, the
+    micro-batches, the stages per rank, the steps, the timing warm-up and the profiled window."""
 
     def __init__(self, device: torch.device, config):
         self.device, self.config = device, config
