@@ -64,8 +64,7 @@ class AttentionChoice:
     expands_kv: bool = False  # varlen: K/V heads repeated to every query head first (common.memory prices it)
 
     def forward_kwargs(self, position_ids: torch.Tensor, device: torch.device) -> dict:
-        """The model call's extra kwargs for this micro-batch (varlen: document boundaries, flex: a block mask,
-        else {}), from the host copy of position_ids."""
+        """The model call's extra kwargs for this micro-batch (varlen and flex), from host position_ids."""
         if self.impl == VARLEN:
             return document_kwargs(position_ids, device)
         if self.impl == FLEX:
@@ -189,8 +188,7 @@ def _choose_varlen(info: DeviceInfo, requested: str, kernels: tuple[str, ...]) -
 
 
 def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
-    """[batch, seq] bool, True at every row start and wherever a position does not follow its predecessor by one
-    (a packed conversation, or a row's pad slots, restarts at 0). No host read."""
+    """[batch, seq] bool, True where a document starts: a row start or a restarted position. No host read."""
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
     return starts
@@ -245,14 +243,12 @@ def flex_trains_on_cpu() -> bool:
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """[batch, seq] index of each slot's document within its row (documents as `document_starts` finds them). No host
-    read."""
+    """[batch, seq] index of each slot's document within its row (document_starts). No host read."""
     return document_starts(position_ids).cumsum(1, dtype=torch.int32) - 1
 
 
 def block_mask_of_documents(documents: torch.Tensor):
-    """FlexAttention's block mask for [batch, seq] document ids: a query attends to its own document's keys at or
-    before it."""
+    """FlexAttention's block mask: a query attends to its own document's keys at or before it."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def same_document_causal(batch, head, q_index, kv_index):
@@ -286,8 +282,7 @@ def _flex_rows(query, key, value, block_mask, scale):
 
 @packed_documents_attention("flex")
 def flex_attention_forward(query, key, value, scaling=None, document_block_mask=None, position_ids=None, **kwargs):
-    """FlexAttention over packed rows with `document_block_mask` (flex_kwargs), else a mask built per layer from
-    `position_ids` (evaluation and generation)."""
+    """FlexAttention over packed rows with `document_block_mask`, else one built from `position_ids`."""
     if document_block_mask is None:
         if position_ids is None:
             raise ValueError("--attn flex needs document_block_mask (flex_kwargs) or position_ids in the call")
@@ -306,8 +301,7 @@ def register_flex_attention() -> None:
 
 
 def document_boundaries(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(cu_seq_lens int32 [n_documents + 1], longest document) over the flattened [batch x seq] tokens. On a CUDA
-    tensor this synchronises: pass the host copy."""
+    """(cu_seq_lens int32 [documents + 1], longest document) of the flattened tokens; give host ids."""
     rows, seq = position_ids.shape
     first = document_starts(position_ids).flatten().nonzero().squeeze(1)
     cu_seq_lens = torch.cat([first, first.new_tensor([rows * seq])]).to(torch.int32)
@@ -337,8 +331,7 @@ def _parameters(function) -> frozenset[str]:
 
 
 def torch_varlen_takes_gqa() -> bool:
-    """Whether torch's varlen_attn takes grouped K/V heads (`enable_gqa`; 2.10 had `is_causal`, later
-    `window_size=(-1, 0)`)."""
+    """Whether torch's varlen_attn takes grouped K/V heads (`enable_gqa`)."""
     from torch.nn.attention.varlen import varlen_attn
 
     return "enable_gqa" in _parameters(varlen_attn)
@@ -403,8 +396,7 @@ _VARLEN_FUNCTIONS = {"torch": _torch_varlen, "flash_attn": _flash_attn_varlen, "
 @packed_documents_attention("varlen")
 def varlen_attention_forward(query, key, value, scaling=None, cu_seq_lens_q=None, max_length_q=None,
                              longest_document=None, position_ids=None, *, kernel: str, **kwargs) -> torch.Tensor:
-    """Packed documents through a varlen kernel, from `cu_seq_lens_q` and `longest_document` (document_kwargs), else
-    from `position_ids` (a host sync per layer on a GPU)."""
+    """Packed documents through a varlen kernel, from document_kwargs' or `position_ids`."""
     batch, heads, seq, head_dim = query.shape
     if cu_seq_lens_q is None:
         if position_ids is None:
@@ -439,8 +431,7 @@ def sdpa_math_expanded_kv_forward(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa_attention_forward (same contract) with GQA's K/V heads expanded up front and SDPA pinned
-    to the math kernel."""
+    """transformers' sdpa_attention_forward with the K/V heads expanded, on SDPA's math kernel."""
     heads_per_kv_head = query.shape[1] // key.shape[1]
     key = repeat_kv(key, heads_per_kv_head)
     value = repeat_kv(value, heads_per_kv_head)
@@ -457,8 +448,7 @@ def sdpa_math_expanded_kv_forward(
 
 
 def register_math_expanded_kv_attention() -> None:
-    """Make MATH_EXPANDED_KV a valid attn_implementation with SDPA's masks, in the class-wide registries: without
-    the mask entry a packed row would get one causal mask over all its conversations."""
+    """Make MATH_EXPANDED_KV a valid attn_implementation, with SDPA's (packed) masks."""
     AttentionInterface.register(MATH_EXPANDED_KV, sdpa_math_expanded_kv_forward)
     AttentionMaskInterface.register(MATH_EXPANDED_KV, sdpa_mask)
 

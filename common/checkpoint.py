@@ -124,8 +124,7 @@ def _read_trainer_state(file: Path) -> dict:
 
 
 def checkpoint_problem(path: Path) -> str | None:
-    """What makes a step-<k> folder unusable, naming the file; None when its files are all there, whole and
-    readable."""
+    """What makes a step-<k> folder unusable, naming the file; None when it is whole."""
     if path.name.endswith(".tmp"):
         return f"{path} is unfinished (a save was interrupted)"
     if not path.is_dir():
@@ -176,8 +175,7 @@ def _rank0_print(message: str) -> None:
 
 
 def find_checkpoint(path: str | Path, experiment: str, print_fn=_rank0_print) -> Path:
-    """The step-<k> folder `--resume` names (itself, a run folder's newest good one, or `latest` of ./runs), each
-    damaged one skipped printed with its reason."""
+    """The step-<k> folder `--resume` names, damaged ones skipped with their reason."""
     if str(path) == "latest":
         runs = sorted(Path("runs").glob(f"{experiment}-*"), key=lambda run: run.stat().st_mtime, reverse=True)
         found = _first_sound([step for run in runs for step in _complete(run / "checkpoints")], print_fn)
@@ -230,8 +228,7 @@ _resumed_from: set[Path] = set()  # the checkpoints this process loaded: --keep-
 
 
 def prune_checkpoints(out_dir: str | Path, keep: int) -> list[Path]:
-    """Delete the oldest published checkpoints of `out_dir` beyond the newest `keep` (0 keeps all), except one this
-    process resumed from; rank 0 only. Returns what was deleted."""
+    """Rank 0 deletes the checkpoints older than the newest `keep` (0 keeps all) but the resumed one; returns them."""
     if keep <= 0 or _rank() != 0:
         return []
     deleted = []
@@ -248,8 +245,7 @@ IDENTITY_NAMES = dict(experiment="experiment", model="--model", data="--data", s
 
 
 def check_identity(path: str | Path, identity: dict, allow: bool = False, print_fn=print) -> None:
-    """Stop when the checkpoint was written by a run that differs from this one in what fixes its steps (model, data,
-    sequence length, rows per step, seed, LoRA rank, experiment); with `allow` (--resume-anyway) say so and go on."""
+    """Stop when the checkpoint's run differs in what fixes its steps; `allow` (--resume-anyway) warns."""
     file = Path(path) / IDENTITY_FILE
     if not file.exists():
         print_fn(f"note: {path} records no run identity (written before run.json existed): not checked")
@@ -279,8 +275,7 @@ def _write_identity(folder: Path, run: dict | None) -> None:
 
 def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, scheduler, run: dict | None = None,
                     keep: int = 0) -> Path:
-    """Save after optimizer step `step` (1-based count of completed steps); returns the final folder. `run`: the
-    run's identity (common.cli.plan_run), which a resume checks; `keep`: --keep-checkpoints (prune_checkpoints)."""
+    """Save after optimizer step `step` (1-based) with the run's identity `run`; returns the folder."""
     with _published(out_dir, step) as temporary:
         model_state, optimizer_state, _ = _state_dicts(model, optimizer)
         with _alone_is_expected():

@@ -23,8 +23,7 @@ PROJECT_ROOT = PACKAGE_ROOT.parent  # the repository, when common/ is used from 
 
 
 class InputError(SystemExit):
-    """A refusal of the run's input (flags, data, model, world size), the same on every rank: exit status 2,
-    reported by rank 0 alone."""
+    """A refusal of the run's input, the same on every rank: exit status 2, reported by rank 0."""
 
 
 class FlagError(InputError):
@@ -226,8 +225,7 @@ def parse_flags(path: str | Path, argv: list[str]) -> dict:
 
 
 def parse_config(config_class, argv: list[str] | None = None):
-    """The Config of the calling script from `argv` (default: sys.argv[1:]); only the given flags are passed, so
-    every default stays in the dataclass."""
+    """The calling script's Config from `argv`; only the given flags are passed (defaults stay there)."""
     import inspect
 
     path = inspect.getsourcefile(config_class)
@@ -293,8 +291,7 @@ def run(main) -> None:
 
 
 def out_of_memory(error: BaseException) -> str:
-    """One line for torch.OutOfMemoryError: the step and the peak (main()'s `step` and `config`, read from the
-    traceback), and the common.memory command that prices the run."""
+    """One line for torch.OutOfMemoryError: the step, the peak, the common.memory command to price it."""
     frame_locals = {}
     traceback = error.__traceback__
     while traceback is not None and not frame_locals:  # the outermost main(): the script's
@@ -338,8 +335,7 @@ def find_file(path: str) -> str:
 
 
 def resolve_paths(config, experiment: str) -> None:
-    """--data found, --seq-len checked, --resume made a checkpoint folder, --out-dir defaulted (the resumed run's
-    folder, else runs/<experiment>-<rank 0's UTC time>). Call it after the process group exists."""
+    """--data found, --seq-len checked, --resume and --out-dir resolved (after the group exists)."""
     config.data = find_file(config.data)
     check_seq_len(config.model, config.seq_len)
     if config.resume:
@@ -387,8 +383,7 @@ REPEATS_NOTED = 3  # a run that goes over its training rows more often than this
 
 
 def plan_run(experiment: str, config, stats: dict, rows_per_step: int, print_fn=print) -> RunPlan:
-    """After the data: --epochs as steps, a note when the run repeats its data or its warm-up outlasts it, and the
-    --resume checkpoint checked against this run. Sets config.steps."""
+    """After the data: steps (--epochs), notes on repeats and warm-up, the --resume check. Sets config.steps."""
     n_rows = stats["n_train_rows"]
     steps_per_epoch = n_rows / rows_per_step
     if getattr(config, "epochs", None) is not None:

@@ -285,8 +285,7 @@ def _dataset_conversations(name: str, dataset, columns: dict[str, str], split: s
 
 def read_conversations(path: str | Path, split: str = "train", subset: str | None = None,
                        columns: str | dict | None = None) -> list[Conversation]:
-    """Every record of --data as validated chat messages, each with where it came from: JSONL read here (errors
-    name the line), the rest through `datasets` (errors name the row); `columns` is --data-columns."""
+    """Every record of --data as validated chat messages, each with where it came from."""
     columns = parse_columns(columns)
     source = Path(path)
     if source.suffix == ".jsonl" or (source.is_dir() and not _is_saved_dataset(source)):
@@ -421,8 +420,7 @@ class Rows:
 
 
 def pack_rows(conversations: list[TokenizedConversation], seq_len: int, pad_token_id: int, packing: bool) -> Rows:
-    """First-fit packing of whole conversations (at most seq_len each, in order) into rows of seq_len tokens, or
-    one per row without packing; pad slots restart position_ids, a document no real token attends to."""
+    """First-fit packing of whole conversations into rows of seq_len (one per row without packing)."""
     rows: list[list[int]] = []  # conversation indices per row
     free: list[int] = []  # free slots per row
     for index, conversation in enumerate(conversations):
@@ -528,8 +526,7 @@ class SFTData:
 def build_data(path: str | Path, tokenizer, seq_len: int, packing: bool = True, eval_fraction: float = 0.05,
                seed: int = 0, split: str = "train", subset: str | None = None, columns: str | dict | None = None,
                train_empty_think: bool = False) -> SFTData:
-    """Read, validate, tokenize, split (by conversation), truncate and pack. Deterministic for a given seed.
-    `split`, `subset`, `columns`: --data-split, --data-config, --data-columns (read_conversations)."""
+    """Read, validate, tokenize, split (by conversation), truncate and pack; deterministic for a seed."""
     if not 0.0 <= eval_fraction < 1.0:
         raise ValueError(f"--eval-fraction must be in [0, 1), got {eval_fraction}")
     records = read_conversations(path, split, subset, columns)
@@ -589,8 +586,7 @@ def describe(stats: dict, seq_len: int, packing: bool) -> str:
 
 
 def sample_text(data: SFTData, tokenizer, color: bool | None = None) -> str:
-    """--show-sample: the first training row's first conversation, its loss-carrying text between [[ and ]] (on a
-    terminal: bright, the rest dimmed)."""
+    """--show-sample: the first training conversation, its loss-carrying text between [[ and ]]."""
     row = int(data.rows_for_step(0, 1)[0])
     _, length = data.train.segments[row][0]
     ids = data.train.input_ids[row, :length].tolist()

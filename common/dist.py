@@ -43,8 +43,7 @@ _created_group = False  # whether init_distributed created the default group (an
 
 def init_distributed(collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, *,
                      group_of_one: bool = False) -> DistInfo:
-    """Create the default process group when launched by torchrun (an existing one is reused) and pick this rank's
-    device. `group_of_one`: a group of one rank in a plain `python train.py` too, for code that needs one."""
+    """Create the process group under torchrun (or one of one: `group_of_one`); pick the device."""
     global _created_group
     if not collective_timeout_s > 0:
         raise FlagError(f"--collective-timeout-s must be a number of seconds > 0, got {collective_timeout_s}")
@@ -89,8 +88,7 @@ def init_distributed(collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
 
 
 def _enable_nccl_watchdog() -> None:
-    """NCCL's watchdog and flight recorder variables, set before the group exists (a user's value wins; old and new
-    names, common/README.md)."""
+    """NCCL's watchdog and flight recorder variables, set before the group exists."""
     for names, value in (
         # 3: on a timeout or a NCCL error the watchdog ends the process, and torchrun the others
         (("TORCH_NCCL_ASYNC_ERROR_HANDLING",), "3"),
@@ -103,8 +101,7 @@ def _enable_nccl_watchdog() -> None:
 
 
 def record_collectives_in(out_dir: str | Path) -> None:
-    """On CUDA, where NCCL's flight recorder dumps on a timeout: `<out_dir>/flight_recorder/rank_<r>` (read at the
-    first dump, so it can be set once out-dir is known)."""
+    """On CUDA, NCCL's flight recorder dumps into `<out_dir>/flight_recorder/rank_<r>`."""
     if not torch.cuda.is_available() or not dist.is_initialized():
         return
     prefix = Path(out_dir).resolve() / "flight_recorder" / "rank_"
@@ -254,8 +251,7 @@ def _stop_heartbeat() -> None:
 
 
 def teardown() -> None:
-    """Stop the heartbeat and destroy the process group if init_distributed created them, after a barrier: no rank
-    exits while a peer still has a collective in flight with it (common/README.md)."""
+    """After a barrier, stop the heartbeat and destroy the group if init_distributed created them."""
     global _created_group
     if _created_group and dist.is_initialized():
         _stop_heartbeat()

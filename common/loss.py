@@ -13,8 +13,7 @@ from common.data import IGNORE_INDEX
 
 
 def _loss_positions(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loss tokens' hidden states [n_loss, d] and their labels [n_loss], on hidden's device; host `labels` are
-    chosen on the host (no sync) and copied from pinned memory."""
+    """The loss tokens' hidden states [n_loss, d] and labels [n_loss], chosen on the labels' device."""
     labels = labels.flatten()
     positions = (labels != IGNORE_INDEX).nonzero().squeeze(1)  # on the labels' device: no sync if that is the CPU
     labels = labels.index_select(0, positions)
@@ -59,8 +58,7 @@ def chunked_token_loss_sum(hidden: torch.Tensor, lm_head_weight: torch.Tensor, l
 
 def _chunk_loss_and_logit_grad(logits: torch.Tensor, labels: torch.Tensor,
                                scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the chunk's loss sum in fp32, (softmax - one_hot) x scale in the logits' dtype): cross-entropy's forward and
-    backward as one reduction and one element-wise expression (two kernels once compiled)."""
+    """(the chunk's loss sum in fp32, (softmax - one_hot) x scale): cross-entropy both ways."""
     logits_f = logits.float()
     log_sum_exp = torch.logsumexp(logits_f, dim=-1, keepdim=True)
     loss = (log_sum_exp - logits_f.gather(1, labels.unsqueeze(1))).sum()
@@ -151,8 +149,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
                                chunk_tokens: int, scale: torch.Tensor) -> torch.Tensor:
-    """token_loss_sum(hidden @ lm_head_weight.T, labels) * scale, its gradients computed chunk by chunk in this call.
-    scale: a 0-d device tensor, 1 / the step's loss tokens; backward may run once (common/README.md)."""
+    """token_loss_sum(hidden @ lm_head_weight.T, labels) * scale, gradients computed here."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     device_type = hidden.device.type

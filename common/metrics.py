@@ -120,8 +120,7 @@ def _package_versions() -> dict[str, str | None]:
 
 
 def repository_relative(argv: list[str], root: Path = REPO_ROOT) -> list[str]:
-    """The arguments with every absolute path inside the repository made relative to its root (`--flag=PATH` too),
-    so a recorded command runs from any checkout."""
+    """The arguments with absolute paths inside the repository made relative to its root."""
     def relative(text: str) -> str:
         if not text.startswith("/"):
             return text
@@ -160,8 +159,7 @@ def git_commit(repo: Path) -> str | None:
 
 
 def git_diff_hash(repo: Path) -> str | None:
-    """16 hex digits of a SHA-256 over `git diff HEAD` and the untracked files' names (devlog/data/ left out); None on
-    a clean tree or outside git (common/README.md)."""
+    """16 hex digits of a SHA-256 of what the tree differs from HEAD by; None when clean."""
     def git(*args: str, cwd: Path) -> bytes:
         return subprocess.run(["git", *args], cwd=cwd, capture_output=True, check=True).stdout
 
@@ -209,8 +207,7 @@ def _merged_length(intervals: list[tuple[float, float]]) -> float:
 
 
 def collective_ms(profiler) -> float:
-    """Milliseconds covered by collectives in a finished torch.profiler run (overlaps merged), from its raw events
-    (its FunctionEvent tree costs seconds per step on a small CPU)."""
+    """Milliseconds covered by collectives in a finished torch.profiler run (overlaps merged)."""
     intervals = []
     for event in profiler.profiler.kineto_results.events():
         name = event.name().lower()
@@ -228,8 +225,7 @@ def _is_collective_op(name: str) -> bool:
 
 
 def collective_counts(profiler) -> dict[str, int]:
-    """How many collectives of each kind a finished torch.profiler run issued, counted at the outermost op (a
-    DTensor collective and the process-group op it calls are one), named as the model code asked for them."""
+    """How many collectives of each kind a finished profiler run issued (outermost op only)."""
     # nested: another collective op on its thread is still open when it starts (per thread, by start, longest first)
     ops = sorted((event.start_thread_id(), event.start_ns(), -event.end_ns(), event.name())
                  for event in profiler.profiler.kineto_results.events()
@@ -251,8 +247,7 @@ DTYPE_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "lon
 
 
 def collective_bytes(profiler) -> dict[str, dict[str, int]]:
-    """Calls and bytes (what each rank hands in) of every collective the backend ran in a finished torch.profiler
-    run (record_shapes=True), from its own events (`gloo:all_reduce`, ...; common/README.md)."""
+    """Calls and bytes of every collective the backend ran in a finished profiler run, by name."""
     result: dict[str, dict[str, int]] = {}
     for event in profiler.profiler.kineto_results.events():
         name = event.name()
@@ -267,8 +262,7 @@ def collective_bytes(profiler) -> dict[str, dict[str, int]]:
 
 
 class CollectiveTimer:
-    """Profiles steps [first_step, first_step + n_steps) one at a time and reports each one's comm_ms (0 without a
-    process group), collective counts and bytes; the speed averages leave these slower steps out."""
+    """Profiles steps [first_step, first_step + n_steps) one at a time: comm_ms, counts and bytes."""
 
     def __init__(self, device: torch.device, first_step: int, n_steps: int):
         self.device = device
@@ -391,8 +385,7 @@ def format_step_line(record: dict, total_steps: int, eta_s: float | None = None)
 
 def timed_records(records: list[dict], warmup_steps: int, profiled=(), resumed_at: int = 0
                   ) -> tuple[list[dict], list[dict]]:
-    """(measured, timed): the records after the warm-up (one per process of a resumed run), and those of them not
-    slowed by the profiler; a run too short for either keeps what it has."""
+    """(measured, timed): the records after the warm-up, and those of them not profiled."""
     segments = [records[:resumed_at], records[resumed_at:]] if resumed_at else [records]
     measured = [record for segment in segments for record in segment[warmup_steps:]] or records
     timed = [r for r in measured if r["step"] not in set(profiled)] or measured
@@ -483,8 +476,7 @@ class MetricsLogger:
     def log_step(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, loss_tokens: int,
                  step_ms: float, comm_ms: float | None, print_fn=print, extra: dict | None = None,
                  documents: list[int] | None = None) -> dict:
-        """The record of one step, printed and written. `tokens`, `loss_tokens` and `documents` (their conversations'
-        lengths) are the whole step's, all ranks: the FLOPs and MFU follow from them. `extra`: more fields."""
+        """The record of one step (tokens, loss tokens, documents: the whole step's), printed and written."""
         if documents is not None and sum(documents) != tokens:
             raise ValueError(f"log_step: the step's documents hold {sum(documents):,} tokens, not its {tokens:,}")
         tokens_per_s = tokens / (step_ms / 1000.0)
@@ -680,8 +672,7 @@ class StepClock:
 
 
 def expert_load(records: list[dict]) -> dict | None:
-    """The tokens each expert of each layer received, and per layer the busiest expert's over the mean (1.0: even),
-    from the records' `expert_tokens`; None for a dense model."""
+    """Tokens per expert and layer, and each layer's max over mean (1.0: even); None for a dense model."""
     steps = [record["expert_tokens"] for record in records if "expert_tokens" in record]
     if not steps:
         return None
@@ -737,8 +728,7 @@ class Recorder:
         self.clock.start()
 
     def state(self, step: int, parameters=(), optimizer=None, master=(), count=None) -> None:
-        """On the state step: the bytes of every weight, gradient and optimizer tensor this rank holds, or `count()`
-        for an engine that keeps them elsewhere (DeepSpeed's flat partitions)."""
+        """On the state step: the bytes of every weight, gradient and optimizer tensor here (or `count()`)."""
         if step == self.state_step:
             self.measured_state = count() if count is not None else state_bytes(parameters, optimizer, master)
 
@@ -755,8 +745,7 @@ class Recorder:
                                      extra=extra, documents=self.data.step_documents(step, rows))
 
     def eval(self, step: int, loss: float | None) -> None:
-        """The held-out loss after optimizer step `step`, printed and logged; an evaluation before the last step
-        (--eval-every) also goes into summary.json's eval_history."""
+        """The held-out loss after step `step`, printed and logged (before the last step: eval_history)."""
         self.metrics.log_eval(step, loss)
         loss_text = "no held-out conversations (--eval-fraction 0)" if loss is None else f"loss {loss:.4f}"
         if step < self.config.steps:
@@ -767,8 +756,7 @@ class Recorder:
                                             if loss is not None else ""))
 
     def finish(self, **fields) -> dict:
-        """summary.json (the run's identity, averages, every rank's state bytes and `fields`, what this strategy
-        measured). Every rank calls it; rank 0 writes and prints."""
+        """summary.json, written and printed by rank 0; every rank calls it. `fields`: the strategy's own."""
         from dataclasses import asdict
 
         from common.dist import all_ranks

@@ -82,8 +82,7 @@ def looks_like_path(name: str) -> bool:
 
 
 def resolve_model_name(name: str) -> tuple[str, str | None]:
-    """(name, notice): `auto` is the 0.6B base model on a GPU, qwen3-tiny on CPU; a folder becomes its absolute path;
-    a missing folder or a misspelt preset stops with one line."""
+    """(name, notice): `auto` chosen by device, a folder made absolute, a misspelt preset refused."""
     if name != "auto":
         if Path(name).expanduser().is_dir():
             return str(Path(name).expanduser().resolve()), None
@@ -146,8 +145,7 @@ def _answers(host: str, port: int, timeout_s: float) -> bool:
 
 
 def hub_options(name: str) -> dict:
-    """from_pretrained's options for `name`: {} for a folder or HF_HUB_OFFLINE=1; the cache alone when the Hub is
-    unreachable; a stop with the fix when it is not cached either."""
+    """from_pretrained's options for `name`: offline from the cache when the Hub is out of reach."""
     if Path(name).exists() or os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") or hub_reachable():
         return {}
     from huggingface_hub import try_to_load_from_cache
@@ -201,8 +199,7 @@ def load_tokenizer(name: str):
 
 def load_model(name: str, tokenizer, attn_implementation: str, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", allow_moe: bool = False):
-    """The model in `dtype` on `device`: a preset with random init under the current seed, else from_pretrained.
-    A mixture of experts loads only where `allow_moe` (single-ft, ep-ft)."""
+    """A preset (random init under the seed) or from_pretrained, in `dtype` on `device`."""
     if is_preset(name):
         config = model_config(name, tokenizer)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
@@ -222,8 +219,7 @@ def load_model(name: str, tokenizer, attn_implementation: str, dtype: torch.dtyp
 
 
 def checkpoint_activations(model, **checkpoint_kwargs) -> None:
-    """transformers' activation checkpointing with torch.utils.checkpoint's options, under its 5.2 name or its
-    older one (5.0-5.1), so every allowed version works without a warning."""
+    """transformers' activation checkpointing with these options, under 5.0's or 5.2's name."""
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs)
     else:
@@ -235,14 +231,12 @@ LORA_TARGETS = (  # the seven linear projections of a Qwen3 decoder layer
 
 
 def weights_dtype(dtype: str, lora_rank: int = 0) -> torch.dtype:
-    """The dtype a model is loaded in under `--dtype`: fp32 (its own master copy), except a frozen LoRA base under
-    bf16, which needs no master copy (common/README.md)."""
+    """The dtype a model is loaded in: fp32, or bf16 for a frozen LoRA base under --dtype bf16."""
     return torch.bfloat16 if lora_rank and dtype == "bf16" else torch.float32
 
 
 def add_lora(model, rank: int, alpha: float, fused: bool = False):
-    """The model with fp32 LoRA adapters of rank `rank` (peft) on LORA_TARGETS, everything else frozen; `fused`
-    (--lora-fused): the same parameters with fewer kernels (common/lora.py)."""
+    """fp32 LoRA adapters of rank `rank` on LORA_TARGETS, the rest frozen (`fused`: --lora-fused)."""
     from peft import LoraConfig, get_peft_model
 
     lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
@@ -258,8 +252,7 @@ PRESET_BASE_FILE = "preset_base.json"  # beside a LoRA adapter trained on a pres
 
 
 def share_export(save_dir: str | Path) -> None:
-    """On rank 0, every file of an export gets the umask's permissions: safetensors writes 0600, which would leave
-    the weights unreadable beside a readable config."""
+    """Rank 0 gives an export's files the umask's permissions (safetensors writes 0600)."""
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_rank() != 0:
@@ -272,8 +265,7 @@ def share_export(save_dir: str | Path) -> None:
 
 
 def record_adapter_base(save_dir: str | Path, model_name: str, seed: int) -> None:
-    """After a LoRA adapter is written: adapter_config.json names the base as loaded; a preset's base also records
-    its seed (PRESET_BASE_FILE), from which experiments/infer.py rebuilds it."""
+    """adapter_config.json names the base as loaded; a preset's base also its seed."""
     import torch.distributed as dist
 
     share_export(save_dir)
@@ -309,8 +301,7 @@ def qlora_unavailable(merge_lora: bool = False, dtype: str | None = None) -> str
 
 
 def load_model_4bit(name: str, tokenizer, attn_implementation: str, device: torch.device):
-    """QLoRA's frozen base: the decoder's linear layers in 4-bit NF4 (bitsandbytes), the rest in higher precision.
-    A preset is built under the seed, saved in bf16 to a temporary folder and quantized as it loads."""
+    """QLoRA's frozen base: the decoder's linear layers in 4-bit NF4 (bitsandbytes), the rest in bf16."""
     import shutil
     import tempfile
 
@@ -345,8 +336,7 @@ def load_model_4bit(name: str, tokenizer, attn_implementation: str, device: torc
 
 
 def count_parameters(config: PretrainedConfig) -> dict[str, int]:
-    """Parameter counts from the config alone (total, embedding, per layer, ...; a mixture of experts also `experts`
-    and `active_per_layer`). The formula: common/README.md."""
+    """Parameter counts from the config alone (formula: common/README.md)."""
     d, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
     H, KV = config.num_attention_heads, config.num_key_value_heads
     hd = getattr(config, "head_dim", None) or d // H
@@ -371,8 +361,7 @@ def count_parameters(config: PretrainedConfig) -> dict[str, int]:
 
 
 def matmul_weights(config: PretrainedConfig) -> dict[str, int]:
-    """Per decoder layer: the weights one token multiplies, by projection (a mixture of experts: its k experts' and
-    the router's); norms multiply nothing."""
+    """Per decoder layer: the weights one token multiplies, by projection."""
     d, H, KV = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     hd = getattr(config, "head_dim", None) or d // H
     weights = dict(q_proj=d * H * hd, k_proj=d * KV * hd, v_proj=d * KV * hd, o_proj=H * hd * d)
@@ -386,8 +375,7 @@ def matmul_weights(config: PretrainedConfig) -> dict[str, int]:
 
 
 def lora_parameters(config: PretrainedConfig, rank: int) -> dict[str, int]:
-    """Per decoder layer: the LoRA parameters of each projection a token goes through, rank x (inputs + outputs);
-    a mixture of experts' adapters (merged as W + B A per forward) are left out."""
+    """Per decoder layer: the LoRA parameters of each projection a token goes through."""
     d, H, KV = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     hd = getattr(config, "head_dim", None) or d // H
     shapes = dict(q_proj=(d, H * hd), k_proj=(d, KV * hd), v_proj=(d, KV * hd), o_proj=(H * hd, d))
@@ -399,8 +387,7 @@ def lora_parameters(config: PretrainedConfig, rank: int) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class TrainingFlops:
-    """Training FLOPs (forward + backward) of a model, in its two parts: the weights, paid per token, and attention,
-    paid per (query, key) pair inside one document. `common.models.training_flops` builds it from the config."""
+    """Training FLOPs (forward + backward): per token for the weights, per (query, key) pair in a document."""
     per_token: float  # every matrix multiply with a weight, per token, the LM head's included
     per_pair: float  # attention's scores and weighted sum, per (query, key) pair of one document, all layers
     lm_head: float = 0.0  # the LM head's part of per_token: what a token the head does not run on leaves out
@@ -416,8 +403,7 @@ class TrainingFlops:
         return self.per_token * tokens - self.lm_head * skipped + self.per_pair * sum(n * n for n in lengths)
 
     def dense_per_token(self, seq_len: int) -> float:
-        """Per token if every token attended to its whole row of seq_len, document boundaries ignored: the count of
-        tools that do not see documents, and an upper bound here."""
+        """Per token with every token attending to its whole row of seq_len (an upper bound)."""
         return self.per_token + self.per_pair * seq_len
 
 

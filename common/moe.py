@@ -14,8 +14,7 @@ def routers(model: nn.Module) -> list[nn.Module]:
 
 
 class RouterStats:
-    """Per forward: the routers' logits (the aux loss) and the experts each token was sent to (the load). begin()
-    before a training forward drops what recomputation and evaluation recorded; end() after it."""
+    """Per training forward (begin() ... end()): the routers' aux loss and the tokens sent to each expert."""
 
     def __init__(self, model: nn.Module, num_experts: int, top_k: int, aux_coef: float = 0.0):
         self.num_experts, self.top_k, self.aux_coef = num_experts, top_k, aux_coef

@@ -13,8 +13,7 @@ GC_EVERY_STEPS = 20  # young-generation collections every this many optimizer st
 
 
 class GarbageCollection:
-    """The collector on a schedule: created after the set-up, `step(step)` before each step's clock, `close()` after
-    the last step."""
+    """The collector on a schedule: made after set-up, step() before each clock, close() at the end."""
 
     def __init__(self, every_steps: int = GC_EVERY_STEPS):
         if every_steps < 1:
@@ -73,8 +72,7 @@ def clip_grad_norm(optimizer: torch.optim.Optimizer, parameters: list[torch.Tens
 
 
 def _clip_sharded_grad_norm(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """clip_grad_norm_ for DTensor gradients beside plain ones, which it refuses to stack
-    (meta-pytorch/torchtune#2420): one norm per device mesh, then every group clipped."""
+    """clip_grad_norm_ for DTensor gradients beside plain ones (meta-pytorch/torchtune#2420)."""
     groups: dict = {}
     for p in parameters:
         groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
