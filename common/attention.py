@@ -1,60 +1,7 @@
 """Which attention kernel to use on this device, decided once and printed with its reason.
 
 Every experiment calls `setup_attention(device, config.attn)` before building the model and passes
-`choice.impl` to transformers as `attn_implementation`. The choice, per device:
-
-- CPU: transformers' "sdpa", i.e. PyTorch's fused CPU kernel with the math kernel as fallback.
-- NVIDIA: "sdpa" with every PyTorch backend enabled (flash, memory-efficient, cuDNN, math); PyTorch picks
-  the fastest one that applies to each call.
-- AMD MI200 (gfx90a), MI300 (gfx942), MI350 (gfx950): "sdpa" with flash, memory-efficient and math.
-  PyTorch's ROCm flash and memory-efficient kernels come from AOTriton, which is built for these archs.
-  cuDNN does not exist on ROCm.
-- AMD MI100 (gfx908) and MI50/MI60 (gfx906): AOTriton is not built for them, so PyTorch rejects its flash
-  and memory-efficient kernels there ("Flash attention was not compiled for current AMD GPU architecture",
-  `check_flash_attention_hardware_support` in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp). Even
-  where they exist, PyTorch's ROCm memory-efficient kernel takes no grouped-query attention (it is built with
-  `supports_gqa = false` in that file), and Qwen3 uses GQA. So these archs get only the math backend, through
-  "sdpa_math_expanded_kv": a copy of transformers' SDPA path that first expands the KV heads to the query
-  head count (like `repeat_kv`) and then runs SDPA pinned to the math kernel. What goes into the kernel
-  is then the same on every device: full-head q, k, v and the same mask.
-- Any other ROCm arch: not in the table above, so we assume nothing and take the gfx908 path.
-
-`--attn sdpa|eager|flash|varlen|flex` overrides "auto". "flash" is transformers' "flash_attention_2" and needs the
-`flash_attn` package. An override that cannot work on the device (flash on CPU) stops the run with a clear
-error instead of falling back without saying so.
-
-"varlen" treats a packed row as what it is, a list of separate documents: each attention call gets the
-cumulative document lengths (`cu_seq_lens`, built once per micro-batch on the host from the restarted
-position_ids, see `document_kwargs`) and runs a variable-length kernel over the flattened tokens. There is no
-[seq x seq] mask to build, keep for backward or read in every layer, no K/V repeated for GQA where the kernel
-takes grouped heads, and no FLOP spent on the masked-out blocks between documents. The kernel, chosen once:
-- NVIDIA: PyTorch's own `torch.nn.attention.varlen.varlen_attn` (torch 2.10+), else flash-attn's
-  `flash_attn_varlen_func` when that package is installed, else FlexAttention with a document mask (compiled;
-  the code of "flex" below, the flattened tokens taken as one row).
-  "auto" picks varlen on NVIDIA when one of the first two exists (the FlexAttention fallback is only as fast as
-  its compilation, so it is never picked silently).
-- CPU, and ROCm archs without a fused kernel (gfx906/gfx908): a reference that runs SDPA once per document with
-  a plain causal mask. It is the same plumbing as the GPU kernels (same kwargs, same layout), which is what lets
-  the CPU tests prove that `--attn varlen` computes the same losses as the masked SDPA path.
-- ROCm MI200/MI300/MI350: torch's varlen_attn where the installed torch has it (not run by this project yet),
-  else the reference.
-
-"flex" keeps the packed row's shape: every attention call runs PyTorch's FlexAttention over [batch, heads, seq,
-d] with a block mask built once per micro-batch from the row's document ids (`flex_kwargs`: same document and
-causal). Blocks of 128 x 128 query/key positions that the mask leaves empty are skipped, partly filled ones are
-masked inside the kernel, and every tensor has the same shape whatever the number of documents: a compiled step
-does not recompile when that number changes. FlexAttention is compiled (a fused Triton kernel) on a GPU; on CPU
-the installed torch runs its forward only (no backward), so the CPU tests check its forward and training with it
-is refused there.
-
-Neither varlen nor flex registers a mask function with transformers: the documents reach the kernel through the
-model call's keyword arguments, and without a registered mask function transformers builds no mask and does not look
-for packed rows in position_ids, a check that reads a flag back from the device in every forward. The SDPA path does
-need that check: packed rows (several conversations in one row) rely on transformers building a block-diagonal mask
-from position_ids that restart at 0, which it only does when attention_mask is None and the attention
-implementation has a mask function registered. The custom SDPA attention therefore registers transformers' own
-`sdpa_mask` under its name (see `register_math_expanded_kv_attention`).
-"""
+`choice.impl` to transformers. The choice per device, varlen and flex: see common/README.md."""
 
 import functools
 import importlib.util
@@ -75,8 +22,7 @@ FLEX = "flex"  # attn_implementation name of FlexAttention with a document block
 # Variable-length kernels, in order of preference on NVIDIA; "reference" is the per-document SDPA loop.
 VARLEN_KERNELS = ("torch", "flash_attn", "flex", "reference")
 
-# SDPA backends per ROCm arch (gcnArchName without its feature flags). An arch missing here gets the math-only
-# path with a reason saying it is not in this table.
+# SDPA backends per ROCm arch (gcnArchName without its feature flags); an arch missing here gets math only.
 ROCM_AOTRITON_ARCHS = {"gfx90a": "MI200", "gfx942": "MI300", "gfx950": "MI350"}
 ROCM_MATH_ONLY_ARCHS = {"gfx906": "MI50/MI60", "gfx908": "MI100"}
 
@@ -104,8 +50,7 @@ def describe_device(device: torch.device) -> DeviceInfo:
         raise ValueError(f"unsupported device type {device.type!r}: expected cpu or cuda (NVIDIA or ROCm)")
     props = torch.cuda.get_device_properties(device)
     if torch.version.hip:
-        # ROCm builds still use the "cuda" device type; gcnArchName carries feature flags after the arch,
-        # e.g. "gfx908:sramecc+:xnack-", and only the arch decides which kernels exist.
+        # ROCm uses the "cuda" device type; "gfx908:sramecc+:xnack-": only the arch decides the kernels.
         return DeviceInfo(kind="rocm", name=props.name, arch=props.gcnArchName.split(":")[0])
     return DeviceInfo(kind="cuda", name=props.name, arch=f"sm_{props.major}{props.minor}")
 
@@ -119,9 +64,7 @@ class AttentionChoice:
     expands_kv: bool = False  # varlen: K/V heads repeated to every query head first (common.memory prices it)
 
     def forward_kwargs(self, position_ids: torch.Tensor, device: torch.device) -> dict:
-        """Extra keyword arguments of the model call for this micro-batch: {} except for varlen, which gets the
-        document boundaries (`document_kwargs`), and flex, which gets its block mask (`flex_kwargs`). Pass the host
-        copy of position_ids: no device sync."""
+        """The model call's extra kwargs for this micro-batch (varlen and flex), from host position_ids."""
         if self.impl == VARLEN:
             return document_kwargs(position_ids, device)
         if self.impl == FLEX:
@@ -142,8 +85,7 @@ def available_varlen_kernels() -> tuple[str, ...]:
 
 def choose_attention(info: DeviceInfo, requested: str = "auto",
                      varlen_kernels: tuple[str, ...] | None = None) -> AttentionChoice:
-    """Pure decision: which attention implementation and SDPA backends suit `info`, honouring `requested`.
-    `varlen_kernels` lists the variable-length kernels installed (default: `available_varlen_kernels()`)."""
+    """Which attention implementation and SDPA backends suit `info`, honouring `requested` (pure)."""
     if requested not in VALID_REQUESTS:
         raise ValueError(f"unknown attention {requested!r}: expected one of {', '.join(VALID_REQUESTS)}")
     device = info.label()
@@ -246,23 +188,16 @@ def _choose_varlen(info: DeviceInfo, requested: str, kernels: tuple[str, ...]) -
 
 
 def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
-    """[batch, seq] bool, True where a document starts: at every row start and wherever a position does not follow its
-    predecessor by one (packed conversations restart at 0; so do the pad slots at the end of a row, which then form
-    their own document). No host read."""
+    """[batch, seq] bool, True where a document starts: a row start or a restarted position. No host read."""
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
     return starts
 
 
 def packed_documents_attention(kind: str):
-    """Make `attend(query, key, value, scaling, **kwargs)`, attention within the documents of whole packed rows that
-    returns (batch, seq, heads, head_dim), an attention function for transformers' AttentionInterface.
-
-    Same contract as transformers' sdpa_attention_forward: query (batch, heads, seq, head_dim), key and value
-    (batch, kv_heads, seq, head_dim); returns ((batch, seq, heads, head_dim), None). What varlen and flex share
-    happens here: a padding mask, dropout or a sliding window is refused (a call they do not serve); decoding with a
-    KV cache goes to transformers' SDPA; under autocast, q, k and v get the autocast dtype.
-    """
+    """Decorator: `attend(query, key, value, scaling, **kwargs)` -> an attention function with transformers'
+    sdpa_attention_forward contract. Refuses a padding mask, dropout or a sliding window; sends decoding with a KV
+    cache to SDPA; casts q, k, v to the autocast dtype."""
 
     def decorate(attend):
         @functools.wraps(attend)
@@ -273,7 +208,7 @@ def packed_documents_attention(kind: str):
             if dropout or sliding_window:
                 raise ValueError(f"--attn {kind} supports neither attention dropout nor a sliding window")
             if key.shape[2] != query.shape[2]:
-                # Decoding with a KV cache (queries shorter than keys): not a packed row; transformers' SDPA handles it.
+                # decoding with a KV cache: not a packed row
                 return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, **kwargs)
             if torch.is_autocast_enabled(query.device.type):
                 # Autocast casts SDPA's inputs, not a custom kernel's: Qwen3's q/k norms return fp32 beside bf16 values.
@@ -308,14 +243,12 @@ def flex_trains_on_cpu() -> bool:
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """[batch, seq] index of each slot's document within its row (documents as `document_starts` finds them). No host
-    read."""
+    """[batch, seq] index of each slot's document within its row (document_starts). No host read."""
     return document_starts(position_ids).cumsum(1, dtype=torch.int32) - 1
 
 
 def block_mask_of_documents(documents: torch.Tensor):
-    """FlexAttention's block mask for rows of packed documents ([batch, seq] ids on the device): a query attends to
-    the keys of its own document at or before it. Built once per micro-batch and shared by every layer."""
+    """FlexAttention's block mask: a query attends to its own document's keys at or before it."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def same_document_causal(batch, head, q_index, kv_index):
@@ -326,9 +259,7 @@ def block_mask_of_documents(documents: torch.Tensor):
 
 
 def flex_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict:
-    """The model call's keyword argument that hands every flex attention call the micro-batch's block mask: the
-    document ids come from the host copy of position_ids and are copied from pinned memory, the mask is built on
-    the device. Its tensors' shapes depend on the row count and length only."""
+    """{document_block_mask: ...}, the micro-batch's block mask built on the device from the host position_ids."""
     documents = document_ids(position_ids.cpu())
     if device.type == "cuda":
         documents = documents.pin_memory().to(device, non_blocking=True)
@@ -343,8 +274,7 @@ def _flex_rows(query, key, value, block_mask, scale):
     from torch.nn.attention.flex_attention import flex_attention
 
     if query.is_cuda and "cuda" not in _compiled_flex:
-        # Uncompiled, FlexAttention materialises the scores; compiled, it is one fused kernel (inside a compiled
-        # decoder layer it is compiled with the layer either way).
+        # uncompiled, FlexAttention materialises the scores; compiled, it is one fused kernel
         _compiled_flex["cuda"] = torch.compile(flex_attention)
     kernel = _compiled_flex["cuda"] if query.is_cuda else flex_attention
     return kernel(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
@@ -352,13 +282,7 @@ def _flex_rows(query, key, value, block_mask, scale):
 
 @packed_documents_attention("flex")
 def flex_attention_forward(query, key, value, scaling=None, document_block_mask=None, position_ids=None, **kwargs):
-    """An attention function for transformers' AttentionInterface: FlexAttention over packed rows, called as
-    transformers' sdpa_attention_forward is (see `packed_documents_attention`).
-
-    The block mask comes from `document_block_mask` (the model call's kwarg, see `flex_kwargs`); without it, it is
-    built in every layer from the `position_ids` the layers pass on (evaluation and generation, where speed matters
-    less).
-    """
+    """FlexAttention over packed rows with `document_block_mask`, else one built from `position_ids`."""
     if document_block_mask is None:
         if position_ids is None:
             raise ValueError("--attn flex needs document_block_mask (flex_kwargs) or position_ids in the call")
@@ -368,7 +292,7 @@ def flex_attention_forward(query, key, value, scaling=None, document_block_mask=
 
 
 def register_flex_attention() -> None:
-    """Make FLEX a valid attn_implementation; like varlen, without a mask function (see the module's docstring)."""
+    """Make FLEX a valid attn_implementation, without a mask function (common/README.md)."""
     AttentionInterface.register(FLEX, flex_attention_forward)
 
 
@@ -377,27 +301,16 @@ def register_flex_attention() -> None:
 
 
 def document_boundaries(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Cumulative document lengths over the flattened [batch x seq] tokens, and the longest document (documents as
-    `document_starts` finds them).
-
-    Returns (cu_seq_lens int32 [n_documents + 1] on position_ids' device, max length). On a CUDA tensor this
-    synchronises (the number of documents sets the output's size): pass the host copy where you can.
-    """
+    """(cu_seq_lens int32 [documents + 1], longest document) of the flattened tokens; give host ids."""
     rows, seq = position_ids.shape
     first = document_starts(position_ids).flatten().nonzero().squeeze(1)
     cu_seq_lens = torch.cat([first, first.new_tensor([rows * seq])]).to(torch.int32)
     return cu_seq_lens, int((cu_seq_lens[1:] - cu_seq_lens[:-1]).max())
 
 def document_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict:
-    """The model call's keyword arguments that tell every varlen attention call where the documents are.
-
-    transformers passes the model call's keyword arguments on to every attention function, so the boundaries are
-    computed once per micro-batch, not once per layer: `cu_seq_lens_q/k` (its flash-attention names) and
-    `longest_document`, an empty tensor whose length is the longest document's. Both change from one micro-batch to
-    the next, and under torch.compile (--compile compiles each decoder layer) a changed shape or int is a recompile:
-    so their lengths are marked dynamic from the first call (one graph for every document count), and the longest
-    length travels as a tensor's size, not as an int, which torch.compile would treat as a constant of the graph.
-    """
+    """The model call's kwargs that tell every varlen attention call where the documents are, computed once per
+    micro-batch: cu_seq_lens_q/k and `longest_document`, an empty tensor whose length is the longest document's
+    (both marked dynamic, so torch.compile does not recompile per document count; common/README.md)."""
     cu_seq_lens, max_length = document_boundaries(position_ids.cpu())
     if device.type == "cuda":
         cu_seq_lens = cu_seq_lens.pin_memory().to(device, non_blocking=True)  # pinned: the copy does not block
@@ -418,8 +331,7 @@ def _parameters(function) -> frozenset[str]:
 
 
 def torch_varlen_takes_gqa() -> bool:
-    """torch's varlen_attn changed its signature between releases: 2.10 has `is_causal`; later releases express
-    causality as `window_size=(-1, 0)` and, later still, take grouped K/V heads with `enable_gqa`."""
+    """Whether torch's varlen_attn takes grouped K/V heads (`enable_gqa`)."""
     from torch.nn.attention.varlen import varlen_attn
 
     return "enable_gqa" in _parameters(varlen_attn)
@@ -484,13 +396,7 @@ _VARLEN_FUNCTIONS = {"torch": _torch_varlen, "flash_attn": _flash_attn_varlen, "
 @packed_documents_attention("varlen")
 def varlen_attention_forward(query, key, value, scaling=None, cu_seq_lens_q=None, max_length_q=None,
                              longest_document=None, position_ids=None, *, kernel: str, **kwargs) -> torch.Tensor:
-    """An attention function for transformers' AttentionInterface: packed documents through a varlen kernel, called
-    as transformers' sdpa_attention_forward is (see `packed_documents_attention`).
-
-    The documents come from `cu_seq_lens_q` and `longest_document` (the model call's kwargs, see `document_kwargs`;
-    transformers' own `max_length_q` is taken too); without them, from the `position_ids` every Qwen3 decoder layer
-    passes on (a host sync per layer on a GPU, so the training loops pass the kwargs).
-    """
+    """Packed documents through a varlen kernel, from document_kwargs' or `position_ids`."""
     batch, heads, seq, head_dim = query.shape
     if cu_seq_lens_q is None:
         if position_ids is None:
@@ -503,17 +409,14 @@ def varlen_attention_forward(query, key, value, scaling=None, cu_seq_lens_q=None
     if int(cu_seq_lens_q.shape[0]) < 2:
         raise ValueError("cu_seq_lens_q must hold at least one document")
     scale = scaling if scaling is not None else head_dim ** -0.5
-    # [batch, heads, seq, d] -> [tokens, heads, d]. The projections laid q, k, v out as [batch, seq, heads, d] and
-    # transformers transposed them, so transposing back is free and the flattening is a view.
+    # [batch, heads, seq, d] -> [tokens, heads, d]: transposing back is free, the flattening a view
     q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], head_dim) for t in (query, key, value))
     out = _VARLEN_FUNCTIONS[kernel](q, k, v, cu_seq_lens_q, max_length_q, scale)
     return out.view(batch, seq, heads, head_dim)
 
 
 def register_varlen_attention(kernel: str) -> None:
-    """Make VARLEN a valid attn_implementation running `kernel`. No mask function is registered: transformers then
-    builds no mask (the kernel needs none) and skips its packed-row check, which reads the device (see the module's
-    docstring); a padding mask is refused by the attention function itself."""
+    """Make VARLEN a valid attn_implementation running `kernel`, with no mask function (common/README.md)."""
     AttentionInterface.register(VARLEN, functools.partial(varlen_attention_forward, kernel=kernel))
 
 
@@ -528,19 +431,12 @@ def sdpa_math_expanded_kv_forward(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa_attention_forward restricted to what Qwen3 training needs, with GQA expanded up front.
-
-    Same contract as transformers' version: query (batch, heads, q_len, head_dim), key and value
-    (batch, kv_heads, kv_len, head_dim), attention_mask from `sdpa_mask` (a boolean (batch, 1, q_len, kv_len)
-    mask, or None when plain causal attention is enough); returns ((batch, q_len, heads, head_dim), None).
-    Extra keyword arguments (e.g. Qwen3's sliding_window, already folded into the mask) are ignored, as there.
-    """
+    """transformers' sdpa_attention_forward with the K/V heads expanded, on SDPA's math kernel."""
     heads_per_kv_head = query.shape[1] // key.shape[1]
     key = repeat_kv(key, heads_per_kv_head)
     value = repeat_kv(value, heads_per_kv_head)
 
-    # As in transformers: a None mask means plain causal attention. A single query token (decoding) attends
-    # to the whole cache, so it must not get SDPA's upper-left-aligned causal mask.
+    # a None mask is plain causal; one query token (decoding) attends to the whole cache
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
 
@@ -552,12 +448,7 @@ def sdpa_math_expanded_kv_forward(
 
 
 def register_math_expanded_kv_attention() -> None:
-    """Make MATH_EXPANDED_KV a valid attn_implementation, with SDPA's masks (and so packed-row isolation).
-
-    Both go into the class-wide registries (`register`, not item assignment): transformers only builds a mask,
-    packed or not, for names in `AttentionMaskInterface._global_mapping`. Without the mask entry a packed row
-    would silently get one causal mask over all its conversations.
-    """
+    """Make MATH_EXPANDED_KV a valid attn_implementation, with SDPA's (packed) masks."""
     AttentionInterface.register(MATH_EXPANDED_KV, sdpa_math_expanded_kv_forward)
     AttentionMaskInterface.register(MATH_EXPANDED_KV, sdpa_mask)
 

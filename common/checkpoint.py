@@ -1,35 +1,6 @@
 """Sharded, atomic training checkpoints with torch.distributed.checkpoint (DCP).
 
-A checkpoint is the folder `<out-dir>/checkpoints/step-<k>/` holding:
-- the model and optimizer state, written by DCP: each rank writes only the shards it owns (an FSDP rank its
-  parameter shards, a DDP or single process its full copy, deduplicated by DCP so rank 0 writes replicated
-  tensors once), plus DCP's metadata file;
-- `trainer_state_rank<r>.pt` per rank: the step (which fixes the data position, since step k always consumes
-  the same rows), the LR scheduler and the RNG states.
-
-- `run.json`: what the run was (experiment, model, data, sequence length, rows per step, seed, LoRA rank): a resume
-  that differs in any of them stops and says which (common.cli.plan_run), unless --resume-anyway.
-
-`--resume` takes a step-<k> folder, a run folder (its newest complete checkpoint) or `latest` (the newest complete
-checkpoint of this experiment's runs under ./runs): find_checkpoint. A checkpoint is checked before it is loaded
-(checkpoint_problem: every file DCP's metadata names is there and of the size written, run.json and the trainer state
-readable); a run folder or `latest` falls back to the newest checkpoint that passes and says which it skipped and why.
-
-`--keep-checkpoints N` keeps the newest N complete checkpoints of the run: the older ones are deleted once a new one
-is published (never the one this process resumed from).
-
-The trainer state holds tensors and plain types only (the RNG states as tensors), read with weights_only=True: a file
-that needs more (arbitrary pickled objects) is refused, never executed.
-
-Atomicity: everything is written to `step-<k>.tmp/` and renamed to `step-<k>/` by rank 0 only after every rank has
-finished. A crash mid-save leaves a `.tmp` folder that is never read (and is cleared by the next save of that step);
-the previous `step-<j>/` stays intact. On a shared filesystem a directory rename is atomic, so a reader sees either
-no checkpoint or a complete one.
-
-get_state_dict / set_state_dict (torch.distributed.checkpoint.state_dict) give the same keys for a plain module,
-DDP, FSDP2, DTensor tensor parallelism and pipeline stages, so a checkpoint written by one layout can be read by
-another of the same parameters: fsdp-ft written on 2 ranks resumes on 1, on 4, or as HSDP (tests/test_multinode.py).
-"""
+Layout of a checkpoint, --resume, atomicity and resharding: see common/README.md."""
 
 from __future__ import annotations
 
@@ -47,20 +18,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-# One optimizer entry per parameter name ("optimizer.param_groups.<name>.lr") instead of per param-group index.
-# Ranks that hold different parameters (pipeline stages) would otherwise all write "optimizer.param_groups.0..."
-# for different groups; DCP keeps one rank's copy of such a key and a resume fails (KeyError 'betas' in AdamW).
+# Optimizer entries per parameter name, not group index: pipeline stages' groups would collide (common/README.md).
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-# A model with quantized (integer) weights, QLoRA's 4-bit base, saves and restores only its trainable parameters:
-# the resuming run loads the frozen base again from its source, and bitsandbytes cannot load its packed weights and
-# their quantization constants in place (set_state_dict stops on those keys).
+# QLoRA's 4-bit base is reloaded from its source, not restored: only the trainable parameters are saved.
 TRAINABLE_ONLY = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
 
 
 @contextmanager
 def _alone_is_expected() -> Iterator[None]:
-    """One process without a process group (single-ft) saves and loads alone, which DCP announces with a UserWarning
-    on every save and load: expected here, and nothing the user can act on."""
+    """Silences DCP's warning that one process without a process group saves and loads alone."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
                                 category=UserWarning)
@@ -86,8 +52,7 @@ def _barrier() -> None:
 
 
 def _rng_state() -> dict:
-    """Tensors and plain types only, so that torch.load(weights_only=True) reads it: Python's Mersenne Twister state
-    (version, 625 words, gauss_next) as an int64 tensor of its words."""
+    """The RNG states as tensors and plain types (weights_only=True reads them); Python's as an int64 tensor."""
     version, words, gauss_next = random.getstate()
     state = {"torch": torch.get_rng_state(), "python": torch.tensor(words, dtype=torch.int64),
              "python_version": version, "python_gauss_next": gauss_next}
@@ -159,9 +124,7 @@ def _read_trainer_state(file: Path) -> dict:
 
 
 def checkpoint_problem(path: Path) -> str | None:
-    """What makes a step-<k> folder unusable, naming the file (None when it passes): run.json readable; for DCP
-    every file its .metadata names present and at least as long as written, the trainer state readable as tensors and
-    plain types; for DeepSpeed's format every .pt file a whole archive."""
+    """What makes a step-<k> folder unusable, naming the file; None when it is whole."""
     if path.name.endswith(".tmp"):
         return f"{path} is unfinished (a save was interrupted)"
     if not path.is_dir():
@@ -212,9 +175,7 @@ def _rank0_print(message: str) -> None:
 
 
 def find_checkpoint(path: str | Path, experiment: str, print_fn=_rank0_print) -> Path:
-    """The step-<k> folder `--resume` names: itself (one line naming the file when it fails checkpoint_problem), a
-    run folder's newest checkpoint that passes, or with `latest` the newest that passes of ./runs/<experiment>-*.
-    An unfinished save (step-<k>.tmp) is never taken; a damaged checkpoint skipped is printed with the reason."""
+    """The step-<k> folder `--resume` names, damaged ones skipped with their reason."""
     if str(path) == "latest":
         runs = sorted(Path("runs").glob(f"{experiment}-*"), key=lambda run: run.stat().st_mtime, reverse=True)
         found = _first_sound([step for run in runs for step in _complete(run / "checkpoints")], print_fn)
@@ -267,8 +228,7 @@ _resumed_from: set[Path] = set()  # the checkpoints this process loaded: --keep-
 
 
 def prune_checkpoints(out_dir: str | Path, keep: int) -> list[Path]:
-    """Delete the oldest published checkpoints of `out_dir` beyond the newest `keep` (0 keeps all), except one this
-    process resumed from; rank 0 only. Returns what was deleted."""
+    """Rank 0 deletes the checkpoints older than the newest `keep` (0 keeps all) but the resumed one; returns them."""
     if keep <= 0 or _rank() != 0:
         return []
     deleted = []
@@ -285,8 +245,7 @@ IDENTITY_NAMES = dict(experiment="experiment", model="--model", data="--data", s
 
 
 def check_identity(path: str | Path, identity: dict, allow: bool = False, print_fn=print) -> None:
-    """Stop when the checkpoint was written by a run that differs from this one in what fixes its steps (model, data,
-    sequence length, rows per step, seed, LoRA rank, experiment); with `allow` (--resume-anyway) say so and go on."""
+    """Stop when the checkpoint's run differs in what fixes its steps; `allow` (--resume-anyway) warns."""
     file = Path(path) / IDENTITY_FILE
     if not file.exists():
         print_fn(f"note: {path} records no run identity (written before run.json existed): not checked")
@@ -316,8 +275,7 @@ def _write_identity(folder: Path, run: dict | None) -> None:
 
 def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, scheduler, run: dict | None = None,
                     keep: int = 0) -> Path:
-    """Save after optimizer step `step` (1-based count of completed steps); returns the final folder. `run`: the
-    run's identity (common.cli.plan_run), which a resume checks; `keep`: --keep-checkpoints (prune_checkpoints)."""
+    """Save after optimizer step `step` (1-based) with the run's identity `run`; returns the folder."""
     with _published(out_dir, step) as temporary:
         model_state, optimizer_state, _ = _state_dicts(model, optimizer)
         with _alone_is_expected():
@@ -337,9 +295,7 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> int:
         raise SystemExit(f"--resume {path}: {problem}")
     trainer_file = path / f"trainer_state_rank{_rank()}.pt"
     if not trainer_file.exists():
-        # Written by fewer ranks (DCP reshards the model and optimizer to any layout): this rank takes rank 0's
-        # step, scheduler and RNG state. The step and the schedule are the same on every rank, and no experiment
-        # draws random numbers after initialization (step k's rows are fixed by k), so nothing else differs.
+        # written by fewer ranks (DCP reshards): rank 0's step, schedule and RNG are every rank's
         trainer_file = path / "trainer_state_rank0.pt"
     model_state, optimizer_state, options = _state_dicts(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}

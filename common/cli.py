@@ -1,18 +1,6 @@
 """The command line every experiment shares: its Config's flags, --help, one-line errors, and a run's plan.
 
-Each train.py declares one `@dataclass Config` with a comment on every field. This module reads that class from the
-script's source (ast and tokenize; it imports neither torch nor transformers), so that
-- `--help` prints every flag with its meaning (the field's comment) and default, in well under a second: the script
-  calls `stop_early(__name__, __file__)` before its heavy imports;
-- a flag mistake stops with one line that names the flag and what it allows, before anything loads: an unknown flag
-  (with the closest known one), a value of the wrong type or out of range, an inconsistent pair;
-- dashes and underscores are both accepted (`--seq-len`, `--seq_len`); a bool field is `--flag` (or `--flag false`)
-  and, when it defaults to on, also `--no-flag`.
-A run that stops (SystemExit with a message) under torchrun prints its line on rank 0 only and leaves it in
-torchrun's error file, so the launcher's failure summary ends with the same line instead of "To enable traceback
-see ...": `run(main)` at the bottom of each script. A refusal of the input (InputError: bad flags, bad training data,
-a model or world size the strategy cannot take) is the same on every rank: rank 0 alone reports it, exit status 2.
-"""
+Reads the Config from the script's source (no torch import): see common/README.md."""
 
 from __future__ import annotations
 
@@ -35,9 +23,7 @@ PROJECT_ROOT = PACKAGE_ROOT.parent  # the repository, when common/ is used from 
 
 
 class InputError(SystemExit):
-    """A refusal of the run's input, reached the same way on every rank: the flags, the training data, what the model
-    or the number of processes allows. Exit status 2, as argparse's; under torchrun rank 0 reports it and the other
-    ranks leave quietly (report_stop), so the launcher's failure summary lists it once."""
+    """A refusal of the run's input, the same on every rank: exit status 2, reported by rank 0."""
 
 
 class FlagError(InputError):
@@ -81,8 +67,7 @@ def config_flags(path: str | Path) -> tuple[str, list[Flag]]:
         return len(line) - len(line.lstrip())
 
     def comment(lineno: int) -> str:
-        """The field's comment, and the comment-only lines right below it indented deeper, which continue it (lines
-        stay within 120 characters); a comment-only line at the field's own indent heads the next fields."""
+        """The field's comment, with the deeper-indented comment-only lines below it that continue it."""
         parts, field_indent = [comments.get(lineno, "")], indent(lines[lineno - 1])
         while lineno < len(lines) and lines[lineno].lstrip().startswith("#") and indent(lines[lineno]) > field_indent:
             lineno += 1
@@ -240,8 +225,7 @@ def parse_flags(path: str | Path, argv: list[str]) -> dict:
 
 
 def parse_config(config_class, argv: list[str] | None = None):
-    """The Config of the calling script from `argv` (default: sys.argv[1:]); only the given flags are passed, so
-    every default stays in the dataclass."""
+    """The calling script's Config from `argv`; only the given flags are passed (defaults stay there)."""
     import inspect
 
     path = inspect.getsourcefile(config_class)
@@ -258,8 +242,7 @@ def _rank() -> int:
 
 
 def report_stop(stop: SystemExit) -> int:
-    """Print a stop's message (rank 0 only; a rank without a launcher's error file prints its own), leave it in
-    torchrun's error file, and return the exit status to leave with."""
+    """Print a stop's message on rank 0, leave it in torchrun's error file; returns the exit status."""
     message = stop.code
     if message is None or isinstance(message, int):
         return message or 0
@@ -267,8 +250,7 @@ def report_stop(stop: SystemExit) -> int:
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     launched = error_file and int(os.environ.get("WORLD_SIZE", "1")) > 1
     if isinstance(stop, InputError) and launched and _rank() != 0:
-        # The same argv and data give every rank the same refusal: rank 0 reports it; the others leave quietly, exit
-        # status 0, so that torchrun's summary lists one failure, not one per rank.
+        # every rank meets the same refusal: the others leave quietly, so torchrun lists one failure
         return 0
     if error_file:
         # torchrun's failure summary shows the record's "py_callstack" as the failure's traceback: our line.
@@ -297,8 +279,7 @@ def stop_early(module_name: str, path: str) -> None:
 
 
 def run(main) -> None:
-    """`if __name__ == "__main__": run(main)`: main(), and a stop reported as one line (report_stop); running out of
-    GPU memory too (out_of_memory)."""
+    """`if __name__ == "__main__": run(main)`: main(), a stop or running out of GPU memory reported as one line."""
     try:
         main()
     except SystemExit as stop:
@@ -310,9 +291,7 @@ def run(main) -> None:
 
 
 def out_of_memory(error: BaseException) -> str:
-    """One line for torch.OutOfMemoryError: the step, the measured peak, and the common.memory command that prices
-    the run. The step and the config are main()'s own locals, read from the traceback's frames (a train.py names
-    them `step` and `config`), so that no script carries code for it."""
+    """One line for torch.OutOfMemoryError: the step, the peak, the common.memory command to price it."""
     frame_locals = {}
     traceback = error.__traceback__
     while traceback is not None and not frame_locals:  # the outermost main(): the script's
@@ -345,8 +324,7 @@ def out_of_memory(error: BaseException) -> str:
 
 
 def find_file(path: str) -> str:
-    """A relative path that is not found here is looked up where common/ comes from: the repository's root (a clone)
-    or the package (an installed copy ships assets/data and assets/tokenizer)."""
+    """A relative path not found here, looked up in the repository's root or the installed package."""
     given = Path(path)
     if given.exists() or given.is_absolute():
         return path
@@ -357,10 +335,7 @@ def find_file(path: str) -> str:
 
 
 def resolve_paths(config, experiment: str) -> None:
-    """--data found (find_file), --seq-len checked against the model's positions, --resume turned into the checkpoint
-    folder it names (common.checkpoint.find_checkpoint), --out-dir defaulted to that checkpoint's own run folder (a
-    resumed run continues in place) or else to runs/<experiment>-<UTC time> under the working directory. Called after
-    the process group exists: every rank takes rank 0's time stamp, so that all of them write into one folder."""
+    """--data found, --seq-len checked, --resume and --out-dir resolved (after the group exists)."""
     config.data = find_file(config.data)
     check_seq_len(config.model, config.seq_len)
     if config.resume:
@@ -379,8 +354,7 @@ def resolve_paths(config, experiment: str) -> None:
 
 
 def check_seq_len(model: str, seq_len: int) -> None:
-    """A row longer than the model's positions is refused before anything loads (it would train on positions the
-    model never learned, or run out of memory first)."""
+    """Refuses a row longer than the model's positions (never learned) before anything loads."""
     from common.models import model_config
 
     positions = getattr(model_config(model), "max_position_embeddings", None)
@@ -409,8 +383,7 @@ REPEATS_NOTED = 3  # a run that goes over its training rows more often than this
 
 
 def plan_run(experiment: str, config, stats: dict, rows_per_step: int, print_fn=print) -> RunPlan:
-    """After the data: --epochs as steps, a note when the run repeats its data or its warm-up outlasts it, and the
-    --resume checkpoint checked against this run. Sets config.steps."""
+    """After the data: steps (--epochs), notes on repeats and warm-up, the --resume check. Sets config.steps."""
     n_rows = stats["n_train_rows"]
     steps_per_epoch = n_rows / rows_per_step
     if getattr(config, "epochs", None) is not None:

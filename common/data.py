@@ -1,25 +1,6 @@
 """SFT data: records -> chat template -> token ids and loss labels -> packed rows -> deterministic batches.
 
-The semantics here are the contract every experiment shares (the tests hold each one to it):
-- --data is a JSONL file or folder (read here), or a .json, .parquet, .csv or .arrow file, a save_to_disk folder
-  or a hub id (read by `datasets`, memory-mapped and cached). Records are {"messages": [...]} (roles
-  system/user/assistant, an assistant turn may carry "reasoning_content"), ShareGPT {"conversations":
-  [{"from": "human"|"gpt"|"system", "value"}]}, {"instruction", "input"?, "output"} or {"prompt", "completion"};
-  --data-columns renames other columns to these. Bad input stops the run before training with
-  `<file>:<line>: <what is wrong>` (`<file>: row <n>:` where the format has no lines).
-- Text is rendered with the tokenizer's own chat template; only assistant tokens (and the <|im_end|> that closes
-  each assistant turn, so the model learns to stop) carry loss. Where an assistant turn starts comes from the
-  template's rendering of the turns before it (`assistant_spans`), so the hub's Qwen3 template works as it is,
-  with thinking on, off or mixed; an empty <think></think> block is prompt, not content (--train-empty-think).
-  A run in which no end-of-turn token carries loss stops.
-- `labels` are already shifted: labels[t] is the token that should follow input t, or -100. Shifting per
-  conversation (not per row) means the last token of one packed conversation never predicts the first of the next.
-- Packing puts whole conversations into rows of seq_len tokens (first-fit); position_ids restart at 0 for
-  each conversation, which is what lets transformers' SDPA/eager attention keep them apart when attention_mask is
-  None. A conversation longer than seq_len is truncated, and counted.
-- Optimizer step k consumes rows [k*B, (k+1)*B) of a fixed row sequence (B = micro x accum x data-parallel ranks),
-  so any split of the same B is the same step, and the loss is sum(token losses) / number of loss tokens in the step.
-"""
+The contract every experiment shares (formats, loss mask, shifted labels, packing, steps): see common/README.md."""
 
 from __future__ import annotations
 
@@ -37,9 +18,7 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant")
 
-# ChatML, the format Qwen3 uses, with {% generation %} markers around what the assistant says so that
-# apply_chat_template(return_assistant_tokens_mask=True) can tell us which tokens carry loss. Used when the
-# tokenizer's own template has no such markers (Qwen3's published templates do not).
+# ChatML (Qwen3's format) with {% generation %} markers around the assistant's text, for tokenizers without a template
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}"
@@ -201,8 +180,7 @@ def _read_jsonl(path: Path, columns: dict[str, str]) -> list[Conversation]:
                 if not line.strip():
                     continue
                 where = f"{file}:{line_number}"
-                # The newline is no part of the record: inside a string left open it would be reported as an
-                # "invalid control character" instead of the unterminated string. A BOM may open the file.
+                # without the newline, a string left open reads as unterminated; a BOM may open the file
                 line = line.rstrip("\r\n")
                 try:
                     record = json.loads(line.removeprefix("\ufeff") if line_number == 1 else line)
@@ -307,12 +285,7 @@ def _dataset_conversations(name: str, dataset, columns: dict[str, str], split: s
 
 def read_conversations(path: str | Path, split: str = "train", subset: str | None = None,
                        columns: str | dict | None = None) -> list[Conversation]:
-    """Every record of --data as validated chat messages, each with where it came from.
-
-    JSONL (a file or a folder of them) is read here, so errors name file and line; blank lines are allowed.
-    Everything else goes through `datasets`: .json, .parquet, .csv, .arrow, a save_to_disk folder, a hub id
-    (`split`, `subset`); its errors name the row. `columns` (--data-columns) renames the data's columns first.
-    """
+    """Every record of --data as validated chat messages, each with where it came from."""
     columns = parse_columns(columns)
     source = Path(path)
     if source.suffix == ".jsonl" or (source.is_dir() and not _is_saved_dataset(source)):
@@ -356,8 +329,7 @@ def chat_template_for(tokenizer) -> str:
 
 def end_of_turn(tokenizer) -> tuple[str, int]:
     """The token that closes an assistant turn: <|im_end|> in ChatML (Qwen3), else the tokenizer's eos."""
-    # One token lookup, not `in tokenizer.get_vocab()`: that builds the whole vocabulary as a dict (151k entries for
-    # Qwen3), and this runs once per conversation. An absent token comes back as the unknown token's id (or None).
+    # one lookup, not get_vocab() (a 151k-entry dict per conversation); an absent token is unk's id or None
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     token = "<|im_end|>" if im_end is not None and im_end != tokenizer.unk_token_id else tokenizer.eos_token
     if token is None:
@@ -369,23 +341,15 @@ EMPTY_THINK = re.compile(r"<think>\s*</think>\s*")
 
 
 def render_template(tokenizer) -> str:
-    """The template conversations are rendered with, in training and in generation: the tokenizer's own, or
-    ChatML for a tokenizer that has none (a base model may come without one)."""
+    """The template of training and generation: the tokenizer's own, else ChatML."""
     return getattr(tokenizer, "chat_template", None) or CHATML_TEMPLATE
 
 
 def assistant_spans(tokenizer, messages: list[dict], where: str, train_empty_think: bool = False
                     ) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans that carry loss: each assistant turn from where the
-    template's generation prompt ends to its end-of-turn token, inclusive.
-
-    The spans come from the template itself: rendering the turns before assistant turn i with the generation
-    prompt gives exactly the text in front of turn i, so turn i starts where that prefix ends. This holds for
-    any template (the hub's Qwen3 one included) that renders earlier turns the same whatever follows them.
-    A turn that opens with an empty think block (Qwen3 renders `<think>\n\n</think>\n\n` for an answer without
-    reasoning) starts after it: at inference that block is part of the prompt (enable_thinking=False), so it is
-    not trained as if it were content unless `train_empty_think`.
-    """
+    """(rendered text, character spans that carry loss): each assistant turn from where the template's generation
+    prompt for it ends to its end-of-turn token, inclusive, after an empty think block unless `train_empty_think`
+    (common/README.md)."""
     eot, _ = end_of_turn(tokenizer)
     template = render_template(tokenizer)
     text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
@@ -456,12 +420,7 @@ class Rows:
 
 
 def pack_rows(conversations: list[TokenizedConversation], seq_len: int, pad_token_id: int, packing: bool) -> Rows:
-    """First-fit packing of whole conversations (in the given order) into rows of seq_len tokens.
-
-    Without packing every conversation gets its own row. Conversations must already be at most seq_len long.
-    Pad slots carry no loss and get their own restarted position_ids, so they form a separate "document"
-    that no real token attends to.
-    """
+    """First-fit packing of whole conversations into rows of seq_len (one per row without packing)."""
     rows: list[list[int]] = []  # conversation indices per row
     free: list[int] = []  # free slots per row
     for index, conversation in enumerate(conversations):
@@ -548,8 +507,7 @@ class SFTData:
         return int(self.train.real_tokens[self.rows_for_step(step, rows_per_step)].sum())
 
     def step_documents(self, step: int, rows_per_step: int) -> list[int]:
-        """Token count of every conversation in the whole step, over all ranks (a row's padding is none of them): each
-        attends only to itself, so the step's attention FLOPs follow from these lengths (common/models.py)."""
+        """Token count of every conversation in the whole step, over all ranks: its attention FLOPs' documents."""
         return [length for row in self.rows_for_step(step, rows_per_step).tolist()
                 for _, length in self.train.segments[row]]
 
@@ -568,8 +526,7 @@ class SFTData:
 def build_data(path: str | Path, tokenizer, seq_len: int, packing: bool = True, eval_fraction: float = 0.05,
                seed: int = 0, split: str = "train", subset: str | None = None, columns: str | dict | None = None,
                train_empty_think: bool = False) -> SFTData:
-    """Read, validate, tokenize, split (by conversation), truncate and pack. Deterministic for a given seed.
-    `split`, `subset`, `columns`: --data-split, --data-config, --data-columns (read_conversations)."""
+    """Read, validate, tokenize, split (by conversation), truncate and pack; deterministic for a seed."""
     if not 0.0 <= eval_fraction < 1.0:
         raise ValueError(f"--eval-fraction must be in [0, 1), got {eval_fraction}")
     records = read_conversations(path, split, subset, columns)
@@ -629,8 +586,7 @@ def describe(stats: dict, seq_len: int, packing: bool) -> str:
 
 
 def sample_text(data: SFTData, tokenizer, color: bool | None = None) -> str:
-    """--show-sample: the first conversation of the first training row, as the model sees it, with the text that
-    carries loss between [[ and ]] (on a terminal: that text bright, the rest dimmed)."""
+    """--show-sample: the first training conversation, its loss-carrying text between [[ and ]]."""
     row = int(data.rows_for_step(0, 1)[0])
     _, length = data.train.segments[row][0]
     ids = data.train.input_ids[row, :length].tolist()
@@ -665,8 +621,7 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def to_device(host_batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """Copy a micro-batch to `device`. On a GPU the host tensors are pinned first, so the copy is asynchronous (from
-    pageable memory the host waits for it); the batch's host copy stays usable for host-side work."""
+    """The micro-batch on `device`, copied from pinned memory on a GPU (asynchronous); the host copy stays."""
     pin = device.type == "cuda"
     return {key: (value.pin_memory() if pin else value).to(device, non_blocking=True)
             for key, value in host_batch.items()}

@@ -1,24 +1,6 @@
 """Process-group setup, device choice, rank-0 printing, the collective watchdog and teardown.
 
-Every experiment runs either as a plain process (`python train.py`) or under torchrun, which sets RANK,
-WORLD_SIZE and LOCAL_RANK. On a GPU machine the backend is NCCL (RCCL on ROCm, where torch.cuda and "nccl" map
-to AMD's libraries); on a CPU-only machine it is gloo, so the same scripts and tests run anywhere.
-
-A rank that is lost (killed, frozen, cut off from the others) must not leave the others waiting forever in their
-next collective. Every experiment's `--collective-timeout-s` is the process group's timeout: how long one collective
-may wait for the other ranks.
-- gloo: the waiting collective raises after the timeout, or at once when the peer's process is gone (its sockets
-  close). The rank then prints one line that names itself, the collective (from PyTorch's flight recorder, which
-  records gloo's collectives in torch 2.15; else the torch.distributed call it was in) and the ranks that stopped
-  answering, and exits without tearing down a group that a peer will never join again. Which ranks stopped: every
-  rank adds to a counter in the launch's store every HEARTBEAT_S seconds from a thread of its own (a rank blocked in
-  a collective has released the GIL, so its thread goes on); the counters that no longer move are the lost ranks.
-- NCCL: PyTorch's watchdog thread does the waiting. With async error handling it ends the process after the
-  timeout, logging the collective (sequence number, type, sizes), and its flight recorder (the ring of the last
-  collectives of every group) is dumped beforehand into `<out-dir>/flight_recorder/rank_<r>` (see
-  record_collectives_in); torch.distributed.flight_recorder's analyzer reads those files and names the rank that
-  fell behind.
-"""
+How a lost rank ends the run under gloo and NCCL: see common/README.md."""
 
 from __future__ import annotations
 
@@ -38,11 +20,9 @@ import torch.distributed as dist
 
 from common.cli import FlagError
 
-# A collective that waits this long for a peer ends the run. Long enough for what one rank legitimately does while the
-# others wait (rank 0 reading or writing a model, the first step's compilation, a loaded 2-core CI machine), short
-# enough that a lost rank costs minutes, not the hours until a job's time limit. PyTorch's own default for NCCL.
+# A collective that waits this long for a peer ends the run (PyTorch's NCCL default; why: common/README.md).
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
-HEARTBEAT_S = 2.0  # seconds between two heartbeats of a rank (see the module docstring)
+HEARTBEAT_S = 2.0  # seconds between two heartbeats of a rank (common/README.md)
 
 
 @dataclass(frozen=True)
@@ -63,13 +43,7 @@ _created_group = False  # whether init_distributed created the default group (an
 
 def init_distributed(collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, *,
                      group_of_one: bool = False) -> DistInfo:
-    """Create the default process group when launched by torchrun; pick this rank's device.
-
-    `collective_timeout_s` (--collective-timeout-s) bounds every collective's wait for the other ranks (module
-    docstring). If a group already exists (a test driver running several configurations in one launch), it is
-    reused as it is. `group_of_one`: a strategy whose code needs a group (DeviceMesh, DTensor, fully_shard) gets one
-    of a single rank in a plain `python train.py` too (CPU tensors through gloo beside NCCL); teardown() ends it.
-    """
+    """Create the process group under torchrun (or one of one: `group_of_one`); pick the device."""
     global _created_group
     if not collective_timeout_s > 0:
         raise FlagError(f"--collective-timeout-s must be a number of seconds > 0, got {collective_timeout_s}")
@@ -88,8 +62,7 @@ def init_distributed(collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
     else:
         device = torch.device("cpu")
         backend = "gloo"
-        # transformers imports DeepSpeed when it saves a model; told the accelerator, DeepSpeed does not print
-        # a warning that it is "unable to detect" a GPU this machine does not have.
+        # transformers imports DeepSpeed when it saves: told the accelerator, it does not warn of a missing GPU
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if "WORLD_SIZE" not in os.environ:
         if group_of_one:
@@ -102,8 +75,7 @@ def init_distributed(collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
                         backend=dist.get_backend())
     if backend == "nccl":
         _enable_nccl_watchdog()
-    # Passing device_id binds the NCCL communicator to this GPU eagerly, which avoids a lazy init on the first
-    # collective (and a warning from recent PyTorch); gloo has no such notion.
+    # device_id binds the NCCL communicator eagerly (no lazy init on the first collective, no warning)
     dist.init_process_group(
         backend=backend,
         timeout=timedelta(seconds=collective_timeout_s),
@@ -116,16 +88,11 @@ def init_distributed(collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
 
 
 def _enable_nccl_watchdog() -> None:
-    """NCCL's watchdog, as PyTorch documents its variables (torch_nccl_environment_variables, the flight recorder
-    tutorial), set before the group exists because the group reads them when it is created. A value the user set
-    wins. Both names where PyTorch has two (the flight recorder's TORCH_NCCL_* names came first, TORCH_FR_* ones
-    later; torch 2.15 reads either): each release takes the names it knows."""
+    """NCCL's watchdog and flight recorder variables, set before the group exists."""
     for names, value in (
-        # 3: on a timeout or a NCCL error, the watchdog ends the process (without aborting the communicator, which
-        # can itself hang): the rank exits instead of waiting, and torchrun ends the others.
+        # 3: on a timeout or a NCCL error the watchdog ends the process, and torchrun the others
         (("TORCH_NCCL_ASYNC_ERROR_HANDLING",), "3"),
-        # The flight recorder: a ring of the last 2,000 collectives of every group (kind, sequence number, sizes,
-        # state, Python stack), dumped to a file per rank when the watchdog sees a timeout.
+        # the flight recorder: the last 2,000 collectives of every group, dumped per rank on a timeout
         (("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"), "2000"),
         (("TORCH_FR_DUMP_ON_TIMEOUT", "TORCH_NCCL_DUMP_ON_TIMEOUT"), "1"),
     ):
@@ -134,11 +101,7 @@ def _enable_nccl_watchdog() -> None:
 
 
 def record_collectives_in(out_dir: str | Path) -> None:
-    """On CUDA, where NCCL's flight recorder dumps on a timeout: `<out_dir>/flight_recorder/rank_<r>`.
-
-    PyTorch reads the path when it writes the first dump (not when the group is created), so it can be set once the
-    run's out-dir is known. Nothing to do with gloo, whose ranks report the failure themselves (module docstring).
-    """
+    """On CUDA, NCCL's flight recorder dumps into `<out_dir>/flight_recorder/rank_<r>`."""
     if not torch.cuda.is_available() or not dist.is_initialized():
         return
     prefix = Path(out_dir).resolve() / "flight_recorder" / "rank_"
@@ -169,8 +132,7 @@ class _Heartbeat:
                 return
 
     def silent_ranks(self) -> list[int] | None:
-        """The ranks whose counter did not move for 2.5 heartbeats (what a lost rank looks like); None when the
-        store itself does not answer (it lived in the lost rank's launcher)."""
+        """The ranks whose counter did not move for 2.5 heartbeats; None when the store itself does not answer."""
         def counts():
             return [self.store.add(str(rank), 0) for rank in range(self.world_size)]
         try:
@@ -190,12 +152,10 @@ _heartbeat: _Heartbeat | None = None
 
 
 def watch_for_lost_ranks(rank: int, world_size: int, timeout_s: float) -> None:
-    """Start this rank's heartbeat and make a collective's failure end the process with lost_rank_line (module
-    docstring). init_distributed calls it; a driver that creates the group itself (tests/run_many.py) can too."""
+    """Start this rank's heartbeat and make a collective's failure end the process with lost_rank_line."""
     global _heartbeat
     _heartbeat = _Heartbeat(rank, world_size)
-    # Stopped before the interpreter shuts down when a run ends without teardown() (an error before its end): a
-    # thread still inside a store call while C++ objects are destroyed at exit could crash the process.
+    # a thread inside a store call while C++ objects are destroyed at exit could crash the process
     atexit.register(_stop_heartbeat)
     previous_hook = sys.excepthook
 
@@ -210,8 +170,7 @@ def watch_for_lost_ranks(rank: int, world_size: int, timeout_s: float) -> None:
 
 
 def is_collective_failure(exc: BaseException) -> bool:
-    """A collective that could not complete: its timeout, or the connection to a peer lost (gloo reports both as a
-    RuntimeError from its transport; newer releases raise torch.distributed's DistError kinds)."""
+    """A collective's timeout or a lost peer (gloo's transport RuntimeError, or a DistError)."""
     text = str(exc)
     return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo/transport" in text)
 
@@ -235,8 +194,7 @@ def lost_rank_line(rank: int, exc: BaseException, traceback, timeout_s: float) -
 
 
 def _failed_collective(traceback) -> str:
-    """The flight recorder's last entry of this process (torch 2.15 records gloo's collectives natively), else the
-    torch.distributed function the traceback ends in."""
+    """The flight recorder's last entry (gloo's in torch 2.15), else the torch.distributed call in the traceback."""
     try:
         entries = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(
             includeCollectives=True, onlyActive=False, backend="gloo"))["entries"]
@@ -261,11 +219,7 @@ def _failed_collective(traceback) -> str:
 
 
 def act_as_launcher_if_alone() -> None:
-    """Outside torchrun, set the variables torchrun would set for a world of one.
-
-    DeepSpeed's engines read LOCAL_RANK and need a real (TCP-rendezvous) process group even for one process, so
-    a plain `python train.py` of a DeepSpeed experiment plays its own launcher.
-    """
+    """Outside torchrun, set torchrun's variables for a world of one (DeepSpeed needs a TCP rendezvous even then)."""
     if "WORLD_SIZE" in os.environ:
         return
     with socket.socket() as probe:  # a free port for the rendezvous
@@ -297,15 +251,7 @@ def _stop_heartbeat() -> None:
 
 
 def teardown() -> None:
-    """Stop the heartbeat and destroy the process group, if init_distributed created them (a test driver's own
-    group and heartbeat, shared by several runs, stay).
-
-    The barrier first: no rank destroys its group, and exits, while a peer may still have a collective in flight
-    with it (a peer that exits closes its sockets, and gloo fails whatever it still had to receive). It was added
-    after fsdp-ft over gloo twice aborted at exit after writing its summary ("terminate called without an active
-    exception", SIGABRT); that abort has not been seen again, with or without the barrier, in repeated runs of
-    that sweep's cells under load, nor in python -m common.soak's.
-    """
+    """After a barrier, stop the heartbeat and destroy the group if init_distributed created them."""
     global _created_group
     if _created_group and dist.is_initialized():
         _stop_heartbeat()

@@ -1,14 +1,5 @@
-"""Expert parallelism's bookkeeping (experiments/ep-ft): what its script calls besides the exchange itself, which
-stays in the script (ExpertParallelExperts and shard_experts).
-
-- grouped_linear: the products of a rank's experts, each on the rows routed to it.
-- all_reduce_in_buckets: the replicated (dense) gradients summed over the ranks once per step, in a few large calls.
-  Not DDP: DDP reduces every parameter it wraps and averages, while the experts' gradients, complete on their owner,
-  must be left alone, and the step needs sums.
-- clip_expert_parallel_grad_norm: the global gradient norm with the dense part counted once and the experts' squares
-  summed over their owners.
-- Dispatches: the rows each expert block sent to each rank, which summary.json keeps (common.comm prices them).
-"""
+"""Expert parallelism's bookkeeping (experiments/ep-ft) besides the exchange itself, which stays in the script
+(common/README.md)."""
 
 from __future__ import annotations
 
@@ -22,10 +13,8 @@ from common.dist import all_ranks
 
 
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """rows [n, in] grouped by expert (counts[e] rows for expert e), weight [experts, out, in] -> [n, out].
-    torch.nn.functional.grouped_mm (torch >= 2.10: CPU, and CUDA sm80+ in bf16 only) multiplies every expert's rows
-    by its weight in one call, as the model's own "grouped_mm" experts path does; elsewhere (older torch, fp32 on a
-    GPU) a loop over the experts."""
+    """rows [n, in] grouped by expert (counts[e] rows for expert e), weight [experts, out, in] -> [n, out]: one
+    grouped_mm where torch has it (CPU; CUDA in bf16), else a loop over the experts."""
     if hasattr(F, "grouped_mm") and (rows.device.type == "cpu" or rows.dtype == torch.bfloat16):
         return F.grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
     return torch.cat([chunk @ w.T for chunk, w in zip(rows.split(counts), weight)])
@@ -68,11 +57,8 @@ def clip_expert_parallel_grad_norm(parameters: list[torch.Tensor], max_norm: flo
 
 
 class Dispatches:
-    """What the expert blocks dispatched, for summary.json: each block appends (rows sent to each rank, rows
-    received) to its `forwards` list per forward. begin() before a training forward drops what ran since the last
-    one (evaluation, activation checkpointing's recomputation in backward), end() after it takes that forward's.
-    Kept: the (token, expert) rows this rank sent to each rank over the training steps (`dispatched_rows`, every
-    rank's), and each profiled step's forwards (`routed_rows_profiled`), which common.comm prices afterwards."""
+    """What the expert blocks dispatched, for summary.json: the rows this rank sent to each rank over the training
+    forwards (`dispatched_rows`) and each profiled step's (`routed_rows_profiled`); begin()/end() as RouterStats."""
 
     def __init__(self, blocks: list[nn.Module], world_size: int):
         self.blocks, self.rows_sent = blocks, [0] * world_size

@@ -1,8 +1,5 @@
-"""Generation from a model being trained or exported: the chat prompt, the end-of-turn stop, greedy or sampled.
-
-Used by --sample-every in the experiments and by experiments/infer.py. The model is called as transformers
-generates (with its KV cache), not as training calls it (packed rows, no cache).
-"""
+"""Generation from a model being trained or exported (--sample-every, experiments/infer.py): the chat prompt,
+the end-of-turn stop, greedy or sampled, with transformers' KV cache."""
 
 from __future__ import annotations
 
@@ -30,13 +27,8 @@ def stop_token_ids(tokenizer) -> list[int]:
 def generate(model, tokenizer, messages: list[dict], device: torch.device, max_new_tokens: int = 32,
              temperature: float = 0.0, top_p: float = 1.0, streamer=None, autocast=None,
              synced_gpus: bool = False) -> str:
-    """The assistant's next turn: greedy when temperature is 0. The model is left in the mode it was in.
-
-    Under FSDP or ZeRO-3 every rank must call this (each forward gathers the parameters collectively), with
-    synced_gpus=True: greedy decoding of the same prompt with the same weights gives every rank the same tokens, but
-    one argmax tie broken differently would end one rank's answer early and leave the others waiting in a gather;
-    synced, a finished rank keeps running forwards until all have finished (one small all-reduce per token).
-    """
+    """The assistant's next turn, greedy when temperature is 0. Under FSDP or ZeRO-3 every rank calls it with
+    synced_gpus=True (common/README.md)."""
     was_training = model.training
     model.eval()
     prompt = chat_prompt(tokenizer, messages, device)

@@ -1,36 +1,5 @@
-"""The LM head and its cross-entropy without ever holding the [tokens x vocabulary] logits: a fused loss (what
-`--loss-chunk-tokens` runs) and the chunked, recomputing reference it is tested against.
-
-The plain loss (common/data.py's `token_loss_sum`) multiplies every position's final hidden state by the LM head,
-then takes cross-entropy over the whole logits tensor. With Qwen3's 151,936-token vocabulary that is the largest
-activation of a small model: for Qwen3-0.6B at micro-batch 1 x 4,096 tokens, fp32 logits alone are
-4,096 x 151,936 x 4 B = 2.5 GB; in bf16 training the step holds the bf16 logits (1.2 GB), their fp32 copy and the
-fp32 log-softmax kept for backward (2.5 GB each), and backward allocates the same sizes again for their gradients.
-
-Both functions here give the same number and the same gradients as the plain loss while saving two things:
-- memory: logits and softmax buffers exist for one chunk of `chunk_tokens` tokens at a time;
-- compute: positions whose label is -100 (prompts, system turns, padding: only assistant tokens carry loss) never
-  go through the LM head (summary.json's data.train_loss_tokens over the row slots says how many positions do).
-
-`fused_linear_cross_entropy` (the one the experiments run) computes the gradients during the forward pass. For each
-chunk: the logits (one GEMM, in the compute dtype), their log-sum-exp and loss in fp32, and at once the gradient of
-the logits, softmax - one_hot, already multiplied by the step's 1 / loss tokens; from it the gradient of the chunk's
-hidden states (a second GEMM) and the chunk's share of the head's weight gradient (a third, accumulated in fp32).
-Backward then only hands the two stored gradients on. The head costs 6*d*V FLOPs per loss token, as in the plain
-loss, and nothing is recomputed; the weight is cast to the compute dtype once per call, not once per chunk. What it
-holds from forward to backward: the gradient of the loss tokens' hidden states ([n_loss, d]) and, when the head is
-trained, an fp32 weight gradient ([V, d], 0.6 GB for Qwen3-0.6B); for one chunk at a time, its logits and their
-gradient in the compute dtype (run eagerly, as on the CPU, fp32 temporaries of the chunk's shape too). The scale
-(1 / the step's loss tokens) comes in as a tensor, so nothing is read back to the host, and on a GPU the per-chunk
-arithmetic is compiled (a reduction and one element-wise kernel) whatever the scale's value. This is the scheme of
-Liger-Kernel's fused linear cross-entropy and, in spirit, of cut-cross-entropy (which never writes the logits at all);
-the GPU suite's probe times the three on the real shapes (assets/gpu_suite.py). Those two are Triton kernels, which do
-not run on CPU; this is plain PyTorch, so the CPU tests run the same code the GPU runs (uncompiled).
-
-`chunked_token_loss_sum` is the reference: it keeps only the loss tokens' hidden states for backward and recomputes
-each chunk's logits there (torch.utils.checkpoint): 8*d*V FLOPs per loss token. tests/test_loss.py holds both to the
-plain loss and its gradients.
-"""
+"""The LM head and its cross-entropy without the [tokens x vocabulary] logits: the fused loss that
+`--loss-chunk-tokens` runs, and the chunked, recomputing reference it is tested against (common/README.md)."""
 
 from __future__ import annotations
 
@@ -44,12 +13,7 @@ from common.data import IGNORE_INDEX
 
 
 def _loss_positions(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loss tokens' hidden states [n_loss, d] and their labels [n_loss], both on hidden's device.
-
-    `labels` may live on the CPU (the batch before it is copied to the device): the loss tokens are then chosen on
-    the host, without the host-device synchronisation that nonzero() on a CUDA mask forces (the number of loss
-    tokens, which sets the number of chunks, must be known on the host either way), and copied from pinned memory.
-    """
+    """The loss tokens' hidden states [n_loss, d] and labels [n_loss], chosen on the labels' device."""
     labels = labels.flatten()
     positions = (labels != IGNORE_INDEX).nonzero().squeeze(1)  # on the labels' device: no sync if that is the CPU
     labels = labels.index_select(0, positions)
@@ -65,26 +29,20 @@ def _loss_positions(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.T
 
 
 def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    # F.linear, exactly what the model's nn.Linear LM head runs, so autocast picks the same compute dtype (bf16 or
-    # fp32); the cross-entropy itself is always fp32, as in token_loss_sum.
+    # F.linear, as the model's LM head runs it, so autocast picks the same dtype; the cross-entropy in fp32
     logits = F.linear(hidden, weight)
     return F.cross_entropy(logits.float(), labels, reduction="sum")
 
 
 def chunked_token_loss_sum(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
                            chunk_tokens: int) -> torch.Tensor:
-    """Sum of cross-entropy over loss tokens, equal to token_loss_sum(hidden @ lm_head_weight.T, labels).
-
-    hidden: final hidden states [batch, seq, d] (after the final norm); lm_head_weight: [V, d]; labels: [batch, seq],
-    already shifted, -100 where there is no loss (on the host, preferably: see _loss_positions). Divide the result by
-    the step's loss-token count, as with token_loss_sum. Call it under the same autocast as the model: checkpoint
-    replays the autocast state in backward.
-    """
+    """token_loss_sum(hidden @ lm_head_weight.T, labels), each chunk's logits recomputed in backward. hidden
+    [batch, seq, d] after the final norm, labels [batch, seq] shifted (on the host preferably); call it under the
+    model's autocast."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     hidden, labels = _loss_positions(hidden, labels)  # [n_loss, d]: all that is kept for backward
-    # A micro-batch without loss tokens still returns a zero that is connected to the graph, so backward() works
-    # (and gives zero gradients), as the plain loss does.
+    # no loss tokens: still a zero connected to the graph, so backward() works
     total = None
     for start in range(0, max(labels.numel(), 1), chunk_tokens):
         end = start + chunk_tokens
@@ -100,10 +58,7 @@ def chunked_token_loss_sum(hidden: torch.Tensor, lm_head_weight: torch.Tensor, l
 
 def _chunk_loss_and_logit_grad(logits: torch.Tensor, labels: torch.Tensor,
                                scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of the chunk's token losses (fp32) and the gradient of scale x that sum with respect to its logits
-    (softmax - one_hot, times scale), in the logits' dtype: what F.cross_entropy's forward and backward compute.
-    Written as one reduction (the log-sum-exp) and one element-wise expression, which torch.compile turns into two
-    kernels that read the logits twice and write the gradient once."""
+    """(the chunk's loss sum in fp32, (softmax - one_hot) x scale): cross-entropy both ways."""
     logits_f = logits.float()
     log_sum_exp = torch.logsumexp(logits_f, dim=-1, keepdim=True)
     loss = (log_sum_exp - logits_f.gather(1, labels.unsqueeze(1))).sum()
@@ -116,8 +71,7 @@ _compiled_chunk_math: dict[str, object] = {}
 
 
 def _chunk_math(device: torch.device):
-    """The per-chunk arithmetic: compiled into one kernel on a GPU (dynamic shapes: the last chunk is shorter), the
-    same Python eagerly on the CPU, the path the tests check."""
+    """The per-chunk arithmetic, compiled on a GPU (dynamic: the last chunk is shorter), eager on the CPU."""
     if device.type != "cuda":
         return _chunk_loss_and_logit_grad
     if "cuda" not in _compiled_chunk_math:
@@ -127,9 +81,7 @@ def _chunk_math(device: torch.device):
 
 @functools.cache
 def _addmm_accumulates_in_fp32(device: torch.device) -> bool:
-    """Whether this torch can add a 16-bit product into an fp32 tensor in one GEMM on `device` (addmm with
-    out_dtype: CUDA in recent releases): tried once on small tensors, the answer checked against the product
-    computed in fp32 from the same 16-bit values."""
+    """Whether addmm with out_dtype adds a 16-bit product into an fp32 tensor on `device`: tried once, checked."""
     if device.type != "cuda":
         return False
     a = torch.arange(12, device=device, dtype=torch.bfloat16).view(4, 3) / 8
@@ -143,9 +95,7 @@ def _addmm_accumulates_in_fp32(device: torch.device) -> bool:
 
 
 def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
-    """grad_weight (fp32) += grad_logits.T @ hidden. Same-dtype operands (fp32 runs) accumulate in place; 16-bit
-    ones go through the GEMM's fp32 output where the torch at hand can (no 16-bit copy of the [V, d] product),
-    elsewhere through a 16-bit product cast up (a CPU bf16 run is a test, not a speed path)."""
+    """grad_weight (fp32) += grad_logits.T @ hidden, 16-bit operands into the GEMM's fp32 output where torch can."""
     if grad_logits.dtype == grad_weight.dtype:
         grad_weight.addmm_(grad_logits.t(), hidden)
     elif _addmm_accumulates_in_fp32(grad_weight.device):
@@ -184,9 +134,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        # grad_output is d(what backward starts from)/d(our output): 1 for loss.backward(), world_size for the data-
-        # parallel experiments' (loss * world_size).backward(). It is a device tensor: multiplying by it, rather
-        # than testing it for 1, keeps the host from waiting for the device.
+        # grad_output is 1, or world_size under data parallelism: multiplied, never tested (no host wait)
         if ctx.backward_done:
             raise RuntimeError("fused_linear_cross_entropy: backward ran twice through one forward (retain_graph); "
                                "its gradients were computed once, in the forward pass")
@@ -201,20 +149,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
                                chunk_tokens: int, scale: torch.Tensor) -> torch.Tensor:
-    """scale x the sum of cross-entropy over loss tokens: token_loss_sum(hidden @ lm_head_weight.T, labels) * scale,
-    with its gradients computed chunk by chunk in this call (see the module's docstring).
-
-    hidden: final hidden states [batch, seq, d] (after the final norm); lm_head_weight: [V, d]; labels: [batch, seq],
-    already shifted, -100 where there is no loss (on the host, preferably: see _loss_positions); scale: a 0-d tensor
-    on the device, 1 / the step's loss tokens, so that the result is this micro-batch's share of the step loss.
-    Under autocast the head's GEMMs run in the autocast dtype (as the model's nn.Linear would), the softmax and the
-    loss in fp32. Backward may run once (the saved weight gradient is scaled in place).
-    """
+    """token_loss_sum(hidden @ lm_head_weight.T, labels) * scale, gradients computed here."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     device_type = hidden.device.type
     compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
     hidden, labels = _loss_positions(hidden, labels)
-    # A micro-batch without loss tokens still returns a zero that is connected to the graph, so backward() works
-    # (and gives zero gradients), as the plain loss does.
+    # no loss tokens: still a zero connected to the graph, so backward() works
     return _FusedLinearCrossEntropy.apply(hidden, lm_head_weight, labels, scale, chunk_tokens, compute_dtype)

@@ -1,33 +1,5 @@
-"""Step timing, communication time, tokens/s, peak memory and MFU; the step line; metrics.jsonl and summary.json.
-
-Definitions (the same in every experiment):
-- step_ms: wall time of one optimizer step (forward, backward, communication, optimizer), excluding data loading:
-  on a GPU two CUDA events around the step (StepClock), read after the step's one host read, with no synchronisation
-  of their own; on a CPU, perf_counter.
-- comm_ms: time inside collectives per step, from torch.profiler over a window of steps: NCCL/RCCL kernels on
-  the GPU timeline, gloo's own events on CPU. Overlapping intervals are merged, so a collective that runs while
-  the GPU also computes is counted once. Profiling slows the steps it covers, so those steps are left out of the
-  step_ms, tokens/s and MFU averages (summary.json lists them as `profiled_steps`); the same window counts the
-  collectives by kind and the bytes each one was handed (`collectives_per_step`, `collective_bytes_per_step`).
-- state bytes: the weights, gradients and optimizer state a rank holds, summed from its local tensors
-  (`state_bytes`), to set beside common.memory's prediction.
-- tokens/s: real (non-pad) tokens of the step over all ranks / step time; in summary.json, the timed steps'
-  tokens over their summed time (not the mean of per-step rates, which a few fast steps would inflate).
-- peak memory: torch.cuda.max_memory_reserved() per device; on CPU the process's peak resident set size.
-- MFU: the step's training FLOPs / step time / (dense bf16 peak per device x devices). The FLOPs are those of the
-  work the step does (common/models.py's training_flops): 6 per trained weight and 4 per frozen one per token, and
-  attention per document of each packed row, from the step's conversation lengths (`flops` in metrics.jsonl); the
-  LM head on every real token, or, under the fused loss (--loss-chunk-tokens), on the step's loss tokens only, the
-  only ones it runs on (summary.json's `lm_head_flops_on` says which). In
-  summary.json, the timed steps' FLOPs over their time; `flops_per_token` is their FLOPs per real token, and
-  `mfu_dense` the MFU of the model's figure with every token attending to its whole row (model.flops_per_token).
-  A GPU missing from the peak table gets null, said once on rank 0.
-- gc_ms: time in Python's garbage collector between two step lines (common/step.py schedules the collections).
-- compiles: frames torch.compile compiled between two step lines; summary.json's `recompiles` counts those after the
-  first optimizer step (once every compiled region has run, a compilation means a changed shape or guard), and
-  `warmup_steps_observed` the leading steps slower than 1.5x the median of the run's second half (compilation,
-  allocator growth): when it exceeds the configured warm-up, the averages include unsettled steps.
-"""
+"""The recorder: step time, comm time, tokens/s, peak memory and MFU; the step line; metrics.jsonl and
+summary.json. The definition of every field: see common/README.md."""
 
 from __future__ import annotations
 
@@ -56,19 +28,11 @@ from common.cli import FlagError
 from common.dist import print0
 from common.models import REPO_ROOT, training_flops
 
-# Kineto, the profiler behind comm_ms, writes USDT markers on every start and stop and, on a machine without a GPU,
-# an "ERROR ... gpuGetDeviceCount failed" line: noise that makes a working run look broken. Level 6 is above all of
-# its levels; set KINETO_LOG_LEVEL yourself to see them.
+# Kineto (comm_ms's profiler) logs markers and, without a GPU, a false "ERROR" line; 6 silences it (yours wins)
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
-# Dense (no sparsity) bf16 tensor-core peak per device, TFLOP/s, from the vendor's data sheet or whitepaper named
-# beside each entry; where a sheet gives only the figure "with sparsity", half of it. Matched in order against
-# torch.cuda.get_device_name() as whole words (peak_flops_per_device), so a variant comes before the card it extends.
-# A variant listed with None is another chip with another peak that the table does not know: its MFU is null rather
-# than its namesake's. MI250X and MI250 are listed per GCD, since each GCD is one PyTorch device.
-# GeForce cards multiply bf16 with fp32 accumulation at half the rate their FP16-with-FP16-accumulation figure
-# (the one on the box) states; bf16 has no other mode and PyTorch accumulates in fp32, so the fp32-accumulate figure
-# is the peak here. The RTX A6000, a workstation card, runs fp32 accumulation at full rate.
+# Dense bf16 peak per device, TFLOP/s, from the data sheet named beside each; matched in order as whole words, so a
+# variant comes before its card; None: a variant of unknown peak (MFU null). How it was read: common/README.md.
 PEAK_BF16_TFLOPS: list[tuple[str, float | None]] = [
     ("H200 NVL", 835.5),  # NVIDIA H200 datasheet: BF16 Tensor Core 1,671 TFLOPS with sparsity
     ("H200", 989.4),  # NVIDIA H200 datasheet: 1,979 with sparsity; the H100 SXM's tensor cores, 989.4 dense
@@ -80,11 +44,9 @@ PEAK_BF16_TFLOPS: list[tuple[str, float | None]] = [
     ("RTX A6000", 154.8),  # NVIDIA Ampere GA102 GPU Architecture whitepaper: RTX A6000, 154.8 (309.7 with sparsity)
     ("RTX 4090 D", None),  # fewer SMs than the RTX 4090
     ("RTX 4090 Laptop", None),  # an AD103 chip
-    ("RTX 4090", 165.2),  # NVIDIA Ada GPU Architecture whitepaper: BF16 with FP32 accumulate 165.2 (330.4 sparse;
-    # FP16 with FP16 accumulate: 330.3)
+    ("RTX 4090", 165.2),  # NVIDIA Ada GPU Architecture whitepaper: BF16 with FP32 accumulate 165.2 (330.4 sparse)
     ("RTX 3090 Ti", None),  # more SMs and clock than the RTX 3090
-    ("RTX 3090", 71.0),  # NVIDIA Ampere GA102 GPU Architecture whitepaper: BF16 with FP32 accumulate 71 (142 sparse;
-    # FP16 with FP16 accumulate: 142)
+    ("RTX 3090", 71.0),  # NVIDIA Ampere GA102 GPU Architecture whitepaper: BF16 with FP32 accumulate 71 (142 sparse)
     ("MI300X", 1307.4),  # AMD Instinct MI300X data sheet: BF16 1,307.4 TFLOPS dense
     ("MI250X", 191.5),  # AMD Instinct MI250X data sheet: BF16 383 TFLOPS per OAM, two GCDs
     ("MI250", 181.0),  # AMD Instinct MI250 data sheet: BF16 362.1 TFLOPS per OAM, two GCDs
@@ -94,8 +56,7 @@ PEAK_BF16_TFLOPS: list[tuple[str, float | None]] = [
 
 
 def peak_flops_per_device(device_name: str) -> float | None:
-    """Dense bf16 FLOP/s of one device, or None when unknown (CPU included: MFU is then reported as null).
-    An entry matches as whole words ("MI250" is not "MI250X"); the first match decides."""
+    """Dense bf16 FLOP/s of one device (the first whole-word match in the table), or None when unknown."""
     for key, tflops in PEAK_BF16_TFLOPS:
         if re.search(rf"(?<!\w){re.escape(key)}(?!\w)", device_name, re.IGNORECASE):
             return None if tflops is None else tflops * 1e12
@@ -159,8 +120,7 @@ def _package_versions() -> dict[str, str | None]:
 
 
 def repository_relative(argv: list[str], root: Path = REPO_ROOT) -> list[str]:
-    """The arguments with every absolute path inside the repository written relative to its root (`--flag=PATH`
-    too): a recorded command then runs from any checkout, and names no folder of the machine it ran on."""
+    """The arguments with absolute paths inside the repository made relative to its root."""
     def relative(text: str) -> str:
         if not text.startswith("/"):
             return text
@@ -175,8 +135,7 @@ def repository_relative(argv: list[str], root: Path = REPO_ROOT) -> list[str]:
 
 
 def launch_command() -> str:
-    """The command line that started this run, with the launcher torchrun would hide from sys.argv, its paths
-    relative to the repository root."""
+    """The command line that started this run, launcher included, its paths relative to the repository root."""
     if "LOCAL_WORLD_SIZE" in os.environ:  # set by torchrun
         nodes = int(os.environ.get("WORLD_SIZE", "1")) // int(os.environ["LOCAL_WORLD_SIZE"])
         launcher = ["uv", "run", "torchrun", f"--nproc_per_node={os.environ['LOCAL_WORLD_SIZE']}"]
@@ -200,11 +159,7 @@ def git_commit(repo: Path) -> str | None:
 
 
 def git_diff_hash(repo: Path) -> str | None:
-    """What a tree differs from its commit by, as 16 hex digits of a SHA-256 over `git diff HEAD` (every tracked
-    change, binary files too) and the names of the untracked files git does not ignore; None on a clean tree or outside
-    a git checkout. Two runs with the same commit and the same hash ran the same tracked files (an untracked file is
-    known by its name only). devlog/data/ is left out: assets/run_series.py writes the committed runs there while a
-    series runs, and they are what a run produces, not what it runs."""
+    """16 hex digits of a SHA-256 of what the tree differs from HEAD by; None when clean."""
     def git(*args: str, cwd: Path) -> bytes:
         return subprocess.run(["git", *args], cwd=cwd, capture_output=True, check=True).stdout
 
@@ -252,10 +207,7 @@ def _merged_length(intervals: list[tuple[float, float]]) -> float:
 
 
 def collective_ms(profiler) -> float:
-    """Milliseconds covered by collectives in a finished torch.profiler run (overlaps merged).
-
-    This and the two functions below read the profiler's raw (Kineto) events: its FunctionEvent tree
-    (profiler.events()) is built in Python and costs seconds per profiled step on a small CPU."""
+    """Milliseconds covered by collectives in a finished torch.profiler run (overlaps merged)."""
     intervals = []
     for event in profiler.profiler.kineto_results.events():
         name = event.name().lower()
@@ -273,14 +225,8 @@ def _is_collective_op(name: str) -> bool:
 
 
 def collective_counts(profiler) -> dict[str, int]:
-    """How many collectives of each kind a finished torch.profiler run issued, counted at the outermost PyTorch op.
-
-    A DTensor collective (`_c10d_functional::reduce_scatter_tensor`) and the process-group op it calls are one
-    collective, so an op nested inside another collective op is not counted again. The names are what the model
-    code asked for: gloo has no native reduce-scatter and runs one as an all-reduce, NCCL runs it as asked.
-    """
-    # An op is nested when another collective op on its thread is still open when it starts (the profiler's own
-    # parent/child tree is built the same way: per thread, by start time, longest first).
+    """How many collectives of each kind a finished profiler run issued (outermost op only)."""
+    # nested: another collective op on its thread is still open when it starts (per thread, by start, longest first)
     ops = sorted((event.start_thread_id(), event.start_ns(), -event.end_ns(), event.name())
                  for event in profiler.profiler.kineto_results.events()
                  if event.device_type() == torch.autograd.DeviceType.CPU and _is_collective_op(event.name()))
@@ -301,20 +247,12 @@ DTYPE_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "lon
 
 
 def collective_bytes(profiler) -> dict[str, dict[str, int]]:
-    """Calls and bytes of every collective the backend ran in a finished torch.profiler run (record_shapes=True).
-
-    Read from the backend's own events (`gloo:all_reduce`, `nccl:all_gather`, ...), which carry the shapes and
-    dtypes of the tensors handed to the collective: bytes = their element count x element size, summed. That is the
-    buffer each rank contributes: the whole tensor for an all-reduce, broadcast or send, the local shard for an
-    all-gather, the full input for a reduce-scatter. What crosses the links follows from it (common/comm.py).
-    gloo has no native reduce-scatter: the model's reduce-scatter shows up here as the all-reduce gloo ran instead.
-    """
+    """Calls and bytes of every collective the backend ran in a finished profiler run, by name."""
     result: dict[str, dict[str, int]] = {}
     for event in profiler.profiler.kineto_results.events():
         name = event.name()
         if not name.startswith(BACKEND_EVENT_PREFIXES):
             continue
-        # A 0-d tensor (a loss scalar) has shape [] and one element; arguments that are not tensors have no dtype.
         n_bytes = sum(math.prod(shape) * DTYPE_BYTES.get(dtype, 0)
                       for shape, dtype in zip(event.shapes(), event.dtypes()))
         entry = result.setdefault(name, {"calls": 0, "bytes": 0})
@@ -324,12 +262,7 @@ def collective_bytes(profiler) -> dict[str, dict[str, int]]:
 
 
 class CollectiveTimer:
-    """Profiles steps [first_step, first_step + n_steps) one at a time and reports each one's comm_ms.
-
-    With no process group there are no collectives: comm_ms is 0 and nothing is profiled. The profiled steps are
-    slower than the others (the profiler records every op), so MetricsLogger leaves them out of the speed averages
-    and takes only comm_ms, the collective counts and their bytes from them.
-    """
+    """Profiles steps [first_step, first_step + n_steps) one at a time: comm_ms, counts and bytes."""
 
     def __init__(self, device: torch.device, first_step: int, n_steps: int):
         self.device = device
@@ -338,10 +271,6 @@ class CollectiveTimer:
         self.counts: dict[str, int] = {}  # collectives issued over the profiled steps, by op
         self.bytes: dict[str, dict[str, int]] = {}  # backend collectives over the profiled steps: calls and bytes
         self.profiled: list[int] = []  # 1-based numbers of the steps that ran under the profiler
-
-    @property
-    def profiled_steps(self) -> int:
-        return len(self.profiled)
 
     def start(self, step: int) -> None:
         if not dist.is_initialized() or step not in self.window:
@@ -423,8 +352,7 @@ def state_bytes(parameters, optimizer: torch.optim.Optimizer | None = None, mast
 
 
 def quantization_state(parameters):
-    """The tensors a 4-bit weight keeps beside its packed values (QLoRA: bitsandbytes' Params4bit holds its block
-    absmaxes, their own scales and code books in a quant_state): part of what the weight costs."""
+    """The tensors a 4-bit weight keeps in its quant_state (QLoRA's absmaxes, scales, code books)."""
     for parameter in parameters:
         state = getattr(parameter, "quant_state", None)
         while state is not None:
@@ -446,9 +374,7 @@ def format_step_line(record: dict, total_steps: int, eta_s: float | None = None)
     def optional(value, fmt):
         return "-" if value is None else format(value, fmt)
 
-    # A mixture of experts: the router's load-balancing loss (already inside `loss`, times its coefficient) after it.
     aux = f" | aux {record['aux_loss']:.4f}" if record.get("aux_loss") is not None else ""
-    # The pass over the training rows this step ends in (1.50: half-way through the second), when it is known.
     epoch = f" | epoch {record['epoch']:.2f}" if record.get("epoch") is not None else ""
     line = (f"step {record['step']}/{total_steps}{epoch} | loss {record['loss']:.4f}{aux} | lr {record['lr']:.1e} | "
             f"grad_norm {record['grad_norm']:.2f} | step_ms {record['step_ms']:.0f} | "
@@ -459,9 +385,7 @@ def format_step_line(record: dict, total_steps: int, eta_s: float | None = None)
 
 def timed_records(records: list[dict], warmup_steps: int, profiled=(), resumed_at: int = 0
                   ) -> tuple[list[dict], list[dict]]:
-    """(measured, timed): the step records after the warm-up, and those of them not run under the profiler, which
-    slows a step. A run too short to have either keeps what it has. A resumed run (`resumed_at`: the records written
-    before the resume) has a warm-up in each process."""
+    """(measured, timed): the records after the warm-up, and those of them not profiled."""
     segments = [records[:resumed_at], records[resumed_at:]] if resumed_at else [records]
     measured = [record for segment in segments for record in segment[warmup_steps:]] or records
     timed = [r for r in measured if r["step"] not in set(profiled)] or measured
@@ -469,8 +393,7 @@ def timed_records(records: list[dict], warmup_steps: int, profiled=(), resumed_a
 
 
 def flops_averages(timed: list[dict], peak_flops: float | None, n_devices: int) -> dict:
-    """flops_per_token (the timed steps' FLOPs over their real tokens) and mfu (their FLOPs over their time and the
-    devices' peak); null where a step has no FLOPs."""
+    """flops_per_token and mfu of the timed steps (null where a step has no FLOPs)."""
     tokens, seconds = sum(r["tokens"] for r in timed), sum(r["step_ms"] for r in timed) / 1000.0
     if not timed or any(r.get("flops") is None for r in timed) or not tokens or seconds <= 0:
         return dict(flops_per_token=None, mfu=None)
@@ -511,27 +434,23 @@ class MetricsLogger:
         self._last_line: float | None = None
         self.flops = training_flops(self.model_config, self.lora_rank)
         self.peak_flops = peak_flops_per_device(device_name(self.device)) if self.device.type == "cuda" else None
-        # A GPU the peak table does not know: MFU is null, and the first step line says why (a CPU's is always null).
         self._peak_notice = None
         if self.device.type == "cuda" and self.peak_flops is None:
             self._peak_notice = (f"mfu: no dense bf16 peak for {device_name(self.device)} in common/metrics.py's "
                                  f"PEAK_BF16_TFLOPS, so MFU is null (add the device's data-sheet figure to get it)")
-        # Python's garbage collector runs when it decides to: a full collection scans every object of a process that
-        # holds torch and transformers. Its time between two step lines goes into the record (gc_ms), so that a
-        # slow step can be told apart from a slow kernel.
+        # the collector's time between two step lines (gc_ms): a slow step told apart from a slow kernel
         self._gc_s, self._gc_started = 0.0, None
         gc.callbacks.append(self._time_gc)
         self._frames_compiled = frames_compiled()
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            # Replaced whole, never truncated in place: the other ranks of a resumed run read it at the same time.
+            # replaced whole, never truncated in place: other ranks of a resumed run read it now
             fresh = self.out_dir / "metrics.jsonl.tmp"
             fresh.write_text("".join(json.dumps(record) + "\n" for record in self.records))
             fresh.replace(self.out_dir / "metrics.jsonl")
 
     def _records_before_resume(self) -> list[dict]:
-        """Resuming in the checkpoint's own run folder: its metrics.jsonl up to the checkpoint's step (the steps a
-        killed process ran after it are run again); in another folder, or without --resume, none."""
+        """Resuming in the checkpoint's own run folder: its records up to the checkpoint's step; else none."""
         if self.resume is None or Path(self.resume).parent.parent.resolve() != self.out_dir.resolve():
             return []
         step = int(Path(self.resume).name.removeprefix("step-"))
@@ -557,10 +476,7 @@ class MetricsLogger:
     def log_step(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, loss_tokens: int,
                  step_ms: float, comm_ms: float | None, print_fn=print, extra: dict | None = None,
                  documents: list[int] | None = None) -> dict:
-        """`tokens` are the real tokens of the whole step on all ranks, `documents` the lengths of the conversations
-        they make up (SFTData.step_documents): the step's FLOPs and MFU follow from them (none without them) and,
-        under the fused loss, from `loss_tokens` (all ranks too), the tokens its LM head runs on.
-        `extra`: more fields for the record (a mixture of experts: aux_loss, expert_tokens). Returns the record."""
+        """The record of one step (tokens, loss tokens, documents: the whole step's), printed and written."""
         if documents is not None and sum(documents) != tokens:
             raise ValueError(f"log_step: the step's documents hold {sum(documents):,} tokens, not its {tokens:,}")
         tokens_per_s = tokens / (step_ms / 1000.0)
@@ -627,21 +543,18 @@ class MetricsLogger:
             self.writer.add_scalar("eval/loss", loss, step)
 
     def eta_s(self, step: int) -> float:
-        """Time left: the steps to go times the mean wall time per step so far, warm-up steps left out once
-        there are others (so compilation does not inflate it; evaluation and data loading stay in)."""
+        """Time left: steps to go x the mean wall time per step after the warm-up (evaluation and loading in)."""
         recent = self.wall_s[self.warmup_steps:] or self.wall_s
         return max(0, self.total_steps - step) * sum(recent) / len(recent)
 
     def averages(self, profiled: list[int] = ()) -> dict:
-        """Means over the measured steps (after the warm-up). `profiled` (1-based step numbers) ran under
-        torch.profiler: they give comm_ms and are left out of step_ms, tokens/s and MFU, which the profiler slows."""
+        """Means over the measured steps; the `profiled` ones (1-based) give comm_ms only."""
         measured, timed = timed_records(self.records, self.warmup_steps, profiled, self.resumed_at)
         result = {}
         for key in ("step_ms", "comm_ms"):
             values = [r[key] for r in (measured if key == "comm_ms" else timed) if r[key] is not None]
             result[key] = sum(values) / len(values) if values else None
-        # A rate is averaged as total tokens over total time: the mean of per-step rates would weigh a fast step
-        # as much as a slow one and overstate the throughput whenever step times vary.
+        # total tokens over total time: a mean of per-step rates would overstate throughput
         seconds = sum(r["step_ms"] for r in timed) / 1000.0
         result["tokens_per_s"] = sum(r["tokens"] for r in timed) / seconds if timed and seconds > 0 else None
         result.update(flops_averages(timed, self.peak_flops, self.world_size))
@@ -664,8 +577,7 @@ class MetricsLogger:
         return result
 
     def write_summary(self, comm_timer: CollectiveTimer | None = None, **fields) -> dict:
-        """Writes summary.json: the caller's fields (experiment, command, config, model, ...) plus the averages, and
-        from `comm_timer` the collectives per step (counts by op, calls and bytes by backend collective)."""
+        """Writes summary.json: the caller's fields, the averages and `comm_timer`'s collectives per step."""
         if self._time_gc in gc.callbacks:  # the steps are over; several runs in one process must not pile up timers
             gc.callbacks.remove(self._time_gc)
         summary = dict(fields)
@@ -675,8 +587,7 @@ class MetricsLogger:
             summary["collective_bytes_per_step"] = comm_timer.collective_bytes_per_step()
         summary.update(self.averages(profiled))
         summary["lm_head_flops_on"] = "loss tokens" if self.head_on_loss_tokens else "every token"
-        # The model's figure with every token attending to its whole row (the count of tools that do not see
-        # documents), for comparison with theirs.
+        # every token attending to its whole row: the count of tools that do not see documents
         dense = (fields.get("model") or {}).get("flops_per_token")
         summary["mfu_dense"] = (None if dense is None or summary["tokens_per_s"] is None else
                                 mfu(summary["tokens_per_s"], dense, self.peak_flops, self.world_size))
@@ -684,8 +595,7 @@ class MetricsLogger:
         summary["epochs"] = self.records[-1].get("epoch") if self.records else None  # passes over the training rows
         summary["memory_measure"] = memory_label(self.device)
         if self.device.type == "cuda":
-            # Beside max_memory_reserved, the tensors' own peak: the difference is the caching allocator's (cached,
-            # fragmented blocks), which common.memory does not price.
+            # the tensors' own peak; the rest of max_memory_reserved is the caching allocator's
             summary["peak_mem_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if self.is_main:
             (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -722,8 +632,7 @@ def frames_compiled() -> int:
 
 
 def steps_until_settled(step_ms: list[float], factor: float = 1.5) -> int | None:
-    """How many leading steps are slower than `factor` x the median of the second half of the run (None for runs
-    shorter than 4 steps, too short to tell)."""
+    """How many leading steps are slower than `factor` x the second half's median (None under 4 steps)."""
     if len(step_ms) < 4:
         return None
     later = sorted(step_ms[len(step_ms) // 2:])
@@ -763,9 +672,7 @@ class StepClock:
 
 
 def expert_load(records: list[dict]) -> dict | None:
-    """The run's expert load from its step records' `expert_tokens` (None for a dense model): the tokens each expert
-    of each layer received, and per layer the busiest expert's count over the mean (1.0 is a perfectly even load;
-    an expert-parallel step waits for the rank of the busiest experts)."""
+    """Tokens per expert and layer, and each layer's max over mean (1.0: even); None for a dense model."""
     steps = [record["expert_tokens"] for record in records if "expert_tokens" in record]
     if not steps:
         return None
@@ -780,23 +687,9 @@ def expert_load(records: list[dict]) -> dict | None:
 
 
 class Recorder:
-    """A run's measurement behind one object, the same in every experiment:
-
-        rec = Recorder(EXPERIMENT, config, device, model.config, data, rows_per_step, world_size=..., rank=...)
-        for step in range(start_step, config.steps):
-            rec.start(step)                     # GC schedule, comm profiler window, the clock
-            ...forward, backward...
-            rec.state(step, model.parameters(), optimizer)   # model-state bytes, once, before the update
-            ...optimizer step...
-            rec.stop()                          # before the step's one host read
-            loss, grad_norm = torch.stack([...]).tolist()
-            rec.step(step, loss, lr, grad_norm)  # the step line, metrics.jsonl, TensorBoard
-        summary = rec.finish(eval_loss=..., attention=asdict(attention), **what_this_strategy_measured)
-
-    It owns the step clock (CUDA events), the collective timer (comm_ms from torch.profiler over a window of steps),
-    the garbage-collection schedule (common/step.py), the model-state bytes and summary.json's common fields.
-    `rows_per_step` is the whole step's packed rows, all ranks: tokens, loss tokens and the FLOPs' documents come
-    from `data`."""
+    """A run's measurement behind one object, the same in every experiment: the step clock, the collective timer,
+    the GC schedule, the model-state bytes and summary.json. `rows_per_step`: the whole step's rows, all ranks.
+    How a loop uses it: common/README.md."""
 
     def __init__(self, experiment: str, config, device: torch.device, model_config, data, rows_per_step: int, *,
                  world_size: int = 1, rank: int = 0, steps_per_epoch: float | None = None, start_step: int = 0,
@@ -822,7 +715,7 @@ class Recorder:
         self.state_step = min(start_step + 1, config.steps - 1)
         self.measured_state = None
         self.eval_history: list[tuple[int, float | None]] = []  # (step, held-out loss) of the --eval-every evaluations
-        # From here on Python's garbage collector runs on a schedule, between steps, never inside one.
+        # from here on the garbage collector runs between steps, never inside one
         self.collector = GarbageCollection()
 
     @property
@@ -835,9 +728,7 @@ class Recorder:
         self.clock.start()
 
     def state(self, step: int, parameters=(), optimizer=None, master=(), count=None) -> None:
-        """On the state step: the bytes of every weight, gradient and optimizer tensor this rank holds. `count`, a
-        function called only then, replaces the sum for an engine that keeps them where `parameters` and
-        `optimizer` do not show them (DeepSpeed's flat partitions: it returns state_bytes' kinds, and more)."""
+        """On the state step: the bytes of every weight, gradient and optimizer tensor here (or `count()`)."""
         if step == self.state_step:
             self.measured_state = count() if count is not None else state_bytes(parameters, optimizer, master)
 
@@ -854,8 +745,7 @@ class Recorder:
                                      extra=extra, documents=self.data.step_documents(step, rows))
 
     def eval(self, step: int, loss: float | None) -> None:
-        """The held-out loss after optimizer step `step`, printed and logged; an evaluation before the last step
-        (--eval-every) also goes into summary.json's eval_history."""
+        """The held-out loss after step `step`, printed and logged (before the last step: eval_history)."""
         self.metrics.log_eval(step, loss)
         loss_text = "no held-out conversations (--eval-fraction 0)" if loss is None else f"loss {loss:.4f}"
         if step < self.config.steps:
@@ -866,10 +756,7 @@ class Recorder:
                                             if loss is not None else ""))
 
     def finish(self, **fields) -> dict:
-        """summary.json: the run's identity (experiment, command, commit and, on a dirty tree, the hash of its diff
-        as commit_diff, config, hardware, model, data), the averages over the measured steps, the state bytes of every
-        rank, and `fields`, what this strategy measured. Every rank calls it (the state bytes are gathered); rank 0
-        writes and prints."""
+        """summary.json, written and printed by rank 0; every rank calls it. `fields`: the strategy's own."""
         from dataclasses import asdict
 
         from common.dist import all_ranks

@@ -1,20 +1,6 @@
-"""Model and tokenizer loading, parameter counts and training FLOPs per token.
+"""Model and tokenizer loading (presets, hub ids, local folders), parameter counts and training FLOPs per token.
 
-`--model` takes one of:
-- a preset: `qwen3-tiny`, `qwen3-0.6b`, `qwen3-1.7b`, `qwen3-4b` (and the larger published sizes `qwen3-8b`,
-  `qwen3-14b`, `qwen3-32b`, for pricing them in common.memory). The real sizes use the published Qwen3
-  geometry (hidden size, layers, heads, KV heads, head_dim, MLP width, vocabulary, tied embeddings, RoPE base) with
-  random weights, so throughput and memory are those of the real model without downloading it; `qwen3-tiny` is
-  the same architecture at ~5M parameters for CPU runs and tests. The mixture-of-experts presets build
-  transformers' Qwen3-MoE model: `qwen3-30b-a3b` and `qwen3-235b-a22b` (the published geometries: 128 experts,
-  8 per token) and `qwen3-moe-tiny` (8 experts, 2 per token, ~8M parameters, for CPU runs and tests). Presets use
-  the byte-level BPE tokenizer in assets/tokenizer/ (8k tokens; the larger embedding tables of the real sizes have
-  unused rows).
-- a hub id such as `Qwen/Qwen3-0.6B-Base` (downloaded by transformers, or read from its cache when offline: when
-  the Hub cannot be reached, a cached model loads at once and an uncached one stops in seconds with the fix);
-- a local folder written by `save_pretrained` (or by any experiment's `--save-hf`); it is recorded by its absolute
-  path, so a LoRA adapter trained on it names a base that loads from any working directory.
-"""
+What --model takes: see common/README.md."""
 
 from __future__ import annotations
 
@@ -37,14 +23,11 @@ from transformers.utils import logging as transformers_logging
 from common.cli import FlagError, InputError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# peft's get_peft_model asks transformers 5 for a deprecated attribute on every LoRA run; the warning is about
-# peft's code, not the user's, and nothing they can change.
+# peft asks transformers 5 for a deprecated attribute on every LoRA run: a warning about peft's code, not the user's
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning)
-# bitsandbytes (the qlora group), imported by peft whenever it is installed, warns on CPUs with AVX512-BF16 that an
-# optional kernel package is missing; its 4-bit code runs without it, and nothing here computes in 4 bits on a CPU.
+# bitsandbytes (imported by peft) warns on AVX512-BF16 CPUs of an optional kernel that no CPU run here needs
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-# "Loading weights" and "Writing model shards" bars on every run: noise between the step lines (a download's own
-# progress is huggingface_hub's, and stays).
+# "Loading weights" bars on every run: noise between the step lines (a download's progress bar stays)
 transformers_logging.disable_progress_bar()
 # The presets' tokenizer: in the repository, or inside an installed package (pyproject.toml ships it there).
 TOKENIZER_DIR = next((folder for folder in (REPO_ROOT / "assets" / "tokenizer",
@@ -53,8 +36,7 @@ TOKENIZER_DIR = next((folder for folder in (REPO_ROOT / "assets" / "tokenizer",
 DEFAULT_GPU_MODEL = "Qwen/Qwen3-0.6B-Base"
 DEFAULT_CPU_MODEL = "qwen3-tiny"
 
-# Published geometry (the config.json of Qwen/Qwen3-{0.6B,1.7B,4B,8B,14B}-Base and Qwen/Qwen3-32B). All use RoPE base
-# 1e6 and RMSNorm eps 1e-6; 0.6B to 4B tie the input embedding and the LM head, 8B and larger do not.
+# Published geometry (config.json of Qwen/Qwen3-{0.6B,1.7B,4B,8B,14B}-Base, Qwen/Qwen3-32B); 8B and up: untied head.
 PRESETS: dict[str, dict] = {
     "qwen3-tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                        head_dim=32, intermediate_size=768, vocab_size=8192),
@@ -71,11 +53,7 @@ PRESETS: dict[str, dict] = {
     "qwen3-32b": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
                       head_dim=128, intermediate_size=25600, vocab_size=151936, tie_word_embeddings=False),
 }
-# Qwen3-MoE (the config.json of Qwen/Qwen3-30B-A3B-Base and Qwen/Qwen3-235B-A22B): every layer's MLP is a sparse
-# block of `num_experts` SwiGLU experts of width moe_intermediate_size, `num_experts_per_tok` of them per token,
-# chosen by a linear router whose top-k probabilities are renormalised (norm_topk_prob); the embedding and the LM
-# head are not tied.
-# intermediate_size only sizes dense MLP layers, which these geometries do not have (mlp_only_layers is empty).
+# Qwen3-MoE (config.json of Qwen/Qwen3-30B-A3B-Base, Qwen/Qwen3-235B-A22B); intermediate_size sizes no layer here.
 MOE_PRESETS: dict[str, dict] = {
     "qwen3-moe-tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                            head_dim=32, intermediate_size=768, moe_intermediate_size=128, num_experts=8,
@@ -87,8 +65,7 @@ MOE_PRESETS: dict[str, dict] = {
                             head_dim=128, intermediate_size=12288, moe_intermediate_size=1536, num_experts=128,
                             num_experts_per_tok=8, vocab_size=151936),
 }
-# The published checkpoints whose geometry the real-size presets copy (a command that should train the real weights
-# names these; Qwen3-32B and Qwen3-235B-A22B were published without a base checkpoint).
+# The published checkpoints whose geometry the real-size presets copy (32B and 235B-A22B have no base checkpoint).
 PRESET_HUB_IDS = {"qwen3-0.6b": "Qwen/Qwen3-0.6B-Base", "qwen3-1.7b": "Qwen/Qwen3-1.7B-Base",
                   "qwen3-4b": "Qwen/Qwen3-4B-Base", "qwen3-8b": "Qwen/Qwen3-8B-Base",
                   "qwen3-14b": "Qwen/Qwen3-14B-Base", "qwen3-32b": "Qwen/Qwen3-32B",
@@ -105,9 +82,7 @@ def looks_like_path(name: str) -> bool:
 
 
 def resolve_model_name(name: str) -> tuple[str, str | None]:
-    """`auto` -> the real 0.6B base model on a GPU machine, the tiny preset on CPU. Returns (name, notice).
-    A local folder becomes its absolute path; a missing folder, or a preset in other letter case, stops here with
-    one line, before anything loads."""
+    """(name, notice): `auto` chosen by device, a folder made absolute, a misspelt preset refused."""
     if name != "auto":
         if Path(name).expanduser().is_dir():
             return str(Path(name).expanduser().resolve()), None
@@ -137,8 +112,7 @@ def is_moe(config: PretrainedConfig) -> bool:
 
 
 def refuse_moe(config: PretrainedConfig) -> None:
-    """The dense strategies do not know the router's auxiliary loss, nor that an expert a step does not route to
-    gets no gradient: a mixture of experts runs in single-ft or ep-ft, and elsewhere stops before training."""
+    """Stops a mixture of experts before training: only single-ft and ep-ft train one (router loss, idle experts)."""
     if is_moe(config):
         raise InputError(f"this experiment trains dense models; {config.name_or_path or config.model_type} is a "
                          f"mixture of experts ({config.num_experts} experts): use experiments/single-ft or "
@@ -171,8 +145,7 @@ def _answers(host: str, port: int, timeout_s: float) -> bool:
 
 
 def hub_options(name: str) -> dict:
-    """from_pretrained's options for `name`: a local folder or HF_HUB_OFFLINE=1 needs none; a hub id loads from the
-    cache alone when the Hub cannot be reached, and stops in seconds with the fix when it is not cached."""
+    """from_pretrained's options for `name`: offline from the cache when the Hub is out of reach."""
     if Path(name).exists() or os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") or hub_reachable():
         return {}
     from huggingface_hub import try_to_load_from_cache
@@ -219,21 +192,14 @@ def load_tokenizer(name: str):
     except (OSError, ValueError) as error:
         raise _load_failure(path, "tokenizer", error) from error
     if tokenizer.pad_token is None:
-        # Padding only fills row slots that carry no loss and attend to nothing real; any id works, the
-        # end-of-text token is the conventional one.
+        # padding carries no loss and is attended to by nothing real: any id works
         tokenizer.pad_token = tokenizer.eos_token or "<|endoftext|>"
     return tokenizer
 
 
 def load_model(name: str, tokenizer, attn_implementation: str, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", allow_moe: bool = False):
-    """Presets are built with random init under the current torch seed; other names go through from_pretrained.
-    A mixture of experts loads only where the caller trains one (`allow_moe`: single-ft, ep-ft); elsewhere it stops
-    with the reason (refuse_moe).
-
-    Weights are kept in `dtype` (fp32 for training with mixed precision: the master weights stay fp32 and only
-    the compute runs in bf16 under autocast).
-    """
+    """A preset (random init under the seed) or from_pretrained, in `dtype` on `device`."""
     if is_preset(name):
         config = model_config(name, tokenizer)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
@@ -247,43 +213,30 @@ def load_model(name: str, tokenizer, attn_implementation: str, dtype: torch.dtyp
     if not allow_moe:
         refuse_moe(model.config)
     if is_moe(model.config) and torch.device(device).type == "cuda" and dtype != torch.bfloat16:
-        # transformers' default experts path ("grouped_mm") multiplies in the weights' dtype, fp32 master weights
-        # here, and torch's CUDA grouped_mm takes bf16 only: the per-expert loop ("eager") runs its F.linear under
-        # autocast instead. Slower than one grouped kernel; ep-ft casts to bf16 itself and keeps grouped_mm.
+        # CUDA grouped_mm takes bf16 only, the weights are fp32: the per-expert loop runs under autocast instead
         model.set_experts_implementation("eager")
     return model.to(device)
 
 
-# The seven linear projections of a Qwen3 decoder layer: what LoRA adapts in every experiment.
 def checkpoint_activations(model, **checkpoint_kwargs) -> None:
-    """transformers' activation checkpointing with torch.utils.checkpoint's options (`use_reentrant=False`...):
-    `activation_checkpointing_enable` where this transformers has it (5.2x), else `gradient_checkpointing_enable`,
-    its older name (5.0-5.1x, deprecated after), so every version pyproject.toml allows works without a warning."""
+    """transformers' activation checkpointing with these options, under 5.0's or 5.2's name."""
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
 
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = (  # the seven linear projections of a Qwen3 decoder layer
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def weights_dtype(dtype: str, lora_rank: int = 0) -> torch.dtype:
-    """The dtype a model is loaded in for training under `--dtype`. Full fine-tuning keeps fp32 weights, which are
-    their own master copy (autocast, or FSDP2's mixed-precision policy, makes the bf16 copies the matrix multiplies
-    read). Under LoRA the base is frozen: no optimizer updates it, so it needs no fp32 master copy, and under
-    --dtype bf16 it is stored in bf16, 2 bytes per weight, as peft users hold it (and autocast has no copy of it to
-    make). Its adapters stay fp32 either way (add_lora)."""
+    """The dtype a model is loaded in: fp32, or bf16 for a frozen LoRA base under --dtype bf16."""
     return torch.bfloat16 if lora_rank and dtype == "bf16" else torch.float32
 
 
 def add_lora(model, rank: int, alpha: float, fused: bool = False):
-    """LoRA of rank `rank` (peft) on every linear projection of the decoder layers (LORA_TARGETS); peft freezes
-    everything else: the base weights, the norms, the embedding and the LM head. The adapters are created in fp32
-    whatever the base's dtype (peft's autocast_adapter_dtype, its default), so AdamW updates fp32 weights and keeps
-    fp32 state: on a bf16 base (weights_dtype) the adapters' initial values are peft's, rounded once to bf16 as
-    peft creates them in the base layer's dtype before it casts them up. `fused` (--lora-fused): the same modules
-    and parameters, computed with fewer kernels (common/lora.py)."""
+    """fp32 LoRA adapters of rank `rank` on LORA_TARGETS, the rest frozen (`fused`: --lora-fused)."""
     from peft import LoraConfig, get_peft_model
 
     lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
@@ -299,9 +252,7 @@ PRESET_BASE_FILE = "preset_base.json"  # beside a LoRA adapter trained on a pres
 
 
 def share_export(save_dir: str | Path) -> None:
-    """Give every file of an export the permissions of a file this process creates (0644 under the usual umask 022):
-    safetensors writes its files 0600, so that the weights alone would be unreadable to the others who can read the
-    config beside them. Rank 0, after the export's files are written (record_adapter_base calls it)."""
+    """Rank 0 gives an export's files the umask's permissions (safetensors writes 0600)."""
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_rank() != 0:
@@ -314,9 +265,7 @@ def share_export(save_dir: str | Path) -> None:
 
 
 def record_adapter_base(save_dir: str | Path, model_name: str, seed: int) -> None:
-    """After a LoRA adapter is written to `save_dir` (on the rank that wrote it): its adapter_config.json names the
-    base as the run loaded it (an absolute folder, a hub id, or a preset), and a preset's base also records its
-    seed, from which experiments/infer.py rebuilds the same random weights. A full-model export is left as it is."""
+    """adapter_config.json names the base as loaded; a preset's base also its seed."""
     import torch.distributed as dist
 
     share_export(save_dir)
@@ -352,10 +301,7 @@ def qlora_unavailable(merge_lora: bool = False, dtype: str | None = None) -> str
 
 
 def load_model_4bit(name: str, tokenizer, attn_implementation: str, device: torch.device):
-    """QLoRA's base model: every linear layer of the decoder in 4-bit NF4 (bitsandbytes, double-quantized
-    constants, bf16 compute); embeddings, norms and the LM head stay in higher precision, frozen. LoRA adapters go
-    on top (peft). A preset is random init: it is built under the current seed, saved once in bf16 to a temporary
-    folder, and quantized while from_pretrained loads it, the path every real model takes."""
+    """QLoRA's frozen base: the decoder's linear layers in 4-bit NF4 (bitsandbytes), the rest in bf16."""
     import shutil
     import tempfile
 
@@ -369,8 +315,7 @@ def load_model_4bit(name: str, tokenizer, attn_implementation: str, device: torc
     if is_preset(name):
         scratch = tempfile.mkdtemp(prefix=f"{name}-")
         preset = AutoModelForCausalLM.from_config(model_config(name, tokenizer), dtype=torch.bfloat16)
-        # Written file by file: model.save_pretrained writes only on rank 0 once torch.distributed is up (ddp-ft),
-        # and each rank reads its own folder.
+        # not save_pretrained, which writes on rank 0 only: each rank reads its own folder
         preset.config.save_pretrained(scratch)
         save_model(preset, f"{scratch}/model.safetensors", metadata={"format": "pt"})  # the tied LM head once
         source, preset = scratch, None
@@ -386,22 +331,12 @@ def load_model_4bit(name: str, tokenizer, attn_implementation: str, device: torc
     if scratch:  # a preset's adapter names no base, as with load_model (the temporary folder is gone)
         model.name_or_path = model.config.name_or_path = ""
     check_vocabulary(name, tokenizer, model)
-    # Casts the frozen non-quantized weights to fp32 for stable norms; activation checkpointing stays with the
-    # experiment's own --activation-checkpointing.
+    # the frozen non-quantized weights in fp32 for stable norms; checkpointing stays --activation-checkpointing's
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
 def count_parameters(config: PretrainedConfig) -> dict[str, int]:
-    """Parameter count from the config alone (no weights needed), checked against real models in the tests.
-
-    per layer = attention  d*(H*hd) [q] + 2*d*(KV*hd) [k, v] + (H*hd)*d [o] + 2*hd [q_norm, k_norm]
-              + MLP        3*d*I [gate, up, down]
-                           or, a mixture of experts: E*3*d*I_moe [E SwiGLU experts] + d*E [router]
-              + norms      2*d
-    total     = V*d [embedding] + L*per_layer + d [final norm] + (V*d if the LM head is not tied)
-    A mixture of experts also reports `experts` (all experts' weights, the part expert parallelism splits) and
-    `active_per_layer` (what one token multiplies: its k experts, the router and the rest of the layer).
-    """
+    """Parameter counts from the config alone (formula: common/README.md)."""
     d, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
     H, KV = config.num_attention_heads, config.num_key_value_heads
     hd = getattr(config, "head_dim", None) or d // H
@@ -426,8 +361,7 @@ def count_parameters(config: PretrainedConfig) -> dict[str, int]:
 
 
 def matmul_weights(config: PretrainedConfig) -> dict[str, int]:
-    """Per decoder layer: the weights one token multiplies, by projection (`experts`: its k experts' SwiGLU weights,
-    `router`: the mixture of experts' gate). Norms scale elementwise and multiply nothing: they are not here."""
+    """Per decoder layer: the weights one token multiplies, by projection."""
     d, H, KV = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     hd = getattr(config, "head_dim", None) or d // H
     weights = dict(q_proj=d * H * hd, k_proj=d * KV * hd, v_proj=d * KV * hd, o_proj=H * hd * d)
@@ -441,9 +375,7 @@ def matmul_weights(config: PretrainedConfig) -> dict[str, int]:
 
 
 def lora_parameters(config: PretrainedConfig, rank: int) -> dict[str, int]:
-    """Per decoder layer: the LoRA parameters peft adds to each projection a token goes through, rank x (inputs +
-    outputs) (A is rank x inputs, B outputs x rank). A mixture of experts' adapted experts are left out: peft adds
-    their adapters to the expert weights (W + B A) once per forward, so no token multiplies them."""
+    """Per decoder layer: the LoRA parameters of each projection a token goes through."""
     d, H, KV = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     hd = getattr(config, "head_dim", None) or d // H
     shapes = dict(q_proj=(d, H * hd), k_proj=(d, KV * hd), v_proj=(d, KV * hd), o_proj=(H * hd, d))
@@ -455,8 +387,7 @@ def lora_parameters(config: PretrainedConfig, rank: int) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class TrainingFlops:
-    """Training FLOPs (forward + backward) of a model, in its two parts: the weights, paid per token, and attention,
-    paid per (query, key) pair inside one document. `common.models.training_flops` builds it from the config."""
+    """Training FLOPs (forward + backward): per token for the weights, per (query, key) pair in a document."""
     per_token: float  # every matrix multiply with a weight, per token, the LM head's included
     per_pair: float  # attention's scores and weighted sum, per (query, key) pair of one document, all layers
     lm_head: float = 0.0  # the LM head's part of per_token: what a token the head does not run on leaves out
@@ -472,8 +403,7 @@ class TrainingFlops:
         return self.per_token * tokens - self.lm_head * skipped + self.per_pair * sum(n * n for n in lengths)
 
     def dense_per_token(self, seq_len: int) -> float:
-        """Per token if every token attended to its whole row of seq_len, document boundaries ignored: the count of
-        tools that do not see documents, and an upper bound here."""
+        """Per token with every token attending to its whole row of seq_len (an upper bound)."""
         return self.per_token + self.per_pair * seq_len
 
 
@@ -522,7 +452,5 @@ def training_flops(config: PretrainedConfig, lora_rank: int = 0) -> TrainingFlop
 
 
 def flops_per_token(config: PretrainedConfig, seq_len: int, lora_rank: int = 0) -> float:
-    """Training FLOPs per token with every token attending to its whole row of seq_len (`dense_per_token`): the
-    model's figure at a given row length, before the documents of a step are known. MFU counts each step's documents
-    (common/metrics.py)."""
+    """Training FLOPs per token with every token attending to its whole row of seq_len (`dense_per_token`)."""
     return training_flops(config, lora_rank).dense_per_token(seq_len)

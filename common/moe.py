@@ -1,22 +1,5 @@
-"""Mixture of experts: the router's load-balancing loss and the tokens each expert receives, per layer.
-
-Qwen3-MoE (transformers' Qwen3MoeForCausalLM) replaces every MLP with a sparse block: a linear router scores the
-E experts for each token, the top k are kept (their probabilities renormalised), and the token's output is the
-weighted sum of those k experts' SwiGLU outputs. Two things come with it that a dense model does not have:
-
-- the auxiliary load-balancing loss (Switch Transformer, eq. 4-6; transformers' `load_balancing_loss_func`):
-  E x sum_i f_i P_i, with f_i the share of the routed (token, slot) pairs that went to expert i and P_i the mean
-  router probability of expert i, both over every layer's tokens of one forward. It is smallest when the load is
-  even; the model adds `router_aux_loss_coef` (0.001 for Qwen3-MoE) times it to the loss. It is computed per
-  forward (per micro-batch), so unlike the token loss it depends on how B is split: the experiments here define
-  the step's aux loss as the mean over the step's micro-batches, which equals across strategies that run the same
-  micro-batches (single-ft with grad_accum G x W and ep-ft on W ranks with grad_accum G, same micro-batch size).
-- the load: how many tokens each expert of each layer received, the number expert parallelism's all-to-all and
-  the experts' matmuls are sized by.
-
-RouterStats reads both from forward hooks on the routers, so the model's code is untouched and single-ft and ep-ft
-count the same way.
-"""
+"""Mixture of experts: the router's load-balancing loss and the tokens each expert receives, per layer
+(common/README.md)."""
 
 from __future__ import annotations
 
@@ -31,12 +14,7 @@ def routers(model: nn.Module) -> list[nn.Module]:
 
 
 class RouterStats:
-    """Per forward: the routers' logits (for the aux loss) and the experts each token was sent to (the load).
-
-    begin() before a forward, end() after it. A forward hook fires whenever a router runs, which includes the
-    recomputation of activation checkpointing during backward and the evaluation's forwards: begin() drops whatever
-    was recorded since the last end(), so only the training forwards count, each once.
-    """
+    """Per training forward (begin() ... end()): the routers' aux loss and the tokens sent to each expert."""
 
     def __init__(self, model: nn.Module, num_experts: int, top_k: int, aux_coef: float = 0.0):
         self.num_experts, self.top_k, self.aux_coef = num_experts, top_k, aux_coef
@@ -70,7 +48,7 @@ class RouterStats:
         if len(self.logits) != len(self.layers):
             raise RuntimeError(f"expected one routing per sparse layer ({len(self.layers)}), got {len(self.logits)}")
         aux = load_balancing_loss_func(tuple(self.logits), self.num_experts, self.top_k)
-        # scatter_add into a fixed-size tensor: no device-to-host read (bincount would need one to size its output).
+        # scatter_add into a fixed-size tensor: no host read (bincount would need one)
         load = torch.stack([torch.zeros(self.num_experts, device=ids.device).scatter_add_(
             0, ids.reshape(-1), torch.ones(ids.numel(), device=ids.device)) for ids in self.indices])
         self.load = load if self.load is None else self.load + load
@@ -78,15 +56,13 @@ class RouterStats:
         return aux
 
     def aux_loss(self, micro_batches_per_step: int) -> torch.Tensor:
-        """end(), as the term a training step adds to this micro-batch's loss: its aux loss's share of the mean over
-        the step's micro-batches, times the model's coefficient. The share is kept for step_values()."""
+        """end() as this micro-batch's loss term: its share of the step's mean aux loss x the coefficient."""
         aux = self.end() / micro_batches_per_step
         self.step_aux = aux.detach() if self.step_aux is None else self.step_aux + aux.detach()
         return self.aux_coef * aux
 
     def step_values(self) -> torch.Tensor:
-        """The step's aux loss and [layers, experts] load as one flat device tensor, to be read (or summed over
-        ranks) with the step's other values; read() turns the host copy back into the step record's fields."""
+        """The step's aux loss and [layers, experts] load as one flat device tensor, read with the step's values."""
         aux, self.step_aux = self.step_aux, None
         return torch.cat([aux.reshape(1), self.take_load().flatten()])
 
@@ -95,7 +71,7 @@ class RouterStats:
         return dict(aux_loss=values[0], expert_tokens=split_load(values[1:], self.num_experts))
 
     def take_load(self) -> torch.Tensor:
-        """The [layers, experts] count since the last call (a device tensor; read it with the step's other values)."""
+        """The [layers, experts] count since the last call (a device tensor)."""
         load, self.load = self.load, None
         return load
 
@@ -105,5 +81,5 @@ class RouterStats:
 
 
 def split_load(flat: list[float], experts: int) -> list[list[float]]:
-    """A flattened [layers, experts] count, read from the device with the step's other values, back into rows."""
+    """A flattened [layers, experts] count back into rows."""
     return [flat[i:i + experts] for i in range(0, len(flat), experts)]

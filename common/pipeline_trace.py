@@ -1,18 +1,5 @@
-"""What only a pipeline measures: the bubble per rank, one step's schedule as a timeline, and what each rank holds.
-
-pp-ft hands its stages and its loss function to `PipelineTrace`, which times every compute action of this rank's
-stages inside the schedule, and calls `start(step, labels)` / `stop()` around `schedule.step`; `finish(rec)`
-gathers every rank's numbers into summary.json's pipeline fields (the textbook bubble beside them is a prediction,
-common.comm.predict_bubble, computed from summary.json where it is shown):
-
-- bubble_fraction(_per_rank), busy_ms_per_rank, schedule_ms_per_rank: per rank, busy = compute inside the schedule,
-  idle = the rest of the schedule's wall time (waiting for a neighbour's activation or gradient, plus any transfer
-  that does not overlap with compute), averaged over the measured steps that torch.profiler did not slow down;
-- schedule_trace: every rank's actions of one step on one time axis (the last measured step not profiled);
-- peak_mem_gib_per_rank, collective_bytes_per_step_per_rank (`per_rank_measures`, pp-ds-ft's too): stages hold
-  different layers and, under 1F1B, a different number of micro-batches' activations, and the step line shows only
-  rank 0's memory.
-"""
+"""What only a pipeline measures: the bubble per rank, one step's schedule as a timeline, and what each
+rank holds (common/README.md)."""
 
 from __future__ import annotations
 
@@ -26,17 +13,8 @@ from common.metrics import memory_label, peak_memory_gib, synchronize
 
 
 class BusyTimer:
-    """Times every compute action of this rank's stages inside the schedule, and remembers which one it was.
-
-    An action is a forward ("F"), a backward ("B": the full backward, or its input-gradient half under ZBV), a
-    weight-gradient backward ("W", ZBV's other half) or a loss call ("loss"), each of one stage and one micro-batch.
-
-    Clocks: on CPU time.perf_counter, which is CLOCK_MONOTONIC on Linux, one clock for all the processes of a
-    machine, so the ranks' times are directly comparable. On a GPU, CUDA events on the compute stream (a wait on a
-    receive, queued before the event, is then not counted as busy), measured from an event each rank records when
-    the step starts; `start_step(aligned=True)` puts a barrier before it so that the ranks' origins coincide (to
-    the barrier's exit skew, microseconds on one machine) and the traced step's timelines can be drawn together.
-    """
+    """Times every compute action ("F", "B", ZBV's "W", "loss"; one stage, one micro-batch) of this rank's stages
+    inside the schedule, and remembers which one it was. Clocks: common/README.md."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -112,10 +90,8 @@ def per_rank_measures(rec) -> dict:
 
 
 class PipelineTrace:
-    """The bubble and the schedule trace of a torch.distributed.pipelining run (see the module's docstring).
-
-    `config` gives the schedule, the micro-batches (grad_accum), the stages per rank, the steps and the timing
-    warm-up and profiled window (as common.metrics.Recorder uses them)."""
+    """The bubble and the schedule trace of a torch.distributed.pipelining run; `config` gives the schedule, the
+    micro-batches, the stages per rank, the steps, the timing warm-up and the profiled window."""
 
     def __init__(self, device: torch.device, config):
         self.device, self.config = device, config

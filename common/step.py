@@ -1,23 +1,5 @@
-"""Two things a fast training step needs besides data, attention and the loss: no pause from Python's garbage
-collector in the middle of a step, and gradient clipping without a pass of its own over the gradients.
-
-Garbage collection. CPython collects cyclic garbage when allocations cross a threshold, wherever the program is: in
-a process that holds torch and transformers, a full collection walks millions of objects and takes hundreds of
-milliseconds, and it lands in whichever step happens to allocate at that moment (on a GPU, with the device waiting
-for the host). `GarbageCollection` follows torchtitan's policy (torchtitan/tools/utils.py): once the set-up is done,
-collect, freeze what survived (`gc.freeze()`: the model's modules, the libraries' objects, the data) into the
-permanent generation that no collection scans again, turn automatic collection off, and run a young-generation
-collection (`gc.collect(1)`) every `every_steps` steps, before the step's clock starts. MetricsLogger times every
-collection (`gc_ms` in metrics.jsonl), so a slow step can still be told apart from a slow collection.
-
-Clipping. torch.nn.utils.clip_grad_norm_ computes the global norm (one pass that reads every gradient) and then
-multiplies every gradient by min(1, max_norm / norm) (a second pass that reads and writes them all). PyTorch's fused
-AdamW already reads every gradient once more, and it can divide them by a device scalar on the way: the `grad_scale`
-it takes from torch.amp.GradScaler to unscale fp16 gradients. `clip_grad_norm` computes the norm and hands the
-fused step 1 / min(1, max_norm / norm) as that scalar, so the clipped gradients are never written: the same update
-up to rounding (tests/test_step.py), one pass over the gradients fewer, no host read. Where the optimizer is not the
-fused one (CPU runs, DTensor-sharded parameters), it clips as clip_grad_norm_ does.
-"""
+"""A fast step's two helpers: garbage collection between steps, never inside one, and gradient clipping folded
+into the fused AdamW step (common/README.md)."""
 
 from __future__ import annotations
 
@@ -31,8 +13,7 @@ GC_EVERY_STEPS = 20  # young-generation collections every this many optimizer st
 
 
 class GarbageCollection:
-    """The collector on a schedule. Create it after the set-up, call `step(step)` before each step's clock starts
-    and `close()` after the last step (automatic collection comes back, the frozen objects become collectable)."""
+    """The collector on a schedule: made after set-up, step() before each clock, close() at the end."""
 
     def __init__(self, every_steps: int = GC_EVERY_STEPS):
         if every_steps < 1:
@@ -59,8 +40,7 @@ class GarbageCollection:
 
 
 def folds_clipping(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `optimizer.step()` can apply the clipping factor itself: a fused Adam/AdamW (its kernels take the
-    grad_scale GradScaler uses; the installed torch marks such optimizers with _step_supports_amp_scaling)."""
+    """Whether `optimizer.step()` can apply the clipping factor itself, as GradScaler's grad_scale (fused AdamW)."""
     return bool(optimizer.defaults.get("fused")) and getattr(optimizer, "_step_supports_amp_scaling", False)
 
 
@@ -92,9 +72,7 @@ def clip_grad_norm(optimizer: torch.optim.Optimizer, parameters: list[torch.Tens
 
 
 def _clip_sharded_grad_norm(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """clip_grad_norm_ for DTensor gradients, alone or beside plain ones (tensor parallelism's replicated norms),
-    which clip_grad_norm_ refuses to stack (meta-pytorch/torchtune#2420): one norm per device mesh (plain tensors,
-    the same on every rank, count once), each DTensor norm summed over its mesh, then every group clipped."""
+    """clip_grad_norm_ for DTensor gradients beside plain ones (meta-pytorch/torchtune#2420)."""
     groups: dict = {}
     for p in parameters:
         groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)

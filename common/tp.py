@@ -1,14 +1,5 @@
-"""What the tensor-parallel experiments (tp-ft, tp-sp-ft, fsdp-tp-ft) measure and evaluate the same way.
-
-- `SavedActivations`: the bytes autograd keeps for the backward of one micro-batch on this rank (summary.json's
-  `activation_mib`): the memory sequence parallelism divides, read the same on CPU, where peak RSS mixes in
-  everything else the process holds.
-- `replica_drift`: the largest difference between the ranks' copies of the parameters replicated over "tp"
-  (summary.json's `replica_drift`): 0.0 when the partial gradients of q_norm/k_norm (and the like) were summed.
-- `FullLogits`: common.data.evaluate() adds up plain-tensor losses; loss parallelism leaves the logits split.
-
-The plan itself (parallelize_module, the mesh, the gradient sync, loss parallelism) stays in each train.py.
-"""
+"""What the tensor-parallel experiments (tp-ft, tp-sp-ft, fsdp-tp-ft) measure and evaluate the same way
+(common/README.md)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Every command line the documentation quotes is accepted by the parser of the script it runs, without running it.
 
-Commands are read from README.md, blogs/*.md, devlog/*.md, experiments/*/README.md and the docstrings of
-experiments/*/train.py, common/memory/*.py, common/sweep.py and common/soak.py: every line of a fenced code block
-(or docstring) and every `inline code` span, with backslash continuations joined and trailing comments dropped. A
-command is one that launches experiments/<name>/train.py (through python, uv run, torchrun or python -m
+Commands are read from README.md, blogs/*.md, devlog/*.md, experiments/*/README.md, common/README.md and the
+docstrings of experiments/*/train.py, common/memory/*.py, common/sweep.py and common/soak.py: every line of a fenced
+code block (or docstring) and every `inline code` span, with backslash continuations joined and trailing comments
+dropped. A command is one that launches experiments/<name>/train.py (through python, uv run, torchrun or python -m
 torch.distributed.run), experiments/infer.py, python -m common.memory, common.sweep or common.soak. Its arguments go
 through that script's own parser: common.cli.parse_flags for an experiment (the parser its train.py runs, from its
 Config), and the argparse parsers of common.memory, common.soak and common.sweep (whose grids are expanded, so every
@@ -29,7 +29,7 @@ import pytest
 from common.cli import parse_flags
 from conftest import REPO_ROOT, load_experiment, load_infer
 
-DOCUMENTS = ("README.md", "blogs/*.md", "devlog/*.md", "experiments/*/README.md")
+DOCUMENTS = ("README.md", "blogs/*.md", "devlog/*.md", "experiments/*/README.md", "common/README.md")
 DOCSTRINGS = ("experiments/*/train.py", "experiments/infer.py", "common/memory/*.py", "common/sweep.py",
               "common/soak.py")
 MODULES = ("common.memory", "common.sweep", "common.soak")
