@@ -270,7 +270,7 @@ def rungs(plan: Plan) -> list[Rung]:
                         estimate_s=45 if target.seq <= 1024 else 65))
     if plan.flex:
         for target in plan.targets:
-            flex = tuple("flex" if arg == "varlen" else arg for arg in fast_of[target.label])
+            flex = with_flex(fast_of[target.label])
             out.append(Rung(f"single-ft-{target.label}-flex-m{target.micro}", "single-ft", flex, target.flex_prediction,
                             ladder=f"targets {target.label}", estimate_s=55 if target.seq <= 1024 else 75,
                             reference=f"single-ft-{target.label}-reference"))
@@ -287,10 +287,10 @@ def rungs(plan: Plan) -> list[Rung]:
         ladder="probe", estimate_s=PROBE_ESTIMATE_S))
     for target in plan.targets if plan.flex else ():  # both changes that each shortened LoRA's step, after the probe:
         if target.lora and target.fused_prediction:  # the 9-minute budget holds the targets' own rungs
-            out.append(Rung(f"single-ft-{target.label}-fused-flex-m{target.micro}", "single-ft", tuple(
-                "flex" if arg == "varlen" else arg for arg in (*fast_of[target.label], "--lora-fused")),
-                LORA_FUSED_FLEX, ladder=f"targets {target.label}", estimate_s=75,
-                reference=f"single-ft-{target.label}-reference"))
+            out.append(Rung(f"single-ft-{target.label}-fused-flex-m{target.micro}", "single-ft",
+                            with_flex((*fast_of[target.label], "--lora-fused")), LORA_FUSED_FLEX,
+                            ladder=f"targets {target.label}", estimate_s=75,
+                            reference=f"single-ft-{target.label}-reference"))
     if plan.extras:
         out.append(Rung("single-ft-s1024-qlora16-4b", "single-ft", (
             *run_args(plan, 12, 4)[:1], "qwen3-4b", *run_args(plan, 12, 4)[2:], "--seq-len", "1024",
@@ -317,6 +317,11 @@ def rungs(plan: Plan) -> list[Rung]:
             "its per-micro-batch host reads); single-ft's fast rungs above are the comparison that matters"),
             ladder="peer", estimate_s=120))
     return out
+
+
+def with_flex(args: tuple[str, ...]) -> tuple[str, ...]:
+    """The same command with FlexAttention in place of the varlen kernel."""
+    return tuple("flex" if arg == "varlen" else arg for arg in args)
 
 
 def ladder_rungs(plan: Plan) -> list[Rung]:

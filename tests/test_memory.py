@@ -1489,6 +1489,16 @@ def test_attention_kind_of_each_backend():
     assert attention_kind({"impl": "sdpa"}, packing=False) == "sdpa"
 
 
+def test_lora_fused_names_exactly_the_experiments_that_take_the_flag():
+    """The recommender puts --lora-fused in a command only where the script's Config has it."""
+    from common.cli import config_flags
+    from common.memory import RUN_WITH
+
+    for strategy, command in RUN_WITH.items():
+        flags = {flag.name for flag in config_flags(REPO_ROOT / command.split()[0])[1]}
+        assert ("lora_fused" in flags) == (strategy in LORA_FUSED), strategy
+
+
 def test_a_lora_command_fuses_the_adapters_where_its_experiment_can():
     """--lora-fused is one of LoRA's speed flags: priced (fewer casts kept) and in the command, where the experiment
     takes it (single, ddp, fsdp, pp); tp-ft's DTensor adapters do not, so its rungs go without."""
