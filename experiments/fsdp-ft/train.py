@@ -136,11 +136,8 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
 
 
 def build_model(config: Config, tokenizer, attn_implementation: str, on_meta: bool):
-    """single-ft's model (with its LoRA adapters): real weights on the CPU, or on the meta device (shapes only).
-
-    On the meta device nothing is allocated, initialised or read from disk; the weights arrive after sharding.
-    Creating the model there keeps the tie of the embedding and the LM head (one Parameter, two modules).
-    """
+    """single-ft's model (with its LoRA adapters): real weights on the CPU, or on the meta device (shapes only: nothing
+    allocated or read; the weights arrive after sharding, and the embedding and LM head stay one tied Parameter)."""
     if on_meta:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(model_config(config.model, tokenizer),
@@ -159,16 +156,9 @@ def build_model(config: Config, tokenizer, attn_implementation: str, on_meta: bo
 
 def apply_fsdp(model, mesh: DeviceMesh, param_dtype: torch.dtype | None, reshard_after_forward: bool,
                cpu_offload: bool) -> list[torch.nn.Module]:
-    """One FSDP unit per decoder layer, then the root (embedding, final norm, LM head). Returns the layer units.
-
-    fully_shard(module) takes the parameters of `module` that no earlier call claimed, so the order is bottom-up:
-    the layers first, the root last. Each unit is one all-gather in forward (issued as its forward starts; on a GPU
-    it runs on its own stream, overlapping the previous unit's compute) and, in backward, one all-gather if it was
-    resharded after forward (prefetched while the unit after it computes) and one reduce-scatter.
-    The tied embedding / LM head is a single Parameter that lives in the root unit: gathered once at the start of
-    forward, used by the lookup and by the logits, its two gradient contributions summed before one
-    reduce-scatter. (Putting embed_tokens and lm_head in different units would split one Parameter across two.)
-    """
+    """One FSDP unit per decoder layer, then the root (embedding, final norm, LM head), bottom-up: fully_shard takes
+    the parameters no earlier call claimed. A unit is one all-gather in forward, one more in backward if resharded,
+    and one reduce-scatter; the tied embedding / LM head, one Parameter, lives in the root unit (README)."""
     # Mixed precision: the sharded parameters (and so AdamW's state) stay fp32, the master weights; the all-gather
     # casts them to param_dtype, so compute and the gathered weights are bf16, and gradients are reduced in fp32.
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -177,9 +167,8 @@ def apply_fsdp(model, mesh: DeviceMesh, param_dtype: torch.dtype | None, reshard
     for layer in layers:  # transformers' decoder layers (Qwen3DecoderLayer), LoRA adapters included
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                     offload_policy=offload_policy)
-    # The root keeps its weights gathered after forward (FSDP's default for the root, spelled out here): backward
-    # starts with the LM head, which would otherwise be gathered again right away. It is also what lets
-    # --loss-chunk-tokens use the LM head's weight after the model's forward has returned (see the training loop).
+    # The root stays gathered after forward (FSDP's default for it): backward starts with the LM head, and
+    # --loss-chunk-tokens reads the head's weight after the model's forward has returned.
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload_policy)
     return layers
 
@@ -289,8 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
     print0(f"fsdp: {n_units} units ({n_units - 1} decoder layers + root) sharded over {shard_size} ranks"
            f"{f' x {replicas} replicas (HSDP)' if replicas > 1 else ''}: "
            f"{n_params / shard_size * 4 / 2**30:.2f} GiB of fp32 weights per rank"
-           f"{' in CPU memory' if config.cpu_offload else ''} | compute in "
-           f"{'bf16' if config.dtype == 'bf16' else 'fp32'}, gradients reduced in fp32 | reshard after forward: "
+           f"{' in CPU memory' if config.cpu_offload else ''} | gradients reduced in fp32 | reshard after forward: "
            f"{config.reshard_after_forward} | backend {dist.get_backend()}")
 
     # ---------------------------------------------------------------------------------------------------------

@@ -45,8 +45,7 @@ from common.metrics import MetricsLogger, Recorder, memory_label, peak_memory_gi
 from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
     is_preset, load_model, load_tokenizer, record_adapter_base, resolve_model_name
 
-# DeepSpeed picks its "accelerator" when it is imported; without a CUDA/ROCm GPU, name the CPU one instead of letting it
-# probe (and warn). Must happen before `import deepspeed`.
+# DeepSpeed picks its "accelerator" on import: without a CUDA/ROCm GPU, name the CPU one (no probing, no warning).
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed  # noqa: E402
@@ -258,8 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}],
                                   lr=config.lr, fused=device.type == "cuda" and not config.cpu_offload)
-    # Passed as a function: DeepSpeed builds the schedule on the optimizer it wrapped, and steps it in engine.step()
-    # at each accumulation boundary, once per optimizer step as in single-ft.
+    # A function: DeepSpeed builds the schedule on the optimizer it wraps, and steps it once per optimizer step.
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds_config,
         lr_scheduler=lambda wrapped: torch.optim.lr_scheduler.LambdaLR(
