@@ -37,9 +37,9 @@ suite cut off by its time budget (--budget-min, default 9) or by the machine goi
 run's time is guessed from the start-up, compilation and time per token of the runs before it, and runs the budget
 would overrun are skipped with a note; `python3 assets/gpu_suite.py --date <the entry's date> --only
 '<names or patterns>'` on a later machine of the same kind adds them to the same entry (run it in a checkout that
-holds the entry's devlog/data/ folder, or with --root where the earlier archive was unpacked); a hand-written
-"## What it says" section of the entry is kept. Each rung carries its prediction, written before any GPU run: the
-entry prints it beside the measurement.
+holds the entry's devlog/data/ folder, or with --root where the earlier archive was unpacked); the entry's
+hand-written sections, up to the first section the suite writes, are kept. Each rung carries its prediction,
+written before any GPU run: the entry prints it beside the measurement.
 
 From a fresh GPU machine to the committed entry:
 1. Bring the checkout (and .whl/ from `--wheels`) to the machine; no uv, lock or network is needed there (Python
@@ -149,63 +149,43 @@ class Plan:
     peer_micro: int = 4
 
 
-# Predictions for the targets, before any run of this plan. What they start from (devlog/2026-11-27-gpu-suite-nvidia-
-# h100-80gb-hbm3.md, one H100): full SFT at 16 rows of 1,024, varlen, fused loss, compiled: 103,333 tok/s by the median
-# step, 99,707 by the mean; the same with --attn flex 106,765 / 105,139; LoRA r16 at 8 rows of 2,048: 96,239 / 93,951;
-# the device idle 3% of the full-SFT median step (device-bound: matrix products 67 ms, element-wise 42, attention 32,
-# optimizer 8, loss 5 of 153 ms busy). On an H200 (1.4x the memory bandwidth, the same bf16 peak) the memory-bound
-# half of the step runs ~1.3x faster: +10-20% tokens/s.
+# Predictions for the targets, before any run of this plan, from devlog/2026-11-27-gpu-suite-nvidia-h100-80gb-hbm3.md
+# (five H100s, which differed by up to ~5% on the same code; compare rungs within one machine). Since its first runs
+# single-ft's --dtype bf16 computes in bf16 weights with fp32 masters (common/precision.py) instead of autocast; the
+# fifth machine measured the full-SFT fast rung under it and LoRA's fused + flex rung, the others ran under autocast.
+# On an H200 (1.4x the memory bandwidth, the same bf16 peak) the memory-bound half of the step runs ~1.3x faster.
 FULL_PREDICTION = (
-    "95,000-110,000 tok/s by the median step on an H100 (103,333 measured on 2026-11-27 with this code), "
-    "110,000-125,000 on an H200; the mean within 5% of the median; 0 recompiles after step 1; its profile (steps "
-    "2-4): matrix products under half of the busy time, the device idle under 5% of the median step; one host "
-    "sync per step; losses equal to the reference's within the bf16 tolerance. Since that run single-ft's --dtype "
-    "bf16 computes in bf16 weights with fp32 masters instead of autocast (common/precision.py): no weight cast per "
-    "micro-batch, and the residual stream, norms and normed q/k in bf16, half the bytes of those element-wise passes "
-    "and of the activations they save, so the element-wise time (42 of 153 ms busy then) should fall, the step by "
-    "3-10%, and the peak memory with it")
+    "102,000-112,000 tok/s by the median step on an H100 (107,377 measured under bf16 weights with fp32 masters), "
+    "115,000-130,000 on an H200; the mean within 5% of the median; 0 recompiles after step 1; its profile (steps "
+    "2-4): matrix products under half of the busy time, the device idle under 5% of the median step; one host sync "
+    "per step; losses equal to the reference's within the bf16 tolerance; peak within 5% of common.memory's")
 FULL_REFERENCE = (
     "the eager reference at the same 16 rows per step (8 x 2: SDPA with the packed rows' [seq x seq] mask, the plain "
-    "fp32 loss, no compile): 30,000-36,000 tok/s on an H100 (33,223 measured); its per-step losses are the ones the "
-    "fast rungs must match")
+    "fp32 loss, no compile): 30,000-36,000 tok/s on an H100 (33,223 measured under autocast); its per-step losses are "
+    "the ones the fast rungs must match")
 FULL_FLEX = (
     "FlexAttention with the document block mask in place of varlen at the same shape: 2-6% faster by median (grouped "
-    "K/V heads, which this torch's varlen_attn expands to all 16 query heads) and ~1.8 GiB less memory, as measured "
-    "on the H100; the same losses; 0 recompiles")
+    "K/V heads, which this torch's varlen_attn expands to all 16 query heads; 3.3% measured under autocast) and ~1.8 "
+    "GiB less memory; the same losses; 0 recompiles")
 LORA_PREDICTION = (
-    "92,000-100,000 tok/s by the median step on an H100 (96,239 measured): short of 100,000, its step longer than full "
-    "SFT's for the same tokens; its profile (steps 2-4) says where: peft's adapters run unfused (per projection a "
-    "dropout, two thin products, a scale and an add, and their backward), expected as element-wise and small-GEMM "
-    "time above 15% of the busy time; one host sync per step; the same losses as its reference. The adapters now "
-    "compute in bf16 copies of fp32 masters (common/precision.py) and the residual stream, norms and normed q/k in "
-    "bf16 rather than fp32 under autocast: fewer bytes in the element-wise passes, a step 2-8% shorter than that run's")
+    "93,000-102,000 tok/s by the median step on an H100 (96,239 and 96,389 measured under autocast on two machines; "
+    "the masters' bf16 residual stream gave LoRA no gain visible across machines); one host sync per step; the same "
+    "losses as its reference")
 LORA_REFERENCE = (
     "the eager LoRA reference at the same 8 rows of 2,048 per step (4 x 2): 27,000-32,000 tok/s on an H100 (29,319 "
     "measured)")
 LORA_FLEX = (
-    "FlexAttention at LoRA's shape: 2-6% above the varlen rung by median, as for full SFT (the same attention per "
-    "document); with it, LoRA reaches 98,000-102,000 by median, at the target's edge")
-# --lora-fused, from the profile of single-ft-s2048-lora16-fast-m8 (devlog/data/2026-11-27-gpu-suite-nvidia-h100-
-# 80gb-hbm3/profile-s2048-lora16.json, steps 2-4, H100): the thin adapter kernels (nvjet 16x128 and 32x128 tiles, 196
-# launches a step each, and the split-K tiles of the weight gradients, 364) take 16.8 of 163 ms busy per step. Half
-# of that reads the layer's input (the down products and A's gradients): fused, 4 launches per layer instead of 7,
-# reading 7,168 input columns per token instead of 10,240 (q/k/v and gate/up read theirs once), so 30-43% of ~8.4 ms,
-# 2.5-3.6 ms; the input's gradient sums 3 fewer [tokens x 1,024] terms per layer (~1 ms over 28 layers at H100
-# bandwidth); peft's scale and add are already fused by Inductor into the kernels beside them (the compiled rung's
-# element-wise share), so the addmm saves 0-2 ms more. A projection, not a measurement: 3.3-6.6 ms of the 173 ms
-# median step, 96,239 tok/s by median -> 98,100-100,100.
+    "FlexAttention at LoRA's shape: 4-7% shorter median step than the varlen rung's on the same machine (4.1% and "
+    "6.2% measured on two), 100,000-106,000 tok/s by median on an H100")
 LORA_FUSED = (
     "--lora-fused at LoRA's target shape (q/k/v and gate/up share one adapter down product, each up product added by "
-    "addmm; tests/test_lora_fused.py counts 42 thin products per decoder layer down to 33): 2-4% off the varlen "
-    "rung's median step by the profile's numbers (3.3-6.6 ms of 173), 98,000-100,000 tok/s by median on an H100; "
-    "the same losses as the reference within the bf16 tolerance; 0 recompiles; memory within 2% of the varlen rung's "
-    "(the same tensors saved for the backward: each layer's input and the [tokens x r] down outputs)")
-# Both at once, from the measured flex rung at this shape (171.2 ms median step against varlen's 173.0: FlexAttention
-# gained 1% here, not the 2-6% predicted) less the fused adapters' projected 3.3-6.6 ms: 164.6-167.9 ms.
+    "addmm): 5-8% shorter median step than the varlen rung's on the same machine (6.2% measured, in the element-wise "
+    "passes), 100,000-105,000 tok/s by median on an H100; the same losses as the reference within the bf16 "
+    "tolerance; 0 recompiles; ~2.8 GiB less reserved than the varlen rung (peft's second bf16 cast of o_proj's input)")
 LORA_FUSED_FLEX = (
-    "--lora-fused with --attn flex at LoRA's target shape: the flex rung's measured 171.2 ms median step less the "
-    "fused adapters' projected 3.3-6.6 ms, 97,500-99,500 tok/s by median on an H100 (still short of 100,000); the "
-    "same losses as the reference within the bf16 tolerance; 0 recompiles; memory within 2% of the flex rung's")
+    "--lora-fused with --attn flex at LoRA's target shape: 108,000-114,000 tok/s by median on an H100 (112,683 "
+    "measured under autocast, 109,886 under bf16 masters on another machine), past the 100,000 target; the same "
+    "losses as the reference within the bf16 tolerance; peak within 2% of common.memory's")
 QLORA_PREDICTION = (
     "the command common.memory recommends for Qwen3-4B with QLoRA on one 24 GB card (random init): peak within 15% of "
     "its 11.25 GiB (max_memory_reserved); bitsandbytes' 4-bit matrix products under compile and activation "
