@@ -290,9 +290,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not config.sync_qk_norm_grads:
         partial_grad_params = []
     model.train()
-    # --dtype bf16: the trainable weights (their shards) become bf16, AdamW updates fp32 master copies, DTensors with
-    # the same placements (common/precision.py): no autocast.
-    masters = MasterWeights(model, torch.bfloat16 if config.dtype == "bf16" else None)
+    # --dtype bf16: the trainable weights become bf16, AdamW updates fp32 master copies (common/precision.py).
+    masters = MasterWeights(model, torch.bfloat16 if config.dtype == "bf16" else None)  # DTensors: their placements
     partial_grad_params = masters.of(partial_grad_params)  # their gradients accumulate on the masters
     n_params = count_parameters(model.config)["total"]
     trainable = masters.parameters  # the fp32 masters, or the model's own trainable weights (fp32)
@@ -356,7 +355,7 @@ def main(argv: list[str] | None = None) -> dict:
                 loss = token_loss_sum(logits, batch["labels"]) / loss_tokens  # a Replicate DTensor under loss parallel
                 loss.backward()
             step_loss += local(loss.detach())
-        rec.state(step, model.parameters(), optimizer, masters.copies)  # this rank's shards and replicas
+        rec.state(step, model.parameters(), optimizer, masters.copies)  # weights, gradients, AdamW, masters
         all_reduce_partial_grads(partial_grad_params, trainable, tp_mesh)
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
         # The norm before clipping, the split gradients' squares summed over the ranks (DTensor: no fused folding).
