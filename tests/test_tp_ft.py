@@ -266,8 +266,10 @@ def test_bf16_computes_single_ft_s_bf16_steps(experiment, request, single):
     run = summary(runs / "bf16")
     assert run["master_weights"] == summary(single / "bf16")["master_weights"]  # every trainable tensor, by name
     assert run["replica_drift"] == 0.0  # the q_norm/k_norm masters' gradients summed over the group
-    # What autograd keeps of one micro-batch, a bf16 residual stream: common.memory's activation terms for tp.
-    assert run["activation_mib"] * 2**20 == pytest.approx(predict_run(run).activations_bytes, rel=0.05)
+    # What autograd keeps of one micro-batch, a bf16 residual stream, no weight copies: common.memory's terms (its
+    # tp-sp is Korthikanti et al.'s, the linear inputs split too, which PyTorch's plan keeps whole: a few % less).
+    predicted = predict_run(run).activations_bytes
+    assert run["activation_mib"] * 2**20 == pytest.approx(predicted, rel=1e-2 if experiment == "tp" else 5e-2)
 
 
 @pytest.mark.parametrize("experiment", ["tp", "tp_sp"])
