@@ -253,9 +253,11 @@ def zero_collectives(stage: int, *, group_numels: list[int], reduction_numels: l
 
 def tp_collectives(*, layers: int, hidden: int, head_dim: int, vocab: int, tokens: int, grad_accum: int,
                    world_size: int, sequence_parallel: bool, loss_parallel: bool = True,
-                   sync_qk_norm_grads: bool = True) -> dict[str, dict[str, float]]:
-    """tp-ft and tp-sp-ft, full-parameter fp32 (their apply_tp plans): the activations inside every layer, the loss,
-    and once per step the partial gradients and the gradient norm. a = 4 T d, one micro-batch's hidden states.
+                   sync_qk_norm_grads: bool = True, element_bytes: int = 4) -> dict[str, dict[str, float]]:
+    """tp-ft and tp-sp-ft, full-parameter (their apply_tp plans): the activations inside every layer, the loss,
+    and once per step the partial gradients and the gradient norm. a = e T d, one micro-batch's hidden states, e the
+    bytes of an activation: 4 under fp32, 2 under --dtype bf16's bf16 weights (common/precision.py); the loss (on
+    fp32 logits) and the gradients (of the fp32 masters) stay fp32.
     Per micro-batch, tensor parallel (tp-ft): all-reduces of a bytes, 2 per layer in forward (o_proj's and
     down_proj's partial sums), 2 per layer in backward (the gradients into the attention's and the MLP's replicated
     input), 1 in forward for the vocabulary-split embedding's partial lookups and 1 in backward for the gradient into
@@ -271,12 +273,12 @@ def tp_collectives(*, layers: int, hidden: int, head_dim: int, vocab: int, token
     d), and 1 of 4 n_t bytes, clip_grad_norm's per-tensor norms of the n_t DTensor parameters (the 7 projections of
     every layer and the embedding, n_t = 7 L + 1; under SP also the 2 L + 1 norms). Every rank computes the whole
     loss: no step-loss all-reduce. In all, with loss parallelism:
-        tp-ft     all_reduce      m (4 L + 5) + 2 calls, m (4 L + 2) 4 T d + 12 m T + 4 n_p + 4 n_t bytes
-        tp-sp-ft  reduce_scatter  m (4 L + 2) calls, m (4 L + 2) 4 T d bytes
-                  all_gather      m (4 L + 2) calls, m (4 L + 2) 4 T d / W bytes
+        tp-ft     all_reduce      m (4 L + 5) + 2 calls, m (4 L + 2) e T d + 12 m T + 4 n_p + 4 n_t bytes
+        tp-sp-ft  reduce_scatter  m (4 L + 2) calls, m (4 L + 2) e T d bytes
+                  all_gather      m (4 L + 2) calls, m (4 L + 2) e T d / W bytes
                   all_reduce      3 m + 2 calls, 12 m T + 4 n_p + 4 n_t bytes
     """
-    activation = 4 * tokens * hidden
+    activation = element_bytes * tokens * hidden
     regions = 4 * layers + 2
     partial_grads = (2 * layers * head_dim if sync_qk_norm_grads else 0) + \
         ((2 * layers + 1) * hidden if sequence_parallel else 0)
@@ -530,13 +532,14 @@ def predict_collectives(summary: dict) -> dict | list[dict] | None:
             config["zero_stage"], group_numels=[sum(p.numel() for p in group) for group in groups],
             reduction_numels=[p.numel() for p in order], parameter_numels=[p.numel() for p in model.parameters()],
             world_size=world, grad_accum=config["grad_accum"], bf16=bf16)
-    elif experiment in ("tp-ft", "tp-sp-ft") and world > 1 and not lora and not bf16:
+    elif experiment in ("tp-ft", "tp-sp-ft") and world > 1 and not lora and \
+            (not bf16 or summary.get("master_weights")):  # bf16 under autocast (earlier runs): not modelled
         formula = tp_collectives(
             layers=geometry.num_hidden_layers, hidden=geometry.hidden_size, head_dim=geometry.head_dim,
             vocab=geometry.vocab_size, tokens=config["micro_batch_size"] * config["seq_len"],
             grad_accum=config["grad_accum"], world_size=summary.get("tensor_parallel") or world,
             sequence_parallel=experiment == "tp-sp-ft", loss_parallel=config["loss_parallel"],
-            sync_qk_norm_grads=config["sync_qk_norm_grads"])
+            sync_qk_norm_grads=config["sync_qk_norm_grads"], element_bytes=2 if bf16 else 4)
     elif experiment == "pp-ft" and summary["pipeline"].get("replicas", 1) == 1:
         return [as_backend(pipeline_collectives(
             summary["pipeline"]["stage_rank"], rank, microbatches=config["grad_accum"],

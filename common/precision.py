@@ -1,32 +1,24 @@
-"""bf16 weights for compute, fp32 master copies for the update: single-ft's --dtype bf16.
-
-Under torch.autocast the weights stay fp32 and every matrix multiply casts its weight to bf16 again in every
-micro-batch's forward (and its gradient back to fp32 in backward); the embedding and the norms are not cast, so the
-residual stream, the norms' outputs and the normed queries and keys stay fp32: twice the bytes of those element-wise
-passes and of the activations they save. `MasterWeights` keeps the layout that FSDP2's
-MixedPrecisionPolicy(param_dtype=bf16) gives fsdp-ft (and DeepSpeed's bf16 mode zero-ft) instead:
-- the model's trainable parameters become bf16: the forward computes in bf16 throughout, no autocast;
-- an fp32 copy of each (the "master") is what AdamW updates, so small updates are not lost to bf16's 8-bit mantissa;
-- each parameter's bf16 gradient is added into its master's fp32 .grad as soon as backward has accumulated it
-  (register_post_accumulate_grad_hook) and then freed: micro-batches accumulate in fp32, and clipping and the fused
-  AdamW step (with the clip folded in, common/step.py) read fp32 gradients;
-- `copy_to_model()` rounds the updated masters into the bf16 parameters, once per optimizer step.
-Kept whole, the bf16 weights would cost 2 bytes a parameter beside the 16 of the fp32 masters, gradients and AdamW
-moments at the optimizer step, the step's peak; nothing reads them between backward and the next forward, so
-`free_weights()` releases their storage before the step (as FSDP releases its gathered bf16 weights) and
-`copy_to_model()`, after the gradients are freed, allocates it again: the step's peak stays 16 bytes a parameter, and
-the forward's is 14 (2 + 4 + 8), what fp32 weights with autocast's cached bf16 copies held.
-A tied embedding and LM head is one parameter: one master, one hook (autograd sums both uses before it runs).
-Frozen parameters (a LoRA base, already bf16) are left as they are. `module` is the model with the masters in place
-of the trainable parameters, under the same names, for torch.distributed.checkpoint: a checkpoint holds the fp32
-masters and AdamW's state, keyed as the model's own state would be. `restore_masters()` puts the fp32 masters back
-into the model for export, so --save-hf writes what it wrote under autocast.
-"""
+"""bf16 weights for compute, fp32 master copies for the update: --dtype bf16 in single-ft, tp-ft and tp-sp-ft (their
+DTensor shards too); the story is in common/README.md."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (tensor parallelism's split weights); a plain tensor is all local."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _assign(param: nn.Parameter, value: torch.Tensor) -> None:
+    """`param.data = value`; a DTensor's .data would recast the wrapper, not its local shard: it is swapped whole."""
+    if isinstance(param, DTensor):
+        torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
+    else:
+        param.data = value
 
 
 def _accumulate_into(master: nn.Parameter):
@@ -70,31 +62,37 @@ class MasterWeights:
             # The master takes the loaded fp32 storage; the parameter gets a new bf16 one.
             self.copies = [nn.Parameter(p.detach().to(torch.float32)) for p in trainable]
             for param, master in zip(trainable, self.copies):
-                param.data = param.detach().to(compute_dtype)
+                _assign(param, param.detach().to(compute_dtype))
                 param.register_post_accumulate_grad_hook(_accumulate_into(master))
         self.parameters = self.copies  # what AdamW updates and clipping norms
         self.module = _mirror(model, {id(p): m for p, m in zip(trainable, self.copies)})
+
+    def of(self, params) -> list:
+        """The masters of `params`, where they hold the gradients (the parameters themselves when off)."""
+        masters = {id(param): master for param, master in zip(self.weights, self.copies)}
+        return [masters.get(id(param), param) for param in params]
 
     def free_weights(self) -> None:
         """Release the compute-dtype parameters' storage (after backward, before the optimizer step); the next
         copy_to_model() allocates it again."""
         for param in self.weights:
-            param.untyped_storage().resize_(0)
+            local(param).untyped_storage().resize_(0)
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
         """Round the masters into the compute-dtype parameters: after each optimizer step, and after a resume."""
-        for param in self.weights:
+        weights = [local(param) for param in self.weights]  # a DTensor's shard (masters: the same placements)
+        for param in weights:
             if param.untyped_storage().size() == 0:
                 param.untyped_storage().resize_(param.numel() * param.element_size())
         if self.copies:
-            torch._foreach_copy_(self.weights, self.copies)
+            torch._foreach_copy_(weights, [local(master) for master in self.copies])
 
     @torch.no_grad()
     def restore_masters(self) -> None:
         """Make the model's trainable parameters the fp32 masters again (before an export); training ends here."""
         for param, master in zip(self.weights, self.copies):
-            param.data = master.detach()
+            _assign(param, master.detach())
 
     def summary(self) -> dict | None:
         """For summary.json (`master_weights`), which the memory model reads the layout from; None when off."""

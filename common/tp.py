@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from common.dist import print0
+from common.precision import local
 
 
 class SavedActivations:
@@ -61,11 +62,6 @@ def storages(tensor: torch.Tensor):
                 yield from storages(inner)
     else:
         yield tensor.untyped_storage()
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (a plain tensor is all local)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def on_tp_mesh(parameter: torch.Tensor) -> bool:

@@ -74,8 +74,9 @@ def test_project_precisions_are_what_the_scripts_keep():
 
 def test_each_strategy_is_priced_as_its_experiment_runs_it():
     # zero-ft runs DeepSpeed's own bf16 mode (bf16 module, fp32 gradient accumulation, fp32 master, no autocast);
-    # with --dtype fp32 DeepSpeed still keeps a separate fp32 master partition. Every other experiment keeps fp32
-    # weights that are their own master copy.
+    # with --dtype fp32 DeepSpeed still keeps a separate fp32 master partition. single-ft, tp-ft and tp-sp-ft
+    # compute in bf16 weights with fp32 masters (common/precision.py); every other experiment keeps fp32 weights that
+    # are their own master copy.
     def layout(p):
         return p.weights, p.grads, p.master, p.optimizer
 
@@ -83,7 +84,8 @@ def test_each_strategy_is_priced_as_its_experiment_runs_it():
     for strategy in STRATEGIES:
         deepspeed = strategy.startswith("zero-")
         assert strategy_precision(strategy, "bf16") is (DEEPSPEED_BF16 if deepspeed else
-                                                        MASTER_BF16 if strategy == "single" else PROJECT_BF16)
+                                                        MASTER_BF16 if strategy in ("single", "tp", "tp-sp") else
+                                                        PROJECT_BF16)
         assert strategy_precision(strategy, "fp32") is (DEEPSPEED_FP32 if deepspeed else PROJECT_FP32)
     with pytest.raises(ValueError, match="dtype"):
         strategy_precision("zero-2", "fp16")
@@ -179,7 +181,9 @@ def test_fsdp_tp_shards_the_tp_slice_over_the_data_parallel_ranks():
     # gathered in bf16 without autocast copies; t = 1 is plain FSDP.
     tp = estimate(shape, "tp", 2)
     assert fsdp_tp.logits_bytes == tp.logits_bytes and fsdp_tp.compute_copy_bytes == 0
-    assert fsdp_tp.activations_bytes < tp.activations_bytes  # no autocast: a bf16 residual stream, not fp32
+    assert fsdp_tp.activations_bytes == tp.activations_bytes  # neither under autocast: a bf16 residual stream
+    under_autocast = estimate(shape, "tp", 2, precision=PROJECT_BF16)  # tp-ft's layout before bf16 weights
+    assert fsdp_tp.activations_bytes < under_autocast.activations_bytes  # its residual stream fp32
     assert estimate(shape, "fsdp-tp", 8, tensor_parallel=1) == replace(estimate(shape, "fsdp", 8), strategy="fsdp-tp")
     with pytest.raises(ValueError, match="must divide the world size"):
         estimate(shape, "fsdp-tp", 6, tensor_parallel=4)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common.memory import predict_state_bytes
+from common.memory import MASTER_BF16, predict_run, predict_state_bytes
 from common.data import build_data, evaluate
 from common.models import load_model, model_config
 from conftest import load_experiment, read_losses, torchrun
@@ -25,6 +25,7 @@ STEPS = 5  # optimizer steps compared; resume continues from step 3
 RESUME_AT = 3
 LORA_RANK = 4
 PROFILE_ONE = ("--comm-profile-steps", 1)  # the third step's collectives, for common/comm.py's formula
+BF16 = ("--steps", 3, "--dtype", "bf16")  # 3 steps: bf16 costs several times fp32 on this CPU; the later --dtype wins
 
 
 def common_args(data, out_dir, *extra) -> list:
@@ -40,11 +41,12 @@ def summary(out_dir) -> dict:
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, small_data):
-    """single-ft on the same B, in this process: full-parameter and LoRA."""
+    """single-ft on the same B, in this process: full-parameter, LoRA, and 3 steps under --dtype bf16."""
     out = tmp_path_factory.mktemp("single-ft")
     single_ft = load_experiment("single-ft")
     single_ft.main([str(a) for a in common_args(small_data, out / "full", "--steps", STEPS)])
     single_ft.main([str(a) for a in common_args(small_data, out / "lora", "--steps", STEPS, "--lora-rank", LORA_RANK)])
+    single_ft.main([str(a) for a in common_args(small_data, out / "bf16", *BF16)])
     return out
 
 
@@ -63,6 +65,10 @@ def launched(tmp_path_factory, small_data):
         # Without the q_norm/k_norm all-reduce: two steps are enough for the replicas to part.
         common_args(small_data, tp / "unsynced", "--steps", 2, "--no-sync-qk-norm-grads"),
         common_args(small_data, tp / "varlen", "--steps", 3, "--attn", "varlen"),
+        # bf16 weights with fp32 masters: checkpointed after step 2, resumed for the third, exported.
+        common_args(small_data, tp / "bf16", *BF16, *PROFILE_ONE, "--checkpoint-every", 2,
+                    "--save-hf", tp / "bf16" / "hf"),
+        common_args(small_data, tp / "bf16-resumed", *BF16, "--resume", tp / "bf16" / "checkpoints" / "step-2"),
     ]
     tp_sp_runs = [
         common_args(small_data, tp_sp / "full", "--steps", STEPS, *PROFILE_ONE),
@@ -72,6 +78,7 @@ def launched(tmp_path_factory, small_data):
         common_args(small_data, tp_sp / "varlen-compile", "--steps", 2, "--attn", "varlen", "--compile"),
         # A bf16 LoRA base (3 steps: bf16 costs several times fp32 on this CPU); the later --dtype wins.
         common_args(small_data, tp_sp / "lora-bf16", "--steps", 3, "--lora-rank", LORA_RANK, "--dtype", "bf16"),
+        common_args(small_data, tp_sp / "bf16", *BF16, *PROFILE_ONE),
     ]
     # fsdp-tp-ft on the same 2 ranks as a 1 x 2 mesh (FSDP over one rank, TP over two), LoRA with activation
     # checkpointing: its own apply_tp and checkpointing call, the same B.
@@ -224,7 +231,7 @@ def test_collective_bytes_equal_the_formula(tp, tp_sp):
     # Per micro-batch 4 L + 2 all-reduces of the hidden states (tp-ft), or as many reduce-scatters and all-gathers
     # (tp-sp-ft; gloo runs a reduce-scatter as an all-reduce), the loss-parallel cross-entropy's three, and once per
     # step the partial gradients and the gradient norm.
-    for run in (tp / "full", tp_sp / "full"):
+    for run in (tp / "full", tp_sp / "full", tp / "bf16", tp_sp / "bf16"):
         assert_formula_matches(summary(run))
 
 
@@ -244,3 +251,48 @@ def test_model_state_bytes_are_the_predicted_ones(experiment, request):
         local = split // 2 + embedding // 2 + replicated
         assert measured == {"weights": 4 * local, "grads": 4 * local, "optimizer": 8 * local + counters, "master": 0}
         assert measured == {**predicted, "optimizer": predicted["optimizer"] + counters}
+
+@pytest.mark.parametrize("experiment", ["tp", "tp_sp"])
+def test_bf16_computes_single_ft_s_bf16_steps(experiment, request, single):
+    """--dtype bf16: bf16 weights (each rank's shards) read without autocast, fp32 masters that AdamW updates, as
+    single-ft's (common/precision.py). TP splits each matrix multiply's sum over the ranks, so bf16 rounds at other
+    places: the first step's loss within 1e-3, the next within bf16 rounding of each other's updates; not fp32's."""
+    runs = request.getfixturevalue(experiment)
+    got, want = read_losses(runs / "bf16"), read_losses(single / "bf16")
+    assert len(got) == len(want) == 3
+    assert got[0] == pytest.approx(want[0], rel=1e-3)
+    assert got == pytest.approx(want, rel=2e-2)
+    assert got != pytest.approx(read_losses(single / "full")[:3], rel=1e-6)  # bf16, not fp32
+    run = summary(runs / "bf16")
+    assert run["master_weights"] == summary(single / "bf16")["master_weights"]  # every trainable tensor, by name
+    assert run["replica_drift"] == 0.0  # the q_norm/k_norm masters' gradients summed over the group
+    # What autograd keeps of one micro-batch, a bf16 residual stream, no weight copies: common.memory's terms (its
+    # tp-sp is Korthikanti et al.'s, the linear inputs split too, which PyTorch's plan keeps whole: a few % less).
+    predicted = predict_run(run).activations_bytes
+    assert run["activation_mib"] * 2**20 == pytest.approx(predicted, rel=1e-2 if experiment == "tp" else 5e-2)
+
+
+@pytest.mark.parametrize("experiment", ["tp", "tp_sp"])
+def test_bf16_state_bytes_are_the_predicted_ones(experiment, request):
+    """Each rank: bf16 weights 2, fp32 gradients 4 (on the masters), fp32 masters 4, AdamW's moments 8 bytes per
+    parameter of its slice, as common.memory's MASTER_BF16 prices tp and tp-sp."""
+    run = summary(request.getfixturevalue(experiment) / "bf16")
+    local = run["state_bytes_per_rank"][0]["master"] // 4
+    counters = 4 * run["master_weights"]["tensors"]
+    assert predict_run(run).precision is MASTER_BF16
+    for measured in run["state_bytes_per_rank"]:
+        assert measured == {"weights": 2 * local, "grads": 4 * local, "optimizer": 8 * local + counters,
+                            "master": 4 * local}
+        assert measured == {**predict_state_bytes(run)[0], "optimizer": predict_state_bytes(run)[0]["optimizer"] +
+                            counters}
+
+
+def test_bf16_resume_and_export_hold_the_fp32_masters(tp, eval_data):
+    """The checkpoint holds the fp32 masters under the model's names: the resumed third step is the uninterrupted
+    one's, bit for bit. --save-hf writes the fp32 masters, not their bf16 rounding."""
+    assert read_losses(tp / "bf16-resumed") == read_losses(tp / "bf16")[2:]
+    model = AutoModelForCausalLM.from_pretrained(tp / "bf16" / "hf", dtype=torch.float32)
+    weight = model.model.layers[0].self_attn.q_proj.weight
+    assert not torch.equal(weight, weight.to(torch.bfloat16).float())
+    # bf16 weights in the run's evaluation, their fp32 masters here
+    assert eval_loss_of(model, eval_data) == pytest.approx(summary(tp / "bf16")["eval_loss"], rel=1e-2)

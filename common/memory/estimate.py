@@ -579,7 +579,7 @@ def predict_run(summary: dict) -> MemoryEstimate:
         world //= config.get("replicate_degree") or 1
     precision = DEEPSPEED_BF16 if experiment == "pp-ds-ft" and config["dtype"] == "bf16" else \
         strategy_precision(strategy, config["dtype"])
-    if strategy == "single" and config["dtype"] == "bf16" and not summary.get("master_weights"):
+    if precision is MASTER_BF16 and not summary.get("master_weights"):
         precision = PROJECT_BF16  # a run from before common/precision.py: fp32 weights under autocast
     if config.get("lora_rank") and not config.get("qlora") and summary.get("state_bytes_per_rank"):
         held = summary["state_bytes_per_rank"][0]["weights"]

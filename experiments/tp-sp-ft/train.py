@@ -52,6 +52,7 @@ from common.dist import init_distributed, print0, record_collectives_in, teardow
 from common.metrics import MetricsLogger, Recorder
 from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
     is_preset, load_model, load_tokenizer, record_adapter_base, resolve_model_name, weights_dtype
+from common.precision import MasterWeights
 from common.step import clip_grad_norm
 from common.tp import FullLogits, SavedActivations, local, replica_drift
 
@@ -290,8 +291,6 @@ def main(argv: list[str] | None = None) -> dict:
     print0(f"config: {json.dumps(asdict(config))}")
     torch.manual_seed(config.seed)
     attention = setup_attention(device, config.attn, print_fn=print0)
-    # bf16: fp32 weights, gradients and AdamW state (the "master weights"), matmuls in bf16 under autocast.
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if config.dtype == "bf16" else nullcontext
     # Under loss_parallel() cross_entropy takes logits split over the vocabulary: each rank reduces its shard and
     # three all-reduces of one number per token combine them.
     loss_context = loss_parallel if config.loss_parallel else nullcontext
@@ -341,8 +340,11 @@ def main(argv: list[str] | None = None) -> dict:
     if not config.sync_qk_norm_grads:
         partial_grad_params = []
     model.train()
+    # --dtype bf16: the trainable weights become bf16, AdamW updates fp32 master copies (common/precision.py).
+    masters = MasterWeights(model, torch.bfloat16 if config.dtype == "bf16" else None)  # DTensors: their placements
+    partial_grad_params = masters.of(partial_grad_params)  # their gradients accumulate on the masters
     n_params = count_parameters(model.config)["total"]
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    trainable = masters.parameters  # the fp32 masters, or the model's own trainable weights (fp32)
     n_trainable = sum(p.numel() for p in trainable)  # a DTensor's numel() is its global size
     model_flops_per_token = flops_per_token(model.config, config.seq_len, config.lora_rank)
     print0(f"model: {config.model} | {n_params:,} parameters, {n_trainable:,} trainable | "
@@ -373,8 +375,9 @@ def main(argv: list[str] | None = None) -> dict:
     # ---------------------------------------------------------------------------------------------------------
     # Training loop
     # The step count is the whole data position: step k always consumes the same rows.
-    start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
+    start_step = load_checkpoint(config.resume, masters.module, optimizer, scheduler) if config.resume else 0
     if config.resume:
+        masters.copy_to_model()  # the loaded fp32 masters, rounded into the weights the forward reads
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
     # Step clock, comm_ms, the step line, metrics.jsonl, summary.json; the garbage collector on a schedule from here.
     rec = Recorder(EXPERIMENT, config, device, model.config, data, rows_per_step, world_size=tp,  # MFU over tp devices
@@ -396,44 +399,47 @@ def main(argv: list[str] | None = None) -> dict:
             packed = attention.forward_kwargs(host_batch["position_ids"], device)
             # Divided by the whole step's loss tokens: the micro-batches' gradients sum to the step loss's gradient.
             with loss_context():  # loss parallelism: the backward of the sharded cross-entropy must run inside it
-                with autocast(), activations.once():
+                with activations.once():
                     # No mask + restarted position_ids + no cache: packed conversations stay isolated (common/data.py).
                     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                    attention_mask=None, use_cache=False, **packed).logits
                 loss = token_loss_sum(logits, batch["labels"]) / loss_tokens  # a Replicate DTensor under loss parallel
                 loss.backward()
             step_loss += local(loss.detach())
-        rec.state(step, model.parameters(), optimizer)  # this rank's shards, the replicated weights, grads, AdamW's
+        rec.state(step, model.parameters(), optimizer, masters.copies)  # weights, gradients, AdamW, masters
         all_reduce_partial_grads(partial_grad_params, trainable, tp_mesh)
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
         # The norm before clipping, the split gradients' squares summed over the ranks (DTensor: no fused folding).
         grad_norm = clip_grad_norm(optimizer, trainable, max_norm)
+        masters.free_weights()  # the bf16 weights are not read again before the next forward (common/precision.py)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        masters.copy_to_model()  # the updated fp32 masters, rounded into the weights the next forward reads
         rec.stop()
         # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together.
         values = torch.stack([step_loss, grad_norm.float()]).tolist()
         rec.step(step, values[0], lr, values[1])
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
-            rec.eval(step + 1, evaluate(FullLogits(model), data, config.micro_batch_size, device, autocast))
+            rec.eval(step + 1, evaluate(FullLogits(model), data, config.micro_batch_size, device, nullcontext))
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             # DCP writes each rank's shards of the DTensors and rank 0's copy of the replicated tensors.
-            saved = save_checkpoint(config.out_dir, step + 1, model, optimizer, scheduler, run=plan.identity,
+            saved = save_checkpoint(config.out_dir, step + 1, masters.module, optimizer, scheduler, run=plan.identity,
                                     keep=config.keep_checkpoints)
             print0(f"checkpoint: {saved}")
 
     # ---------------------------------------------------------------------------------------------------------
     # Evaluation, results, export
-    eval_loss = evaluate(FullLogits(model), data, config.micro_batch_size, device, autocast)
+    eval_loss = evaluate(FullLogits(model), data, config.micro_batch_size, device, nullcontext)
     rec.eval(config.steps, eval_loss)
     # summary.json: what was measured, and the settings the predictions read from it afterwards (not in this run).
     summary = rec.finish(
         attention=asdict(attention), eval_loss=eval_loss,
-        tensor_parallel=tp, activation_mib=activations.mib,
-        replica_drift=replica_drift(model.parameters(), tp_mesh))  # a collective: every rank calls finish
+        tensor_parallel=tp, activation_mib=activations.mib, master_weights=masters.summary(),
+        replica_drift=replica_drift(masters.module.parameters(), tp_mesh))  # a collective: every rank calls finish
 
     if config.save_hf:
+        masters.restore_masters()  # the fp32 weights, as an export under autocast wrote them
         # Every rank takes part: each DTensor is all-gathered into a full tensor on rank 0 (CPU memory); a copy of
         # the architecture on the meta device takes them (assign=True), and from there the export is single-ft's.
         full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
