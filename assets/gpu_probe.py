@@ -5,9 +5,10 @@
 the versions; every attention kernel against SDPA with the block-diagonal mask (torch's varlen_attn, flash-attn,
 FlexAttention over flattened tokens and over rows with the document block mask, the per-document reference), forward
 and gradients, on packed random q/k/v of Qwen3-0.6B's head geometry; and the LM-head losses on the real shapes (a
-step's loss tokens x hidden x vocabulary): the plain loss, common/loss.py's chunked reference and fused loss at several
-chunk sizes, cut-cross-entropy and Liger-Kernel's fused linear cross-entropy where installed, each timed forward +
-backward and held to the fp32 loss and gradients. Writes OUT.json; assets/gpu_suite.py reads it into the entry.
+step's loss tokens x hidden x vocabulary): the plain loss, common/loss_reference.py's chunked reference,
+common/loss.py's fused loss at several chunk sizes, cut-cross-entropy and Liger-Kernel's fused linear cross-entropy
+where installed, each timed forward + backward and held to the fp32 loss and gradients. Writes OUT.json;
+assets/gpu_suite.py reads it into the entry.
 """
 
 from __future__ import annotations
@@ -140,7 +141,8 @@ def loss_implementations(plan: Bench, cuda: bool, missing: dict[str, str]) -> di
     import torch.nn.functional as F
 
     from common.data import token_loss_sum
-    from common.loss import chunked_token_loss_sum, fused_linear_cross_entropy
+    from common.loss import fused_linear_cross_entropy
+    from common.loss_reference import chunked_token_loss_sum
 
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else \
         (lambda: torch.autocast("cpu", enabled=False))
@@ -161,7 +163,7 @@ def loss_implementations(plan: Bench, cuda: bool, missing: dict[str, str]) -> di
         return loss
 
     implementations = {"plain (logits, fp32 cross-entropy)": plain,
-                       f"common/loss.py chunked reference, chunk {plan.chunk}": chunked,
+                       f"common/loss_reference.py chunked reference, chunk {plan.chunk}": chunked,
                        **{f"common/loss.py fused, chunk {chunk}": fused(chunk) for chunk in plan.chunks}}
     if not cuda:
         return implementations

@@ -69,7 +69,7 @@ import torch
 from transformers import AutoModelForCausalLM, HfArgumentParser, TrainerCallback
 
 from common.attention import document_boundaries, setup_attention
-from common.data import chat_template_for, read_conversations
+from common.data import CHATML_TEMPLATE, read_conversations
 from common.dist import init_distributed
 from common.metrics import MetricsLogger, StepClock, hardware_info, repository_relative, summary_table
 from common.models import count_parameters, flops_per_token, is_preset, load_tokenizer
@@ -165,6 +165,14 @@ class StepMetrics(TrainerCallback):
             self.metrics.log_step(state.global_step, logs["loss"], logs["learning_rate"],
                                   logs.get("grad_norm") or math.nan, self.step_tokens, None, self.step_ms, 0.0,
                                   documents=self.step_documents)
+
+
+def chat_template_for(tokenizer) -> str:
+    """A template with {% generation %} markers, for tools that need them (TRL's assistant_only_loss)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and "{% generation %}" in template:
+        return template
+    return CHATML_TEMPLATE
 
 
 def run_trl(config: Config, model_dir: Path, out_dir: Path, expected_real_tokens: int) -> dict:

@@ -6,6 +6,7 @@ Every experiment calls `setup_attention(device, config.attn)` before building th
 import functools
 import importlib.util
 import inspect
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -228,8 +229,6 @@ def packed_documents_attention(kind: str):
 @functools.cache
 def flex_trains_on_cpu() -> bool:
     """Whether the installed torch's FlexAttention has a CPU backward (torch 2.15 has none: a forward-only op)."""
-    import warnings
-
     from torch.nn.attention.flex_attention import flex_attention
 
     q = torch.zeros(1, 1, 16, 8, requires_grad=True)
@@ -266,17 +265,15 @@ def flex_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict:
     return dict(document_block_mask=block_mask_of_documents(documents))
 
 
-_compiled_flex: dict = {}
+_compile = functools.cache(torch.compile)  # each function compiled once per process
 
 
 def _flex_rows(query, key, value, block_mask, scale):
     """FlexAttention over [batch, heads, seq, d] with grouped K/V heads: [batch, heads, seq, d] out."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    if query.is_cuda and "cuda" not in _compiled_flex:
-        # uncompiled, FlexAttention materialises the scores; compiled, it is one fused kernel
-        _compiled_flex["cuda"] = torch.compile(flex_attention)
-    kernel = _compiled_flex["cuda"] if query.is_cuda else flex_attention
+    # uncompiled, FlexAttention materialises the scores; compiled, it is one fused kernel
+    kernel = _compile(flex_attention) if query.is_cuda else flex_attention
     return kernel(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
@@ -320,14 +317,10 @@ def document_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict:
     return dict(cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, longest_document=longest_document)
 
 
-_PARAMETERS: dict = {}  # function -> the names of its parameters
-
-
+@functools.cache
 def _parameters(function) -> frozenset[str]:
     """The names of `function`'s parameters, read by inspect.signature once, not in every layer's call."""
-    if function not in _PARAMETERS:
-        _PARAMETERS[function] = frozenset(inspect.signature(function).parameters)
-    return _PARAMETERS[function]
+    return frozenset(inspect.signature(function).parameters)
 
 
 def torch_varlen_takes_gqa() -> bool:

@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from common.dist import print0
+
 # Optimizer entries per parameter name, not group index: pipeline stages' groups would collide (common/README.md).
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # QLoRA's 4-bit base is reloaded from its source, not restored: only the trainable parameters are saved.
@@ -98,10 +100,8 @@ def _check_resumable(path: Path) -> None:
         raise SystemExit(f"{path} is an unfinished checkpoint (a save was interrupted): resume from a step-<k> folder")
     if not path.is_dir():
         raise SystemExit(f"{path} is not a checkpoint folder (expected <out-dir>/checkpoints/step-<k>)")
-
-
-def _step_number(folder: Path) -> int:
-    return int(folder.name.removeprefix("step-"))
+    if problem := checkpoint_problem(path):
+        raise SystemExit(f"--resume {path}: {problem}")
 
 
 def _zip_problem(file: Path) -> str | None:
@@ -169,12 +169,7 @@ def checkpoint_problem(path: Path) -> str | None:
     return None
 
 
-def _rank0_print(message: str) -> None:
-    if _rank() == 0:
-        print(message, flush=True)
-
-
-def find_checkpoint(path: str | Path, experiment: str, print_fn=_rank0_print) -> Path:
+def find_checkpoint(path: str | Path, experiment: str, print_fn=print0) -> Path:
     """The step-<k> folder `--resume` names, damaged ones skipped with their reason."""
     if str(path) == "latest":
         runs = sorted(Path("runs").glob(f"{experiment}-*"), key=lambda run: run.stat().st_mtime, reverse=True)
@@ -186,8 +181,6 @@ def find_checkpoint(path: str | Path, experiment: str, print_fn=_rank0_print) ->
     path = Path(path)
     if path.name.startswith("step-"):
         _check_resumable(path)
-        if problem := checkpoint_problem(path):
-            raise SystemExit(f"--resume {path}: {problem}")
         return path
     for folder in (path / "checkpoints", path):
         if folder.is_dir() and (candidates := _complete(folder)):
@@ -216,12 +209,12 @@ def _first_sound(candidates: list[Path], print_fn) -> Path | None:
 def _complete(folder: Path) -> list[Path]:
     """The published step-<k> folders under `folder`, newest first."""
     steps = [child for child in folder.glob("step-*") if child.is_dir() and child.name.removeprefix("step-").isdigit()]
-    return sorted(steps, key=_step_number, reverse=True)
+    return sorted(steps, key=checkpoint_step, reverse=True)
 
 
 def checkpoint_step(path: str | Path) -> int:
     """k of a step-<k> folder: the optimizer steps it holds."""
-    return _step_number(Path(path))
+    return int(Path(path).name.removeprefix("step-"))
 
 
 _resumed_from: set[Path] = set()  # the checkpoints this process loaded: --keep-checkpoints never deletes them
@@ -291,8 +284,6 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> int:
     """Restore model, optimizer, scheduler and RNG in place from a `step-<k>` folder; returns k."""
     path = Path(path)
     _check_resumable(path)
-    if problem := checkpoint_problem(path):
-        raise SystemExit(f"--resume {path}: {problem}")
     trainer_file = path / f"trainer_state_rank{_rank()}.pt"
     if not trainer_file.exists():
         # written by fewer ranks (DCP reshards): rank 0's step, schedule and RNG are every rank's

@@ -57,19 +57,16 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 SUPPORTED = ".jsonl file or folder, .json, .parquet, .csv or .arrow file, a save_to_disk folder, or a hub id"
 
 
-def parse_columns(spec: str | dict | None) -> dict[str, str]:
+def parse_columns(spec: str | None) -> dict[str, str]:
     """--data-columns "prompt=question,completion=answer" -> {"prompt": "question", "completion": "answer"}."""
     if not spec:
         return {}
-    if isinstance(spec, dict):
-        pairs = list(spec.items())
-    else:
-        pairs = []
-        for item in spec.split(","):
-            name, sep, column = item.partition("=")
-            if not sep or not name.strip() or not column.strip():
-                raise DataError(f"--data-columns: '{item}' is not NAME=COLUMN (e.g. prompt=question,completion=answer)")
-            pairs.append((name.strip(), column.strip()))
+    pairs = []
+    for item in spec.split(","):
+        name, sep, column = item.partition("=")
+        if not sep or not name.strip() or not column.strip():
+            raise DataError(f"--data-columns: '{item}' is not NAME=COLUMN (e.g. prompt=question,completion=answer)")
+        pairs.append((name.strip(), column.strip()))
     for name, _ in pairs:
         if name not in KNOWN_COLUMNS:
             raise DataError(f"--data-columns: unknown name '{name}' (expected one of {', '.join(KNOWN_COLUMNS)})")
@@ -284,7 +281,7 @@ def _dataset_conversations(name: str, dataset, columns: dict[str, str], split: s
 
 
 def read_conversations(path: str | Path, split: str = "train", subset: str | None = None,
-                       columns: str | dict | None = None) -> list[Conversation]:
+                       columns: str | None = None) -> list[Conversation]:
     """Every record of --data as validated chat messages, each with where it came from."""
     columns = parse_columns(columns)
     source = Path(path)
@@ -317,14 +314,6 @@ class TokenizedConversation:
     @property
     def n_loss_tokens(self) -> int:
         return sum(label != IGNORE_INDEX for label in self.labels)
-
-
-def chat_template_for(tokenizer) -> str:
-    """A template with {% generation %} markers, for tools that need them (TRL's assistant_only_loss)."""
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, str) and "{% generation %}" in template:
-        return template
-    return CHATML_TEMPLATE
 
 
 def end_of_turn(tokenizer) -> tuple[str, int]:
@@ -524,7 +513,7 @@ class SFTData:
 
 
 def build_data(path: str | Path, tokenizer, seq_len: int, packing: bool = True, eval_fraction: float = 0.05,
-               seed: int = 0, split: str = "train", subset: str | None = None, columns: str | dict | None = None,
+               seed: int = 0, split: str = "train", subset: str | None = None, columns: str | None = None,
                train_empty_think: bool = False) -> SFTData:
     """Read, validate, tokenize, split (by conversation), truncate and pack; deterministic for a seed."""
     if not 0.0 <= eval_fraction < 1.0:

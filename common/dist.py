@@ -7,7 +7,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -216,16 +215,6 @@ def _failed_collective(traceback) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def act_as_launcher_if_alone() -> None:
-    """Outside torchrun, set torchrun's variables for a world of one (DeepSpeed needs a TCP rendezvous even then)."""
-    if "WORLD_SIZE" in os.environ:
-        return
-    with socket.socket() as probe:  # a free port for the rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 def print0(*args, **kwargs) -> None:

@@ -1,5 +1,6 @@
-"""What DeepSpeed's engines (zero-ft, pp-ds-ft) need besides the runtime every script shares: checkpoints in
-DeepSpeed's own format, and the model-state bytes a rank holds inside its ZeRO optimizer.
+"""What DeepSpeed's engines (zero-ft, pp-ds-ft) need besides the runtime every script shares: a launcher's variables
+in a plain process, checkpoints in DeepSpeed's own format, and the model-state bytes a rank holds inside its ZeRO
+optimizer.
 
 The engines keep their optimizer state in their own sharded objects, which torch.distributed.checkpoint's
 get_state_dict does not understand: they save in DeepSpeed's format, published by common/checkpoint.py's protocol
@@ -8,11 +9,23 @@ get_state_dict does not understand: they save in DeepSpeed's format, published b
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 
 from common.checkpoint import _check_resumable, _published, _resumed_from, _write_identity, checkpoint_dir, \
-    checkpoint_problem, prune_checkpoints
+    prune_checkpoints
 from common.metrics import state_bytes, storage_bytes
+
+
+def act_as_launcher_if_alone() -> None:
+    """Outside torchrun, set torchrun's variables for a world of one (DeepSpeed needs a TCP rendezvous even then)."""
+    if "WORLD_SIZE" in os.environ:
+        return
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 def save_deepspeed_checkpoint(out_dir: str | Path, step: int, engine, run: dict | None = None, keep: int = 0) -> Path:
@@ -33,8 +46,6 @@ def load_deepspeed_checkpoint(path: str | Path, engine) -> int:
     The optimizer shards only fit the layout that wrote them (ZeRO stage, pipeline stages, number of ranks)."""
     path = Path(path)
     _check_resumable(path)
-    if problem := checkpoint_problem(path):
-        raise SystemExit(f"--resume {path}: {problem}")
     loaded, client_state = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
                                                   load_lr_scheduler_states=True)
     if loaded is None:

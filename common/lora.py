@@ -1,20 +1,5 @@
 """Fused LoRA adapters (--lora-fused): peft's modules, parameters and state dict, with fewer and fuller kernels.
-
-peft runs each adapted projection as `base(x) + lora_B(lora_A(dropout(x))) * scaling`: two thin matrix products (x's
-d_in columns down to r, then r up to d_out), a pass that scales the second product and a pass that adds it to the
-base output, and the backward of each. Fused (`fuse_lora`):
-- the projections that read the same input share one down product: q/k/v read the attention's input, gate/up the
-  MLP's. Their A matrices, scaled, are stacked at use ([3r x d], a few kilobytes), so x is read once for all three:
-  one [tokens x d] @ [d x 3r] product in the forward, and in the backward one product for x's gradient and one for
-  the stacked A's gradient, where peft runs three of each;
-- each up product adds itself into the base output (addmm: base + down @ B^T, the scaling already folded into A):
-  no scale pass and no add pass over [tokens x d_out], in the forward or the backward.
-The parameters stay peft's own lora_A/lora_B weights (nothing is copied, re-registered or renamed), so checkpoints,
---save-hf, --merge-lora and PeftModel.from_pretrained see exactly what they see without the flag; only the forward of
-each LoRA layer, and of the module that calls a shared group (the attention, the MLP), is replaced on the instance.
-A layer outside the fused case (adapters disabled or merged, several adapters, extra arguments) runs peft's forward.
-Not fused: peft's ParamWrapper around a mixture of experts' 3-D expert weights (they keep peft's path).
-"""
+How and why: see common/README.md."""
 
 from __future__ import annotations
 
@@ -114,9 +99,7 @@ def fuse_lora(model) -> dict[str, int]:
     except ImportError:  # no bitsandbytes: no 4-bit layer can exist to fuse
         Linear4bit = None
 
-    # Under torch.compile with activation checkpointing, Dynamo traces a checkpointed layer as one region and refuses
-    # side effects on objects from outside it (the groups' SharedDown) unless they need not be replayed when the
-    # backward recomputes the region: these add up to nothing (bracketed_forward empties every group it fills).
+    # the groups' side effects add up to nothing: no replay when a checkpointed layer recomputes (common/README.md)
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
     fusable = (Linear, *((Linear4bit,) if Linear4bit is not None else ()))

@@ -1,13 +1,11 @@
 """The LM head and its cross-entropy without the [tokens x vocabulary] logits: the fused loss that
-`--loss-chunk-tokens` runs, and the chunked, recomputing reference it is tested against (common/README.md)."""
+`--loss-chunk-tokens` runs (common/README.md; its chunked reference: common/loss_reference.py)."""
 
 from __future__ import annotations
 
 import functools
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from common.data import IGNORE_INDEX
 
@@ -25,34 +23,6 @@ def _loss_positions(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.T
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The reference: chunk by chunk, the logits recomputed in backward
-
-
-def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    # F.linear, as the model's LM head runs it, so autocast picks the same dtype; the cross-entropy in fp32
-    logits = F.linear(hidden, weight)
-    return F.cross_entropy(logits.float(), labels, reduction="sum")
-
-
-def chunked_token_loss_sum(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
-                           chunk_tokens: int) -> torch.Tensor:
-    """token_loss_sum(hidden @ lm_head_weight.T, labels), each chunk's logits recomputed in backward. hidden
-    [batch, seq, d] after the final norm, labels [batch, seq] shifted (on the host preferably); call it under the
-    model's autocast."""
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    hidden, labels = _loss_positions(hidden, labels)  # [n_loss, d]: all that is kept for backward
-    # no loss tokens: still a zero connected to the graph, so backward() works
-    total = None
-    for start in range(0, max(labels.numel(), 1), chunk_tokens):
-        end = start + chunk_tokens
-        chunk = checkpoint(_chunk_loss_sum, hidden[start:end], lm_head_weight, labels[start:end],
-                           use_reentrant=False)
-        total = chunk if total is None else total + chunk
-    return total
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # The fused loss: gradients computed in the forward pass
 
 
@@ -67,16 +37,12 @@ def _chunk_loss_and_logit_grad(logits: torch.Tensor, labels: torch.Tensor,
     return loss, grad.to(logits.dtype)
 
 
-_compiled_chunk_math: dict[str, object] = {}
+_compile = functools.cache(torch.compile)  # each function compiled once per process
 
 
 def _chunk_math(device: torch.device):
     """The per-chunk arithmetic, compiled on a GPU (dynamic: the last chunk is shorter), eager on the CPU."""
-    if device.type != "cuda":
-        return _chunk_loss_and_logit_grad
-    if "cuda" not in _compiled_chunk_math:
-        _compiled_chunk_math["cuda"] = torch.compile(_chunk_loss_and_logit_grad, dynamic=True)
-    return _compiled_chunk_math["cuda"]
+    return _compile(_chunk_loss_and_logit_grad, dynamic=True) if device.type == "cuda" else _chunk_loss_and_logit_grad
 
 
 @functools.cache

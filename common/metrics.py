@@ -16,8 +16,9 @@ import shlex
 import subprocess
 import sys
 import time
+from collections import Counter
 from importlib.metadata import PackageNotFoundError, version
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -25,8 +26,10 @@ import torch.distributed as dist
 from transformers import PretrainedConfig
 
 from common.cli import FlagError
-from common.dist import print0
+from common.checkpoint import checkpoint_step
+from common.dist import all_ranks, print0
 from common.models import REPO_ROOT, training_flops
+from common.step import GarbageCollection
 
 # Kineto (comm_ms's profiler) logs markers and, without a GPU, a false "ERROR" line; 6 silences it (yours wins)
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
@@ -116,7 +119,6 @@ def _package_versions() -> dict[str, str | None]:
         except PackageNotFoundError:
             versions[package] = None
     return versions
-
 
 
 def repository_relative(argv: list[str], root: Path = REPO_ROOT) -> list[str]:
@@ -268,8 +270,8 @@ class CollectiveTimer:
         self.device = device
         self.window = range(first_step, first_step + n_steps)
         self.profiler = None
-        self.counts: dict[str, int] = {}  # collectives issued over the profiled steps, by op
-        self.bytes: dict[str, dict[str, int]] = {}  # backend collectives over the profiled steps: calls and bytes
+        self.counts: Counter[str] = Counter()  # collectives issued over the profiled steps, by op
+        self.bytes: dict[str, Counter[str]] = {}  # backend collectives over the profiled steps: calls and bytes
         self.profiled: list[int] = []  # 1-based numbers of the steps that ran under the profiler
 
     def start(self, step: int) -> None:
@@ -289,12 +291,9 @@ class CollectiveTimer:
             return None
         self.profiler.__exit__(None, None, None)
         value = collective_ms(self.profiler)
-        for name, count in collective_counts(self.profiler).items():
-            self.counts[name] = self.counts.get(name, 0) + count
+        self.counts.update(collective_counts(self.profiler))
         for name, entry in collective_bytes(self.profiler).items():
-            total = self.bytes.setdefault(name, {"calls": 0, "bytes": 0})
-            total["calls"] += entry["calls"]
-            total["bytes"] += entry["bytes"]
+            self.bytes.setdefault(name, Counter()).update(entry)
         self.profiled.append(step + 1)
         self.profiler = None
         return value
@@ -453,7 +452,7 @@ class MetricsLogger:
         """Resuming in the checkpoint's own run folder: its records up to the checkpoint's step; else none."""
         if self.resume is None or Path(self.resume).parent.parent.resolve() != self.out_dir.resolve():
             return []
-        step = int(Path(self.resume).name.removeprefix("step-"))
+        step = checkpoint_step(self.resume)
         file = self.out_dir / "metrics.jsonl"
         lines = file.read_text().splitlines() if file.exists() else []
         return [record for line in lines if line.strip() and (record := json.loads(line))["step"] <= step]
@@ -532,7 +531,7 @@ class MetricsLogger:
         lines = [f"results: {self.out_dir}/metrics.jsonl, {self.out_dir}/summary.json"]
         if self.report_to == "tensorboard":
             lines.append(f"tensorboard: {self.out_dir / 'tensorboard'} (view: tensorboard --logdir {self.out_dir})")
-        steps = sorted(self.out_dir.glob("checkpoints/step-*[0-9]"), key=lambda path: int(path.name[5:]))
+        steps = sorted(self.out_dir.glob("checkpoints/step-*[0-9]"), key=checkpoint_step)
         if steps:
             lines.append(f"checkpoints: {steps[-1]} is the newest (continue: --resume {self.out_dir})")
         return "\n".join(lines)
@@ -695,8 +694,6 @@ class Recorder:
                  world_size: int = 1, rank: int = 0, steps_per_epoch: float | None = None, start_step: int = 0,
                  script_dir: Path | None = None, n_parameters: int | None = None,
                  n_trainable: int | None = None, flops_per_token: float | None = None):
-        from common.step import GarbageCollection
-
         self.experiment, self.config, self.device, self.data = experiment, config, device, data
         self.rows_per_step, self.world_size, self.script_dir = rows_per_step, world_size, script_dir
         self.model = dict(name=config.model, parameters=n_parameters, trainable_parameters=n_trainable,
@@ -757,10 +754,6 @@ class Recorder:
 
     def finish(self, **fields) -> dict:
         """summary.json, written and printed by rank 0; every rank calls it. `fields`: the strategy's own."""
-        from dataclasses import asdict
-
-        from common.dist import all_ranks
-
         self.collector.close()
         fields.setdefault("eval_history", self.eval_history)
         if (load := expert_load(self.records)) is not None:  # a mixture of experts: tokens per expert, imbalance

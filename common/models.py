@@ -14,8 +14,11 @@ import socket
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
+import torch.distributed as dist
+from huggingface_hub import constants, try_to_load_from_cache
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, Qwen3Config, \
     Qwen3MoeConfig
 from transformers.utils import logging as transformers_logging
@@ -127,10 +130,6 @@ def _offline_fix(name: str) -> str:
 
 def hub_reachable(timeout_s: float = 3.0) -> bool:
     """Whether the Hub's host answers within `timeout_s` (its client retries for most of a minute before failing)."""
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants
-
     url = urlparse(constants.ENDPOINT)
     return _answers(url.hostname, url.port or (443 if url.scheme == "https" else 80), timeout_s)
 
@@ -148,8 +147,6 @@ def hub_options(name: str) -> dict:
     """from_pretrained's options for `name`: offline from the cache when the Hub is out of reach."""
     if Path(name).exists() or os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") or hub_reachable():
         return {}
-    from huggingface_hub import try_to_load_from_cache
-
     if isinstance(try_to_load_from_cache(name, "config.json"), str):
         return {"local_files_only": True}
     raise SystemExit(f"{name}: the Hugging Face Hub cannot be reached from here and this model is not in this "
@@ -253,8 +250,6 @@ PRESET_BASE_FILE = "preset_base.json"  # beside a LoRA adapter trained on a pres
 
 def share_export(save_dir: str | Path) -> None:
     """Rank 0 gives an export's files the umask's permissions (safetensors writes 0600)."""
-    import torch.distributed as dist
-
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     umask = os.umask(0)
@@ -266,8 +261,6 @@ def share_export(save_dir: str | Path) -> None:
 
 def record_adapter_base(save_dir: str | Path, model_name: str, seed: int) -> None:
     """adapter_config.json names the base as loaded; a preset's base also its seed."""
-    import torch.distributed as dist
-
     share_export(save_dir)
     config_file = Path(save_dir) / "adapter_config.json"
     if (dist.is_initialized() and dist.get_rank() != 0) or not config_file.exists():
@@ -408,31 +401,7 @@ class TrainingFlops:
 
 
 def training_flops(config: PretrainedConfig, lora_rank: int = 0) -> TrainingFlops:
-    """The training FLOPs of the work a step does, as MFU counts it (PaLM's model FLOPs: Chowdhery et al. 2022,
-    appendix B).
-
-    Weights, per token: a weight that multiplies activations costs 2 FLOPs forward (multiply, add) and, in backward,
-    2 for the gradient of its input and 2 for its own gradient.
-    - Full fine-tuning: 6 per weight of the decoder layers (a mixture of experts: the k experts a token goes to, and
-      the router) and of the LM head, V x d, also when tied to the embedding: the head is a matrix multiply, the
-      embedding a lookup that costs nothing.
-    - LoRA (--lora-rank) and QLoRA: a frozen weight has no weight gradient, 4 per weight; the LM head is frozen too
-      (4 V d). The adapters are trained, 6 per parameter (`lora_parameters`). No gradient has to reach the frozen
-      embedding's output, so the first layer's q, k and v projections (and their adapters' A) take no input gradient:
-      2 FLOPs less per weight there. A mixture of experts' adapted experts run as W + B A, which takes a weight
-      gradient: 6 per weight of the k experts, as in full fine-tuning. QLoRA's 4-bit weights count as the bf16
-      matrix multiplies they are dequantized into.
-    The fused loss (--loss-chunk-tokens, common/loss.py) runs the LM head on loss tokens only: a step's count then
-    leaves the head out for every other token (`TrainingFlops.of_documents`' head_tokens, `lm_head` per token).
-    Attention, per (query, key) pair of a document: the scores Q K^T and the sum A V, 2 hd FLOPs each per head
-    forward, three times that with backward: 12 L H hd. Packed conversations do not attend to each other, so a step
-    costs this times the sum over its documents of length^2 (`TrainingFlops.of_documents`), not rows x seq_len^2.
-    The full square of a document is counted, not its causal half: the PaLM convention, so MFU compares with
-    published figures.
-    Not counted, as in any MFU: activation checkpointing's recomputation, and the gradient peft asks of the
-    embedding's output when checkpointing is on (nothing uses it). The loss, norms, rotary embeddings and the
-    optimizer cost FLOPs but no matrix multiply; they are left out, as in PaLM's count.
-    """
+    """The training FLOPs of the work a step does, as MFU counts it: PaLM's model FLOPs (common/README.md)."""
     d, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
     H = config.num_attention_heads
     hd = getattr(config, "head_dim", None) or d // H

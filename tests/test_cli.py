@@ -151,7 +151,7 @@ def test_plan_run_turns_epochs_into_steps_and_says_when_data_repeats_or_warm_up_
 
 
 # What the README's "Start your own project from a script" says a copy of one script can leave out of common/.
-NOT_RUNTIME = ("memory", "comm.py", "sweep.py", "soak.py", "preflight.py")
+NOT_RUNTIME = ("memory", "comm.py", "sweep.py", "soak.py", "preflight.py", "loss_reference.py")
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +262,7 @@ def test_a_copied_script_runs_from_an_empty_folder_with_an_installed_common(laun
 
 # What a train.py reaches of common/ is what a reader of it may have to open, and what a copy of it needs: the runtime
 # stays thin. The predictions and the commands (NOT_RUNTIME) read runs afterwards and are reached by no train.py.
-RUNTIME_LINES_CEILING = 4_000
+RUNTIME_LINES_CEILING = 3_900
 
 
 def common_modules_reached(script: Path) -> set[Path]:

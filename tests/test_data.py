@@ -7,8 +7,8 @@ import re
 import pytest
 import torch
 
-from common.data import (CHATML_TEMPLATE, IGNORE_INDEX, Conversation, DataError, build_data, chat_template_for,
-                         pack_rows, read_conversations, sample_text, tokenize_conversations)
+from common.data import (CHATML_TEMPLATE, IGNORE_INDEX, Conversation, DataError, build_data, pack_rows,
+                         read_conversations, sample_text, tokenize_conversations)
 from conftest import REPO_ROOT
 
 GOOD = {"messages": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}]}
@@ -106,7 +106,10 @@ def test_labels_are_exactly_the_assistant_turns(tmp_path, tokenizer):
     assert tokenizer.decode(ids).startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
 
 
-def test_template_without_generation_markers_falls_back_to_chatml(tokenizer):
+def test_template_without_generation_markers_falls_back_to_chatml(tokenizer, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "assets"))
+    from peer_baseline import chat_template_for  # TRL's assistant_only_loss needs the markers
+
     class NoMarkers:
         chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 

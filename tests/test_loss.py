@@ -9,7 +9,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.data import IGNORE_INDEX, token_loss_sum
-from common.loss import chunked_token_loss_sum, fused_linear_cross_entropy
+from common.loss import fused_linear_cross_entropy
+from common.loss_reference import chunked_token_loss_sum
 from conftest import load_experiment
 
 single_ft = load_experiment("single-ft")

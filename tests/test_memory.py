@@ -843,7 +843,7 @@ def _census(runs: list[tuple[int, str, int]]) -> dict:
     micro-batch held), and count what the engine holds then."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     sys.path.insert(0, str(REPO_ROOT / "tests"))
-    from common.dist import act_as_launcher_if_alone
+    from common.ds_engine import act_as_launcher_if_alone
 
     act_as_launcher_if_alone()
     import logging

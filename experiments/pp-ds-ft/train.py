@@ -43,9 +43,9 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: E40
 
 from common.attention import setup_attention  # noqa: E402
 from common.data import IGNORE_INDEX, DataError, build_data, describe, sample_text, token_loss_sum  # noqa: E402
-from common.dist import act_as_launcher_if_alone, all_ranks, init_distributed, print0, \
-    record_collectives_in, teardown  # noqa: E402
-from common.ds_engine import load_deepspeed_checkpoint, save_deepspeed_checkpoint  # noqa: E402
+from common.dist import all_ranks, init_distributed, print0, record_collectives_in, teardown  # noqa: E402
+from common.ds_engine import act_as_launcher_if_alone, load_deepspeed_checkpoint, \
+    save_deepspeed_checkpoint  # noqa: E402
 from common.metrics import MetricsLogger, Recorder  # noqa: E402
 from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
     record_adapter_base, resolve_model_name, share_export  # noqa: E402

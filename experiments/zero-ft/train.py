@@ -37,8 +37,9 @@ from transformers.integrations import HfDeepSpeedConfig
 
 from common.attention import setup_attention
 from common.data import DataError, build_data, describe, evaluate, sample_text, to_device, token_loss_sum
-from common.dist import act_as_launcher_if_alone, init_distributed, print0, record_collectives_in, teardown
-from common.ds_engine import deepspeed_state_bytes, load_deepspeed_checkpoint, save_deepspeed_checkpoint
+from common.dist import init_distributed, print0, record_collectives_in, teardown
+from common.ds_engine import act_as_launcher_if_alone, deepspeed_state_bytes, load_deepspeed_checkpoint, \
+    save_deepspeed_checkpoint
 from common.generate import generate, sample_prompt
 from common.loss import fused_linear_cross_entropy
 from common.metrics import MetricsLogger, Recorder, memory_label, peak_memory_gib
