@@ -1,27 +1,6 @@
-"""bf16 weights for compute, fp32 master copies for the update: single-ft's --dtype bf16.
-
-Under torch.autocast the weights stay fp32 and every matrix multiply casts its weight to bf16 again in every
-micro-batch's forward (and its gradient back to fp32 in backward); the embedding and the norms are not cast, so the
-residual stream, the norms' outputs and the normed queries and keys stay fp32: twice the bytes of those element-wise
-passes and of the activations they save. `MasterWeights` keeps the layout that FSDP2's
-MixedPrecisionPolicy(param_dtype=bf16) gives fsdp-ft (and DeepSpeed's bf16 mode zero-ft) instead:
-- the model's trainable parameters become bf16: the forward computes in bf16 throughout, no autocast;
-- an fp32 copy of each (the "master") is what AdamW updates, so small updates are not lost to bf16's 8-bit mantissa;
-- each parameter's bf16 gradient is added into its master's fp32 .grad as soon as backward has accumulated it
-  (register_post_accumulate_grad_hook) and then freed: micro-batches accumulate in fp32, and clipping and the fused
-  AdamW step (with the clip folded in, common/step.py) read fp32 gradients;
-- `copy_to_model()` rounds the updated masters into the bf16 parameters, once per optimizer step.
-Kept whole, the bf16 weights would cost 2 bytes a parameter beside the 16 of the fp32 masters, gradients and AdamW
-moments at the optimizer step, the step's peak; nothing reads them between backward and the next forward, so
-`free_weights()` releases their storage before the step (as FSDP releases its gathered bf16 weights) and
-`copy_to_model()`, after the gradients are freed, allocates it again: the step's peak stays 16 bytes a parameter, and
-the forward's is 14 (2 + 4 + 8), what fp32 weights with autocast's cached bf16 copies held.
-A tied embedding and LM head is one parameter: one master, one hook (autograd sums both uses before it runs).
-Frozen parameters (a LoRA base, already bf16) are left as they are. `module` is the model with the masters in place
-of the trainable parameters, under the same names, for torch.distributed.checkpoint: a checkpoint holds the fp32
-masters and AdamW's state, keyed as the model's own state would be. `restore_masters()` puts the fp32 masters back
-into the model for export, so --save-hf writes what it wrote under autocast.
-"""
+"""bf16 weights for compute, fp32 master copies for the update (--dtype bf16 in single-ft and pp-ft): the trainable
+weights become bf16 and the forward reads them without autocast; AdamW updates fp32 masters, which take each bf16
+gradient as backward makes it (common/README.md tells why and how)."""
 
 from __future__ import annotations
 
@@ -55,7 +34,7 @@ def _mirror(model: nn.Module, replacement: dict[int, nn.Parameter]) -> nn.Module
 
 
 class MasterWeights:
-    """fp32 masters of `model`'s trainable parameters, which become `compute_dtype` (module docstring). With
+    """fp32 masters of `model`'s trainable parameters, which become `compute_dtype` (common/README.md). With
     `compute_dtype` None nothing changes: `parameters` are the model's own trainable ones and every method does
     nothing (--dtype fp32, and --qlora, which keeps autocast over fp32 adapters for bitsandbytes)."""
 
