@@ -584,10 +584,10 @@ def main(argv: list[str] | None = None) -> dict:
                       target_mbs=labels, losses=micro_losses, loss_kwargs={"step_loss_tokens": loss_tokens},
                       return_outputs=False)
         trace.stop(step)
-        if replicas > 1 and masters.copies:  # bf16, no DDP (the masters' hooks take the gradients first): its average
+        if replicas > 1 and masters.copies:  # bf16: no DDP (the masters' hooks take each gradient first), its mean here
             for master in trainable:
                 dist.all_reduce(master.grad.div_(replicas), group=dp_group)
-        # DDP has summed the replicas' gradients inside the schedule; the tied weight's copies next, then the norm.
+        # The replicas' gradients averaged (by DDP inside the schedule, or just above); the tied copies next, the norm.
         sum_tied_gradients(embedding, lm_head, tie_group)
         rec.state(step, module.parameters(), optimizer, masters.copies)  # weights, gradients, AdamW, masters
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
