@@ -308,8 +308,11 @@ def pipeline_collectives(stage_rank: list[int], rank: int, *, microbatches: int,
     """The collectives of one pp-ft optimizer step on `rank`: calls and bytes by logical collective.
 
     Symbols: S stages, stage s on rank R(s) (`stage_rank`); m micro-batches of b rows of T tokens; hidden size d,
-    vocabulary V; a = b T d e, the bytes of one micro-batch's hidden states, e = 4 (fp32: the residual stream is fp32
-    under bf16 autocast too, since the fp32 embedding promotes every addition to it). A stage boundary s -> s+1 is
+    vocabulary V; a = b T d e, the bytes of one micro-batch's hidden states: e = 2 under --dtype bf16 (`hidden_bytes`:
+    the weights are bf16, so is the residual stream), 4 under fp32 and in runs from before the fp32 masters
+    (summary.json without `master_weights`: autocast over fp32 weights, the fp32 embedding promoting every addition
+    of the residual stream to fp32). The tied gradient is summed on the fp32 masters: V d 4 bytes either way.
+    A stage boundary s -> s+1 is
     crossed by a transfer only where R(s) != R(s+1). On rank r, out_r boundaries leave it (R(s) = r != R(s+1)) and
     in_r enter it (R(s+1) = r != R(s)):
         send       m (out_r + in_r) calls of a bytes: the activations forward over out_r, their gradients back over in_r
@@ -544,7 +547,8 @@ def predict_collectives(summary: dict) -> dict | list[dict] | None:
         return [as_backend(pipeline_collectives(
             summary["pipeline"]["stage_rank"], rank, microbatches=config["grad_accum"],
             micro_batch_size=config["micro_batch_size"], seq_len=config["seq_len"], hidden=geometry.hidden_size,
-            vocab=geometry.vocab_size, tied_gradients=not lora), backend) for rank in range(world)]
+            vocab=geometry.vocab_size, tied_gradients=not lora, hidden_bytes=2 if summary.get("master_weights") else 4),
+            backend) for rank in range(world)]
     elif experiment == "pp-ds-ft" and summary["pipeline"]["data_parallel"] == 1 and not bf16:
         # DeepSpeed's layer list: the embedding, the decoder layers, the final norm, the tied LM head (a copy).
         embedding = model.get_input_embeddings()

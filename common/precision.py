@@ -1,5 +1,5 @@
-"""bf16 weights for compute, fp32 master copies for the update: --dtype bf16 in single-ft, tp-ft and tp-sp-ft (their
-DTensor shards too); the story is in common/README.md."""
+"""bf16 weights for compute, fp32 master copies for the update: --dtype bf16 in single-ft, tp-ft, tp-sp-ft (their
+DTensor shards too) and pp-ft; the story is in common/README.md."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def _mirror(model: nn.Module, replacement: dict[int, nn.Parameter]) -> nn.Module
 
 
 class MasterWeights:
-    """fp32 masters of `model`'s trainable parameters, which become `compute_dtype` (module docstring). With
+    """fp32 masters of `model`'s trainable parameters, which become `compute_dtype` (common/README.md). With
     `compute_dtype` None nothing changes: `parameters` are the model's own trainable ones and every method does
     nothing (--dtype fp32, and --qlora, which keeps autocast over fp32 adapters for bitsandbytes)."""
 

@@ -22,8 +22,8 @@ from common.memory import (BF16_RULE_OF_THUMB, DEEPSPEED_BF16, DEEPSPEED_FP32, D
                            estimate_stages, gpu_peak_checks,
                            largest_trainable_parameter, layer_activation_terms, leaf_modules, main, model_shape,
                            model_state_bytes, multi_node_layouts, outside_layers_bytes_per_token,
-                           predict_run, recommend, strategy_precision, uses_autocast, zero3_gathered_elements,
-                           zero3_persistent_parameters, zero_paper_figure1)
+                           predict_run, predict_state_bytes, recommend, strategy_precision, uses_autocast,
+                           zero3_gathered_elements, zero3_persistent_parameters, zero_paper_figure1)
 from common.precision import MasterWeights
 from common.models import MOE_COMMON, MOE_PRESETS, PRESET_COMMON, PRESETS, count_parameters, model_config
 
@@ -84,7 +84,7 @@ def test_each_strategy_is_priced_as_its_experiment_runs_it():
     for strategy in STRATEGIES:
         deepspeed = strategy.startswith("zero-")
         assert strategy_precision(strategy, "bf16") is (DEEPSPEED_BF16 if deepspeed else
-                                                        MASTER_BF16 if strategy in ("single", "tp", "tp-sp") else
+                                                        MASTER_BF16 if strategy in ("single", "tp", "tp-sp", "pp") else
                                                         PROJECT_BF16)
         assert strategy_precision(strategy, "fp32") is (DEEPSPEED_FP32 if deepspeed else PROJECT_FP32)
     with pytest.raises(ValueError, match="dtype"):
@@ -160,7 +160,9 @@ def test_pipeline_stages_under_lora_train_only_their_adapters():
     assert sum(s.frozen for s in stages) == shape.total_parameters + shape.embedding_parameters
     first, last = estimate_stages(shape, "pp", 2, lora_rank=16)
     assert first.grads_bytes == last.grads_bytes == adapters / 2 * 4  # fp32 gradients of the adapters only
-    assert last.weights_bytes == stages[1].frozen * 2 + adapters / 2 * 4  # a bf16 base, fp32 adapters
+    # A bf16 base, bf16 adapters with fp32 masters (pp-ft's --dtype bf16, common/precision.py)
+    assert last.weights_bytes == stages[1].frozen * 2 + adapters / 2 * 2
+    assert last.master_bytes == adapters / 2 * 4
 
 
 def test_tensor_parallel_degree_must_divide_the_heads():
@@ -1515,7 +1517,8 @@ def test_a_lora_command_fuses_the_adapters_where_its_experiment_can():
         assert fused.lora_fused == (strategy in LORA_FUSED)
         assert not ladder.price(strategy, False, 0, False, 4, 1).lora_fused  # full fine-tuning: nothing to fuse
         unfused = estimate("qwen3-4b", strategy, world, micro_batch_size=4, lora_rank=16, attention="flash",
-                           loss_chunk_tokens=LOSS_CHUNK_TOKENS, compile=FAST_FLAGS[strategy][2])
+                           loss_chunk_tokens=LOSS_CHUNK_TOKENS if FAST_FLAGS[strategy][1] else 0,
+                           compile=FAST_FLAGS[strategy][2])  # the rung's own speed flags
         # Fewer casts kept where autocast casts (FSDP computes in bf16 without it: nothing to save there)
         saves = strategy in LORA_FUSED and uses_autocast(strategy, strategy_precision(strategy, "bf16"))
         assert (fused.estimate.activations_bytes < unfused.activations_bytes) == saves, strategy
@@ -1565,3 +1568,21 @@ def test_predict_run_prices_single_ft_by_the_layout_its_run_had():
     assert after.precision is MASTER_BF16 and after.compute_copy_bytes == 0
     assert after.activations_bytes < before.activations_bytes  # a bf16 residual stream, no autocast casts saved
     assert after.step_bytes == before.step_bytes  # the bf16 weights are freed for the step: 16 bytes either way
+
+
+def test_predict_run_prices_pp_ft_by_the_layout_its_run_had():
+    """pp-ft's bf16 stages with fp32 masters (MASTER_BF16) where summary.json names them, per rank too; a committed
+    bf16 run without `master_weights` ran fp32 weights under autocast and keeps that price (PROJECT_BF16)."""
+    run = json.loads((REPO_ROOT / "devlog" / "data" / "2026-11-23-memory-0.6b" / "pp-ft" / "summary.json").read_text())
+    assert "master_weights" not in run and run["config"]["dtype"] == "bf16"
+    masters = {**run, "master_weights": {"compute_dtype": "bfloat16", "master_dtype": "float32"}}
+    before, after = predict_run(run), predict_run(masters)
+    assert before.precision is PROJECT_BF16 and after.precision is MASTER_BF16
+    assert after.compute_copy_bytes == 0 < before.compute_copy_bytes
+    assert after.activations_bytes < before.activations_bytes  # a bf16 residual stream
+    old, new = predict_state_bytes(run), predict_state_bytes(masters)
+    for measured, predicted in zip(run["state_bytes_per_rank"], old):  # what the committed run measured
+        assert {key: measured[key] for key in ("weights", "grads", "master")} == \
+            {key: predicted[key] for key in ("weights", "grads", "master")}
+    assert [rank["weights"] for rank in new] == [rank["weights"] // 2 for rank in old]
+    assert [rank["master"] for rank in new] == [rank["grads"] for rank in old]

@@ -63,8 +63,8 @@ def read_tensors(checkpoint, prefix: str) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, small_data):
     """single-ft on the same B: 5 steps with clipping on (the parity runs), 1 step without clipping whose
-    checkpoint holds AdamW's first moment after one step, exp_avg = (1 - beta1) x gradient, and 3 LoRA steps
-    that export their adapter."""
+    checkpoint holds AdamW's first moment after one step, exp_avg = (1 - beta1) x gradient, 3 LoRA steps
+    that export their adapter, and 3 bf16 steps (bf16 weights, fp32 masters)."""
     single_ft = load_experiment("single-ft")
     root = tmp_path_factory.mktemp("single")
     summary = single_ft.main([*map(str, common_args(small_data, root / "steps")), "--steps", str(STEPS)])
@@ -73,17 +73,21 @@ def single(tmp_path_factory, small_data):
     lora = single_ft.main([*map(str, [*common_args(small_data, root / "lora"), "--steps", LORA_STEPS, *LORA,
                                       "--save-hf", root / "lora-adapter"])])
     fused = single_ft.main([*map(str, [*common_args(small_data, root / "fused"), "--steps", STEPS, *FUSED])])
+    single_ft.main([*map(str, common_args(small_data, root / "bf16")), "--steps", "3", "--dtype", "bf16"])
     return dict(records=records(root / "steps"), eval_loss=summary["eval_loss"],
                 fused_records=records(root / "fused"), fused_summary=fused,
                 grads=root / "grads" / "checkpoints" / "step-1", lora_records=records(root / "lora"),
+                bf16_records=records(root / "bf16"),
                 lora_summary=lora, lora_adapter=root / "lora-adapter")
 
 
 def pp_runs(root, small_data) -> list:
     """Every pp-ft configuration: each schedule for 5 steps with step 3 profiled (collective calls and bytes;
     1f1b also checkpoints at step 3 and exports; interleaved recomputes activations; gpipe uses an uneven split), a
-    resume from step 3, a bf16 run, 1-step runs without clipping that checkpoint, for the per-parameter gradients,
-    and LoRA: 1f1b (checkpoint at step 2, adapter export), its resume, and zbv (merged export)."""
+    resume from step 3, bf16 runs (1f1b with step 3 profiled, a checkpoint at step 2 and an export; its resume; one
+    step of zbv with recomputation and of 2 replicas), 1-step runs without clipping that checkpoint, for the
+    per-parameter gradients, and LoRA: 1f1b (checkpoint at step 2, adapter export), its resume, and zbv (merged
+    export)."""
     extra = {"1f1b": ["--checkpoint-every", 3, "--save-hf", root / "hf"],
              "interleaved-1f1b": ["--activation-checkpointing"],
              "gpipe": ["--split", 1]}  # stage 0: embedding + layer 0; stage 1: layers 1-3 + head
@@ -91,7 +95,14 @@ def pp_runs(root, small_data) -> list:
              *extra.get(schedule, [])] for schedule in SCHEDULES]
     runs.append([*common_args(small_data, root / "resumed"), "--schedule", "1f1b", "--steps", STEPS,
                  "--resume", root / "1f1b" / "checkpoints" / "step-3"])
-    runs.append([*common_args(small_data, root / "bf16"), "--steps", 3, "--dtype", "bf16"])  # the last --dtype wins
+    bf16 = ["--dtype", "bf16"]  # the last --dtype wins
+    runs += [[*common_args(small_data, root / "bf16", profile_steps=1), "--steps", 3, *bf16, "--checkpoint-every", 2,
+              "--save-hf", root / "bf16-hf"],
+             [*common_args(small_data, root / "bf16-resumed"), "--steps", 3, *bf16, "--resume",
+              root / "bf16" / "checkpoints" / "step-2"],
+             [*common_args(small_data, root / "bf16-zbv"), "--schedule", "zbv", "--steps", 1, *bf16,
+              "--activation-checkpointing"],
+             [*common_args(small_data, root / "bf16-replicas"), "--stages", 1, "--grad-accum", 2, "--steps", 1, *bf16]]
     runs += [[*common_args(small_data, root / f"grads-{schedule}"), "--schedule", schedule, "--steps", 1,
               "--max-grad-norm", 0, "--checkpoint-every", 1] for schedule in GRADIENT_SCHEDULES]
     lora_extra = {"1f1b": ["--checkpoint-every", 2, "--save-hf", root / "lora-adapter"],
@@ -189,6 +200,56 @@ def test_bf16_tracks_fp32(pp, single):
     # bf16 rounds every matmul input to 8 bits of mantissa: losses agree to about 1%, not to 1e-5.
     assert bf16 == pytest.approx(fp32, rel=2e-2)
     assert bf16 != pytest.approx(fp32, rel=1e-6)
+
+
+@pytest.mark.parametrize("name, steps", [("bf16", 3), ("bf16-zbv", 1), ("bf16-replicas", 1)])
+def test_bf16_computes_single_ft_s_bf16_steps(pp, single, name, steps):
+    """--dtype bf16: every rank's stages compute in bf16 weights, AdamW updates their fp32 masters
+    (common/precision.py), as single-ft's bf16: the same bf16 micro-batches, so the first step agrees to float
+    rounding, the later ones within bf16 rounding of each other's updates. 1f1b (the tied copies' gradients summed
+    on the masters across ranks), zbv with recomputation (its weight pass writes .grad past the masters' hooks), 2
+    replicas (the masters' gradients averaged)."""
+    got, want = records(pp / name), single["bf16_records"][:steps]
+    assert len(got) == steps
+    assert got[0]["loss"] == pytest.approx(want[0]["loss"], rel=1e-6)
+    # The same bf16 gradients accumulated in fp32 in another order (a gradient lost, or counted twice, shows here)
+    assert got[0]["grad_norm"] == pytest.approx(want[0]["grad_norm"], rel=1e-4)
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-3)
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-2)
+    summary = summary_of(pp / name)
+    assert summary["master_weights"]["compute_dtype"] == "bfloat16"
+    assert summary["master_weights"]["master_dtype"] == "float32"
+
+
+def test_bf16_stages_send_bf16_hidden_states_and_sum_fp32_tied_gradients(pp):
+    summary = summary_of(pp / "bf16")
+    measured, formula = summary["collective_bytes_per_step_per_rank"], predict_collectives(summary)
+    assert summary["profiled_steps"] == [PROFILED_STEP] and measured == formula
+    for rank in range(2):  # 1f1b, m = 4 micro-batches of 128 x 256 bf16 hidden states; the masters' 8192 x 256 fp32
+        assert formula[rank]["gloo:send"] == {"calls": 4, "bytes": 4 * 128 * 256 * 2}
+        assert formula[rank]["gloo:all_reduce"]["bytes"] == 4 + 8192 * 256 * 4
+    # A summary without `master_weights` (a run from before the masters) keeps its fp32 hidden states' prediction.
+    before = predict_collectives({**summary, "master_weights": None})
+    assert [rank["gloo:send"]["bytes"] for rank in before] == [2 * 4 * 128 * 256 * 2] * 2
+
+
+def test_bf16_resume_and_export_hold_the_fp32_masters(pp, small_data):
+    """The checkpoint holds the fp32 masters under the model's names (the tied copies identical), the resumed step is
+    the uninterrupted one bit for bit, and --save-hf writes the masters (fp32 values bf16 cannot hold)."""
+    weights = read_tensors(pp / "bf16" / "checkpoints" / "step-2", "model.")
+    assert {tensor.dtype for tensor in weights.values()} == {torch.float32}
+    assert torch.equal(weights["model.lm_head.weight"], weights["model.model.embed_tokens.weight"])
+    assert not torch.equal(weights["model.lm_head.weight"], weights["model.lm_head.weight"].bfloat16().float())
+    resumed, uninterrupted = records(pp / "bf16-resumed"), records(pp / "bf16")
+    assert [(r["loss"], r["grad_norm"]) for r in resumed] == [(r["loss"], r["grad_norm"]) for r in uninterrupted[2:]]
+    assert summary_of(pp / "bf16-resumed")["eval_loss"] == summary_of(pp / "bf16")["eval_loss"]
+    export = pp / "bf16-hf"
+    tensors = {name: t for shard in export.glob("*.safetensors") for name, t in load_file(shard).items()}
+    assert {t.dtype for t in tensors.values()} == {torch.float32}
+    assert not all(torch.equal(t, t.bfloat16().float()) for t in tensors.values())
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    reloaded = eval_loss_of(model, export, small_data)  # in fp32: within bf16 rounding of the run's bf16 evaluation
+    assert reloaded == pytest.approx(summary_of(pp / "bf16")["eval_loss"], rel=2e-2)
 
 
 @pytest.mark.parametrize("schedule", GRADIENT_SCHEDULES)
@@ -308,8 +369,7 @@ def test_last_stage_runs_the_fused_loss_on_loss_tokens():
     torch.manual_seed(0)
     model = load_model("qwen3-tiny", load_tokenizer("qwen3-tiny"), "sdpa", device="cpu")
     config = model.config
-    stage = module.Qwen3Stage(model, range(3, 4), is_first=False, is_last=True, autocast_dtype=None,
-                              loss_chunk_tokens=5)
+    stage = module.Qwen3Stage(model, range(3, 4), is_first=False, is_last=True, loss_chunk_tokens=5)
     hidden = torch.randn(1, 24, config.hidden_size)
     position_ids = torch.cat([torch.arange(10), torch.arange(14)]).unsqueeze(0)
     labels = torch.randint(0, config.vocab_size, (1, 24))
@@ -526,11 +586,11 @@ def test_lora_on_a_bf16_base_tracks_fp32(pp, single):
     assert eval_loss == pytest.approx(single["lora_summary"]["eval_loss"], rel=2e-2)
 
 
-@pytest.mark.parametrize("run,lora", [("1f1b", False), ("lora-1f1b", True), ("lora-bf16", True)])
+@pytest.mark.parametrize("run,lora", [("1f1b", False), ("lora-1f1b", True), ("lora-bf16", True), ("bf16", False)])
 def test_state_bytes_match_the_memory_model(pp, run, lora):
-    """1F1B on 2 ranks (fp32, and LoRA on a bf16 base): weights, gradients and master as predicted, the LM head copy
-    included (the last rank holds 1 x V x d more); AdamW's state as predicted plus its 4-byte step counter per
-    trainable tensor."""
+    """1F1B on 2 ranks (fp32, bf16 weights with fp32 masters, and LoRA on a bf16 base): weights, gradients and master
+    as predicted, the LM head copy included (the last rank holds 1 x V x d more); AdamW's state as predicted plus its
+    4-byte step counter per trainable tensor."""
     summary = summary_of(pp / run)
     measured, predicted = summary["state_bytes_per_rank"], predict_state_bytes(summary)
     assert summary["state_bytes_step"] == 2
@@ -543,9 +603,10 @@ def test_state_bytes_match_the_memory_model(pp, run, lora):
         tensors = per_layer * (layers[rank][1] - layers[rank][0]) + roots
         assert got["optimizer"] == want["optimizer"] + 4 * tensors
     if not lora:  # each end holds one V x d matrix (embedding, LM head copy); the last also the final norm
-        hidden = 256
-        assert measured[1]["weights"] - measured[0]["weights"] == 4 * hidden
-        assert measured[0]["grads"] == measured[0]["weights"]
+        hidden, weight_bytes = 256, 2 if run == "bf16" else 4  # bf16: the masters' fp32 gradients, 4 bytes
+        assert measured[1]["weights"] - measured[0]["weights"] == weight_bytes * hidden
+        assert measured[0]["grads"] * weight_bytes == measured[0]["weights"] * 4
+        assert measured[0]["master"] == (measured[0]["grads"] if run == "bf16" else 0)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

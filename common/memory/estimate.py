@@ -116,10 +116,10 @@ from common.memory.activations import TENSOR_PARALLEL_TERMS, layer_activation_te
     outside_layers_bytes_per_token
 from common.memory.states import DEEPSPEED_ALLREDUCE_BUCKET_ELEMENTS, DEEPSPEED_REDUCE_BUCKET_ELEMENTS, \
     DEEPSPEED_STRATEGIES, ERROR_BAND, ERROR_BAND_FLOOR, FP32_BYTES, FSDP_STRATEGIES, GIB, MASTER_BF16, \
-    MESH_STRATEGIES, MOE_STRATEGIES, OFFLOADED_STATES, PEAK_TESTED_FROM_GIB, PROJECT_BF16, PROJECT_FP32, QLORA, \
+    MESH_STRATEGIES, MOE_STRATEGIES, OFFLOADED_STATES, PEAK_TESTED_FROM_GIB, PROJECT_BF16, QLORA, \
     QLORA_STRATEGIES, STRATEGIES, UNIT_SHARDED, USABLE_FRACTION, ZERO3_STRATEGIES, BytesPerParam, ModelShape, \
-    largest_trainable_parameter, model_shape, model_state_bytes, resolve_precision, zero3_gathered_elements, \
-    zero3_persistent_parameters
+    largest_trainable_parameter, model_shape, model_state_bytes, resolve_precision, strategy_precision, \
+    zero3_gathered_elements, zero3_persistent_parameters
 
 # Where the gradients exist from the first backward to the optimizer step, whatever the micro-batch count (the
 # module docstring, "The peak").
@@ -360,7 +360,8 @@ def estimate_stages(config_like, strategy: str, world_size: int = 1, *, seq_len:
 
 
 def estimate_stages_per_rank(config_like, stage_rank: list[int], *, seq_len: int, micro_batch_size: int,
-                             lora_rank: int = 0, dtype: str = "bf16", replicas: int = 1) -> list[dict]:
+                             lora_rank: int = 0, dtype: str = "bf16", replicas: int = 1,
+                             master_weights: bool = True) -> list[dict]:
     """pp-ft's model-state bytes of every rank: the sum of its stages' estimates (weights, gradients, AdamW's moments,
     master copy), in global rank order (stage s on rank stage_rank[s]; each replica's ranks hold the same), in
     common.metrics.state_bytes' keys.
@@ -369,9 +370,11 @@ def estimate_stages_per_rank(config_like, stage_rank: list[int], *, seq_len: int
     last stage its own copy of the tied LM head, as pp-ft's stages do, so the sum holds for every placement (loop or
     V). Two known differences from the measured bytes: AdamW also keeps a 4-byte fp32 step counter per trainable
     tensor (optimizer), and a one-stage pipeline holds an LM head copy that the model, seeing the first and the last
-    stage on one device, does not count. A --split layout is not modelled (predict_state_bytes gives None)."""
+    stage on one device, does not count. A --split layout is not modelled (predict_state_bytes gives None).
+    `master_weights` False: a bf16 run from before pp-ft's fp32 masters, fp32 weights under autocast (PROJECT_BF16)."""
+    precision = PROJECT_BF16 if dtype == "bf16" and not master_weights else strategy_precision("pp", dtype)
     estimates = estimate_stages(config_like, "pp", len(stage_rank), seq_len=seq_len, micro_batch_size=micro_batch_size,
-                                lora_rank=lora_rank, precision=PROJECT_BF16 if dtype == "bf16" else PROJECT_FP32)
+                                lora_rank=lora_rank, precision=precision)
     per_rank = [dict(weights=0, grads=0, optimizer=0, master=0) for _ in range(max(stage_rank) + 1)]
     for estimate_, rank in zip(estimates, stage_rank):
         for key, value in estimate_.state_bytes().items():
@@ -617,7 +620,8 @@ def predict_state_bytes(summary: dict) -> list[dict] | None:
         return estimate_stages_per_rank(model_config(run_model(summary)), pipeline["stage_rank"],
                                         seq_len=config["seq_len"], micro_batch_size=config["micro_batch_size"],
                                         lora_rank=config.get("lora_rank", 0), dtype=config["dtype"],
-                                        replicas=pipeline.get("replicas", 1))
+                                        replicas=pipeline.get("replicas", 1),
+                                        master_weights=bool(summary.get("master_weights")))
     return [predict_run(summary).state_bytes()] * world
 
 

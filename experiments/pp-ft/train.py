@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -47,6 +46,7 @@ from common.metrics import MetricsLogger, Recorder
 from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
     is_preset, load_model, load_tokenizer, record_adapter_base, resolve_model_name, share_export, weights_dtype
 from common.pipeline_trace import PipelineTrace
+from common.precision import MasterWeights
 from common.step import clip_grad_norm
 
 EXPERIMENT = "pp-ft"
@@ -191,12 +191,10 @@ class Qwen3Stage(nn.Module):
     block-diagonal, exactly as in single-ft, so packed conversations never see each other on any stage.
     """
 
-    def __init__(self, model, layers: range, is_first: bool, is_last: bool, autocast_dtype: torch.dtype | None,
-                 loss_chunk_tokens: int = 0):
+    def __init__(self, model, layers: range, is_first: bool, is_last: bool, loss_chunk_tokens: int = 0):
         super().__init__()
         self.config = model.config
         self.is_first, self.is_last = is_first, is_last
-        self.autocast_dtype = autocast_dtype
         self.loss_chunk_tokens = loss_chunk_tokens
         self.model = nn.Module()
         if is_first:
@@ -213,29 +211,24 @@ class Qwen3Stage(nn.Module):
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 loss_scale: torch.Tensor | None = None) -> torch.Tensor:
-        # The schedule calls this forward; autocast lives here so that it also covers the recomputation in backward.
         # labels and loss_scale (--loss-chunk-tokens) reach every stage; only the last uses them.
-        autocast = torch.autocast(x.device.type, dtype=self.autocast_dtype) if self.autocast_dtype else nullcontext()
-        with autocast:
-            hidden = self.model.embed_tokens(x) if self.is_first else x
-            mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                      past_key_values=None, position_ids=position_ids)
-            position_embeddings = self.rotary_emb(hidden, position_ids)
-            # --attn varlen: the documents' boundaries, once per stage call (a host sync: position_ids are on device).
-            packed = document_kwargs(position_ids, position_ids.device) \
-                if self.config._attn_implementation == VARLEN else {}
-            for layer in self.model.layers.values():
-                hidden = layer(hidden, attention_mask=mask, position_ids=position_ids,
-                               position_embeddings=position_embeddings, **packed)
-            if self.is_last and labels is not None:
-                # The fused loss: head + cross-entropy on the loss tokens only, chunk by chunk (common/loss.py), so
-                # the stage's output is this micro-batch's share of the step loss, not logits. The head weight is used
-                # inside this forward, so its gradient flows as the plain head's does (and DDP sees it).
-                return fused_linear_cross_entropy(self.model.norm(hidden), self.lm_head.weight, labels,
-                                                  self.loss_chunk_tokens, loss_scale)
-            if self.is_last:
-                return self.lm_head(self.model.norm(hidden))
-            return hidden
+        hidden = self.model.embed_tokens(x) if self.is_first else x
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
+                                  past_key_values=None, position_ids=position_ids)
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        # --attn varlen: the documents' boundaries, once per stage call (a host sync: position_ids are on device).
+        packed = document_kwargs(position_ids, x.device) if self.config._attn_implementation == VARLEN else {}
+        for layer in self.model.layers.values():
+            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids,
+                           position_embeddings=position_embeddings, **packed)
+        if self.is_last and labels is not None:
+            # The fused loss: head + cross-entropy on the loss tokens only, in chunks (common/loss.py): the output is
+            # this micro-batch's share of the step loss; the head's gradient flows as the plain head's (DDP sees it).
+            return fused_linear_cross_entropy(self.model.norm(hidden), self.lm_head.weight, labels,
+                                              self.loss_chunk_tokens, loss_scale)
+        if self.is_last:
+            return self.lm_head(self.model.norm(hidden))
+        return hidden
 
 
 def rank_container(stages: list[Qwen3Stage]) -> nn.Module:
@@ -273,6 +266,17 @@ def sum_tied_gradients(embedding: nn.Parameter | None, lm_head: nn.Parameter | N
         dist.all_reduce((embedding if embedding is not None else lm_head).grad, group=group)
 
 
+def into_masters_after(weight_pass, masters: MasterWeights):
+    """ZBV's weight pass writes .grad itself, not through the hooks that feed the masters: moved after each pass."""
+    def run(*args, **kwargs):
+        weight_pass(*args, **kwargs)
+        for weight, master in zip(masters.weights, masters.copies):
+            if weight.grad is not None:
+                master.grad = weight.grad.float() if master.grad is None else master.grad.add_(weight.grad)
+                weight.grad = None
+    return run
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Evaluation and export
 
@@ -301,8 +305,7 @@ def evaluate_pipeline(stages: dict[int, Qwen3Stage], stage_rank: list[int], data
             elif stage_rank[s - 1] == rank:
                 inputs = hidden
             else:
-                # Hidden states have the embedding's dtype even under bf16 autocast: the residual stream adds bf16
-                # outputs to the embedding's output, which promotes to fp32 (fp32 weights) or stays bf16 (a LoRA base).
+                # Hidden states have the weights' dtype: bf16 under --dtype bf16 (bf16 weights or LoRA base), else fp32.
                 first_layer = next(iter(stages[s].model.layers.values()))
                 inputs = torch.empty(*batch["input_ids"].shape, stages[s].config.hidden_size, device=device,
                                      dtype=first_layer.input_layernorm.weight.dtype)
@@ -412,8 +415,6 @@ def main(argv: list[str] | None = None) -> dict:
     print0(f"config: {json.dumps(asdict(config))}")
     torch.manual_seed(config.seed)
     attention = setup_attention(device, config.attn, print_fn=print0)
-    # bf16: fp32 master weights, autocast inside each stage's forward (Qwen3Stage); fp32: what the parity tests use.
-    autocast_dtype = torch.bfloat16 if config.dtype == "bf16" else None
 
     # ---------------------------------------------------------------------------------------------------------
     # Data: every rank builds the same rows; each replica reads its "dp" slice of every step's rows (never by
@@ -454,7 +455,7 @@ def main(argv: list[str] | None = None) -> dict:
     layers, stage_rank = pipeline_layout(n_layers, pp_size, config.stages_per_rank, config.schedule, config.split)
     n_stages = len(layers)
     stages = {s: Qwen3Stage(model, layers[s], is_first=s == 0, is_last=s == n_stages - 1,
-                            autocast_dtype=autocast_dtype, loss_chunk_tokens=config.loss_chunk_tokens).to(device)
+                            loss_chunk_tokens=config.loss_chunk_tokens).to(device)
               for s in range(n_stages) if stage_rank[s] == rank}
     del model
     if config.compile:
@@ -464,19 +465,21 @@ def main(argv: list[str] | None = None) -> dict:
                 layer.compile()
     module = rank_container(list(stages.values()))
     module.train()
+    # --dtype bf16: the trainable weights become bf16, AdamW updates fp32 master copies (common/precision.py).
+    masters = MasterWeights(module, torch.bfloat16 if config.dtype == "bf16" else None)
     first_rank, last_rank = stage_rank[0], stage_rank[-1]
-    # The tied weight's two copies get their gradients summed (sum_tied_gradients), unless frozen (LoRA), over a group
-    # of the two ranks holding them, one per replica (creating them is a collective: every rank takes part).
+    # The tied weight's two copies (their fp32 masters under bf16) get their gradients summed (sum_tied_gradients),
+    # unless frozen (LoRA), over a group of the two ranks holding them, one per replica (a collective: all take part).
     tied_trainable = not config.lora_rank
     tie_group = None
     if tied_trainable and first_rank != last_rank:
         tie_group, _ = dist.new_subgroups_by_enumeration([[row[first_rank], row[last_rank]]
                                                           for row in mesh.mesh.tolist()])
-    embedding = stages[0].model.embed_tokens.weight if tied_trainable and 0 in stages else None
-    lm_head = stages[n_stages - 1].lm_head.weight if tied_trainable and n_stages - 1 in stages else None
+    embedding = masters.module.model.embed_tokens.weight if tied_trainable and 0 in stages else None
+    lm_head = masters.module.lm_head.weight if tied_trainable and n_stages - 1 in stages else None
 
     n_params = count_parameters(model_config)["total"]
-    trainable = [p for p in module.parameters() if p.requires_grad]  # all of them, or the LoRA adapters
+    trainable = masters.parameters  # the fp32 masters, or the model's own trainable weights (fp32)
     params_for_norm = [p for p in trainable if p is not lm_head]
     # Per rank of one pipeline (replica 0 = global ranks 0 .. pp_size - 1; the other replicas hold the same).
     held, trainable_held = map(list, zip(*all_ranks((sum(p.numel() for p in module.parameters()),
@@ -514,7 +517,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     pipeline_stages = []
     for s, stage_module in stages.items():
-        if replicas > 1:
+        if replicas > 1 and not masters.copies:
             # DDP over the replicas' copies of this stage, all-reducing once per step in the last backward (no_sync
             # before it); find_unused_parameters=True stops its bucket rebuild, which breaks step 2 here (README).
             stage_module = DistributedDataParallel(stage_module, process_group=dp_group, broadcast_buffers=False,
@@ -523,6 +526,8 @@ def main(argv: list[str] | None = None) -> dict:
         # Stage indices and peer ranks are numbered inside this rank's pipeline (pp_group).
         stage = PipelineStage(stage_module, stage_index=s, num_stages=n_stages, device=device, group=pp_group)
         trace.time_stage(stage, s)  # every forward and backward of this stage timed: the bubble
+        if config.schedule == "zbv" and masters.copies:
+            stage.backward_weight_one_chunk = into_masters_after(stage.backward_weight_one_chunk, masters)
         pipeline_stages.append(stage)
     schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
                       "zbv": ScheduleZBVZeroBubble}[config.schedule]
@@ -536,11 +541,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Optimizer: AdamW; no weight decay on norms (1-D weights). Fused kernels on GPU. This rank's parameters only.
-    decay = [p for p in trainable if p.ndim >= 2]
-    no_decay = [p for p in trainable if p.ndim < 2]
-    # A group left empty (under LoRA nothing 1-D is trained) is not created: a checkpoint's flattened optimizer
-    # state cannot be loaded back into a group without parameters.
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # No empty group (LoRA trains nothing 1-D): a checkpoint's optimizer state cannot load into one.
+    groups = [{"params": [p for p in trainable if p.ndim >= 2], "weight_decay": config.weight_decay},
+              {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW([group for group in groups if group["params"]], lr=config.lr,
                                   fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -548,8 +551,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Training loop
-    start_step = load_checkpoint(config.resume, module, optimizer, scheduler) if config.resume else 0
+    start_step = load_checkpoint(config.resume, masters.module, optimizer, scheduler) if config.resume else 0
     if config.resume:
+        masters.copy_to_model()  # the loaded fp32 masters, rounded into the weights the forward reads
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
     # Step clock, comm_ms, the step line, metrics.jsonl, summary.json; the garbage collector on a schedule from here.
     rec = Recorder(EXPERIMENT, config, device, model_config, data, rows_per_step, world_size=world_size,
@@ -563,8 +567,7 @@ def main(argv: list[str] | None = None) -> dict:
         lr = scheduler.get_last_lr()[0]
 
         rec.start(step)
-        # All of the step's micro-batches go to the device up front, from pinned memory on a GPU, so the copies
-        # overlap the compute queued before them instead of waiting in the loop.
+        # The step's micro-batches go to the device up front (pinned on a GPU): the copies overlap queued compute.
         batches = [to_device(host_batch, device) for host_batch in micro_batches]
         labels = [batch["labels"] for batch in batches] if n_stages - 1 in stages else None
         kwargs = [{"position_ids": batch["position_ids"]} for batch in batches]
@@ -581,15 +584,20 @@ def main(argv: list[str] | None = None) -> dict:
                       target_mbs=labels, losses=micro_losses, loss_kwargs={"step_loss_tokens": loss_tokens},
                       return_outputs=False)
         trace.stop(step)
-        # DDP has summed the replicas' gradients inside the schedule; the tied weight's copies next, then the norm.
+        if replicas > 1 and masters.copies:  # bf16: no DDP (the masters' hooks take each gradient first), its mean here
+            for master in trainable:
+                dist.all_reduce(master.grad.div_(replicas), group=dp_group)
+        # The replicas' gradients averaged (by DDP inside the schedule, or just above); the tied copies next, the norm.
         sum_tied_gradients(embedding, lm_head, tie_group)
-        rec.state(step, module.parameters(), optimizer)  # every weight (LM head copy too), its gradient, AdamW's state
+        rec.state(step, module.parameters(), optimizer, masters.copies)  # weights, gradients, AdamW, masters
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
         # The whole model's norm: the squares of every stage of this pipeline, the LM head copy counted once.
         grad_norm = clip_grad_norm(optimizer, trainable, max_norm, group=pp_group, norm_parameters=params_for_norm)
+        masters.free_weights()  # the bf16 weights are not read again before the next forward (common/precision.py)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        masters.copy_to_model()  # the updated fp32 masters, rounded into the weights the next forward reads
         # Only the last stage has the loss (with replicas, each its share, x replicas): summed, then sent to rank 0.
         step_loss = torch.stack(micro_losses).sum().detach() / replicas if micro_losses \
             else torch.zeros((), device=device)
@@ -603,7 +611,7 @@ def main(argv: list[str] | None = None) -> dict:
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             rec.eval(step + 1, evaluate_pipeline(stages, stage_rank, data, config.micro_batch_size, device, pp_group))
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
-            saved = save_checkpoint(config.out_dir, step + 1, module, optimizer, scheduler, run=plan.identity,
+            saved = save_checkpoint(config.out_dir, step + 1, masters.module, optimizer, scheduler, run=plan.identity,
                                     keep=config.keep_checkpoints)
             print0(f"checkpoint: {saved}")
 
@@ -614,12 +622,14 @@ def main(argv: list[str] | None = None) -> dict:
     rec.eval(config.steps, eval_loss)
     # summary.json: what was measured, and the settings the predictions read from it afterwards (not in this run).
     summary = rec.finish(
-        attention=asdict(attention), eval_loss=eval_loss,
+        attention=asdict(attention), eval_loss=eval_loss, master_weights=masters.summary(),
         pipeline=dict(schedule=config.schedule, ranks=pp_size, stages_per_rank=config.stages_per_rank,
                       microbatches=config.grad_accum, stage_layers=[[r.start, r.stop] for r in layers],
                       stage_rank=stage_rank, replicas=replicas),
         **pipeline_measures)
 
+    if config.save_hf:
+        masters.restore_masters()  # the fp32 weights, as an export under autocast wrote them
     if config.save_hf and config.lora_rank and not config.merge_lora:
         save_lora_adapter(Path(config.save_hf), module, lora_config, base_model_class, tokenizer)
         record_adapter_base(config.save_hf, config.model, config.seed)  # its base, loadable from anywhere
