@@ -20,7 +20,8 @@ A tied embedding and LM head is one parameter: one master, one hook (autograd su
 Frozen parameters (a LoRA base, already bf16) are left as they are. `module` is the model with the masters in place
 of the trainable parameters, under the same names, for torch.distributed.checkpoint: a checkpoint holds the fp32
 masters and AdamW's state, keyed as the model's own state would be. `restore_masters()` puts the fp32 masters back
-into the model for export, so --save-hf writes what it wrote under autocast.
+into the model for export, so --save-hf writes what it wrote under autocast. Under DDP (ddp-ft) `buckets` are
+DDP's bf16 buckets, named by its comm hook each step, freed and allocated again with the weights (common/README.md).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class MasterWeights:
     def __init__(self, model: nn.Module, compute_dtype: torch.dtype | None = torch.bfloat16):
         self.compute_dtype = compute_dtype
         trainable = [p for p in model.parameters() if p.requires_grad]  # a tied parameter once
-        self.module, self.parameters, self.weights, self.copies = model, trainable, [], []
+        self.module, self.parameters, self.weights, self.copies, self.buckets = model, trainable, [], [], []
         if compute_dtype is None:
             return
         self.weights = trainable
@@ -79,14 +80,17 @@ class MasterWeights:
         """Release the compute-dtype parameters' storage (after backward, before the optimizer step); the next
         copy_to_model() allocates it again."""
         for param in self.weights:
-            param.untyped_storage().resize_(0)
+            param.grad = None  # under DDP, views of its bucket
+        for tensor in [*self.weights, *self.buckets]:
+            tensor.untyped_storage().resize_(0)
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
         """Round the masters into the compute-dtype parameters: after each optimizer step, and after a resume."""
-        for param in self.weights:
-            if param.untyped_storage().size() == 0:
-                param.untyped_storage().resize_(param.numel() * param.element_size())
+        for tensor in [*self.weights, *self.buckets]:
+            if tensor.untyped_storage().size() == 0:
+                tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+        self.buckets = []  # DDP rebuilds its buckets at the second step: the next backward names them again
         if self.copies:
             torch._foreach_copy_(self.weights, self.copies)
 
