@@ -85,8 +85,8 @@ def ddp_buckets(grad_bytes: list[int], bucket_cap_bytes: int, first_bucket_bytes
 
 
 def ddp_collectives(grad_bytes: list[int], *, bucket_cap_bytes: int, grad_accum: int,
-                    reduce_every_micro_batch: bool = False, first_bucket_bytes: int | None = None
-                    ) -> dict[str, dict[str, float]]:
+                    reduce_every_micro_batch: bool = False, first_bucket_bytes: int | None = None,
+                    sent_per_byte: int = 1) -> dict[str, dict[str, float]]:
     """ddp-ft: the gradient all-reduces, bucket by bucket, and the step loss.
 
     `grad_bytes`: the trainable parameters' gradient bytes in the order backward produces them. DDP's first
@@ -99,11 +99,14 @@ def ddp_collectives(grad_bytes: list[int], *, bucket_cap_bytes: int, grad_accum:
     with k = 1 (no_sync() on all but the last micro-batch) or m (--reduce-every-micro-batch: every backward
     all-reduces every bucket), n_b = len(ddp_buckets(...)) ~ ceil(4 Psi / C) for --bucket-cap-mb C, and the last
     call the 4-byte step loss. Each rank sends 2 (W-1)/W of those bytes (a ring all-reduce, `wire_bytes`).
+    `sent_per_byte`: bytes all-reduced per byte of a bucket, 2 where the buckets are of bf16 weights and carry their
+    fp32 masters' gradients (--dtype bf16, common/precision.py): the same 4 Psi, in buckets of twice as many
+    gradients.
     """
     buckets = ddp_buckets(grad_bytes, bucket_cap_bytes, first_bucket_bytes)
     reductions = grad_accum if reduce_every_micro_batch else 1
     result: dict[str, dict[str, float]] = {}
-    _add(result, "all_reduce", reductions * len(buckets), reductions * sum(buckets))
+    _add(result, "all_reduce", reductions * len(buckets), reductions * sum(buckets) * sent_per_byte)
     _add(result, "all_reduce", 1, 4)
     return result
 
@@ -511,8 +514,11 @@ def predict_collectives(summary: dict) -> dict | list[dict] | None:
     backend = backend_of(summary)
     formula = None
     if experiment == "ddp-ft" and world > 1:
-        formula = ddp_collectives([4 * p.numel() for p in reversed(trainable)],  # fp32 gradients, backward's order
-                                  bucket_cap_bytes=int(config["bucket_cap_mb"] * 2**20),
+        # With fp32 masters (common/precision.py) DDP's buckets are of the bf16 weights, 2 bytes a gradient against
+        # --bucket-cap-mb, and each sends its masters' fp32 gradients: twice its bytes.
+        bucketed = 2 if summary.get("master_weights") else 4
+        formula = ddp_collectives([bucketed * p.numel() for p in reversed(trainable)],  # backward's order
+                                  bucket_cap_bytes=int(config["bucket_cap_mb"] * 2**20), sent_per_byte=4 // bucketed,
                                   grad_accum=config["grad_accum"],
                                   reduce_every_micro_batch=config["reduce_every_micro_batch"])
     elif experiment == "fsdp-ft" and world > 1 and config.get("replicate_degree", 1) == 1 and \

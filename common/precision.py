@@ -1,5 +1,5 @@
-"""bf16 weights for compute, fp32 master copies for the update: --dtype bf16 in single-ft, tp-ft, tp-sp-ft (their
-DTensor shards too) and pp-ft; the story is in common/README.md."""
+"""bf16 weights for compute, fp32 master copies for the update: --dtype bf16 in single-ft, ddp-ft (DDP's bf16 buckets
+freed with the weights), tp-ft, tp-sp-ft (their DTensor shards too) and pp-ft; the story is in common/README.md."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class MasterWeights:
     def __init__(self, model: nn.Module, compute_dtype: torch.dtype | None = torch.bfloat16):
         self.compute_dtype = compute_dtype
         trainable = [p for p in model.parameters() if p.requires_grad]  # a tied parameter once
-        self.module, self.parameters, self.weights, self.copies = model, trainable, [], []
+        self.module, self.parameters, self.weights, self.copies, self.buckets = model, trainable, [], [], []
         if compute_dtype is None:
             return
         self.weights = trainable
@@ -76,15 +76,18 @@ class MasterWeights:
         """Release the compute-dtype parameters' storage (after backward, before the optimizer step); the next
         copy_to_model() allocates it again."""
         for param in self.weights:
-            local(param).untyped_storage().resize_(0)
+            param.grad = None  # under DDP, views of its bucket
+        for tensor in [*map(local, self.weights), *self.buckets]:
+            tensor.untyped_storage().resize_(0)
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
         """Round the masters into the compute-dtype parameters: after each optimizer step, and after a resume."""
         weights = [local(param) for param in self.weights]  # a DTensor's shard (masters: the same placements)
-        for param in weights:
-            if param.untyped_storage().size() == 0:
-                param.untyped_storage().resize_(param.numel() * param.element_size())
+        for tensor in [*weights, *self.buckets]:
+            if tensor.untyped_storage().size() == 0:
+                tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+        self.buckets = []  # DDP rebuilds its buckets at the second step: the next backward names them again
         if self.copies:
             torch._foreach_copy_(weights, [local(master) for master in self.copies])
 

@@ -124,6 +124,13 @@ def launched(tmp_path_factory, small_data, formats):
         "chunked": [*split(1, 2), *FAST, "--loss-chunk-tokens", 64, "--sample-every", 2],
         "varlen": [*split(1, 2), *FAST, "--attn", "varlen"],
         "compiled": [*split(1, 2), *COMPILED],
+        # bf16 weights, fp32 masters (common/precision.py), 3 steps as fsdp's "bf16": 1 MiB buckets of bf16 weights
+        # (6 all-reduces of fp32 master gradients), a checkpoint at step 2; its third step resumed from there, with
+        # every micro-batch reduced (one bucket).
+        "bf16": [*split(1, 2), "--steps", 3, *PROFILE_ONE, "--dtype", "bf16", "--bucket-cap-mb", 1,
+                 "--checkpoint-every", 2],
+        "bf16-resumed": [*split(1, 2), "--steps", 3, *NO_PROFILE, "--dtype", "bf16", "--reduce-every-micro-batch",
+                         "--resume", ddp_root / "bf16" / "checkpoints" / "step-2"],
     }
     fsdp_runs = {
         "1x2": [*split(1, 2), "--steps", STEPS, *PROFILE_ONE, "--checkpoint-every", 3, "--save-hf", fsdp_root / "hf"],
@@ -226,8 +233,13 @@ def test_lora_on_a_bf16_base_tracks_fp32_and_holds_the_prediction(experiment, re
     base, adapters = run["model"]["parameters"], run["model"]["trainable_parameters"]
     shards = 2 if experiment == "fsdp" else 1
     counters = 4 * 2 * 4 * 7 // shards * shards  # AdamW's step: one fp32 scalar per adapter tensor, on every rank
+    # ddp-ft: bf16 adapters too, beside their fp32 masters (common/precision.py), as single-ft; fsdp-ft's adapters are
+    # fp32 shards, gathered in bf16.
+    adapter_bytes = 2 if experiment == "ddp" else 4
+    assert (run.get("master_weights") is not None) == (experiment == "ddp")
     for held in run["state_bytes_per_rank"]:
-        assert held["weights"] == (2 * base + 4 * adapters) / shards
+        assert held["weights"] == (2 * base + adapter_bytes * adapters) / shards
+        assert held["master"] == (4 * adapters if experiment == "ddp" else 0)
         assert {**held, "optimizer": held["optimizer"] - counters} == predict_state_bytes(run)[0]
 
 
@@ -308,6 +320,50 @@ def test_save_hf_reloads_in_one_process_with_the_same_eval_loss(experiment, requ
     assert infer.main(["--model", runs / "hf", "--eval-data", small_data, "--seq-len", 128]) == \
         pytest.approx(summary(runs / "1x2")["eval_loss"], rel=1e-5)
     assert isinstance(infer.main(["--model", runs / "hf", "--prompt", "Hi", "--max-new-tokens", 4])[0], str)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DDP only
+
+
+def test_ddp_bf16_computes_single_ft_s_bf16_steps_and_resumes_exactly(ddp, reference):
+    """--dtype bf16: bf16 weights and fp32 masters that AdamW updates (common/precision.py), as single-ft. Each
+    micro-batch's bf16 gradients are added into the masters' fp32 ones, and DDP's comm hook all-reduces those sums
+    (bucket by bucket, once per step): both scripts sum the same bf16 gradients in fp32, in another order, so the
+    steps agree to fp32 rounding (measured 1e-7 relative; under autocast the first loss alone was 2.5e-5 away).
+    Resumed from step 2's checkpoint (the masters and AdamW's state), the third step's loss is the uninterrupted
+    run's, bit for bit; resumed with every micro-batch reduced, each one's mean is added once: its gradient and the
+    update it makes are single-ft's too."""
+    want, reference_summary = records(reference / "bf16"), summary(reference / "bf16")
+    got, run = records(ddp / "bf16"), summary(ddp / "bf16")
+    assert [r["step"] for r in got] == [1, 2, 3]
+    assert got[0]["loss"] == pytest.approx(want[0]["loss"], rel=1e-6)
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-5)
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-5)
+    assert run["eval_loss"] == pytest.approx(reference_summary["eval_loss"], rel=1e-6)
+    assert run["master_weights"] == reference_summary["master_weights"]
+    fp32 = read_losses(ddp / "1x2")[:3]
+    assert read_losses(ddp / "bf16") == pytest.approx(fp32, rel=2e-2)
+    assert read_losses(ddp / "bf16") != pytest.approx(fp32, rel=1e-6)  # it did compute in bf16
+    (resumed,) = records(ddp / "bf16-resumed")
+    assert resumed["step"] == 3 and resumed["loss"] == got[2]["loss"]
+    assert resumed["grad_norm"] == pytest.approx(want[2]["grad_norm"], rel=1e-5)
+    assert summary(ddp / "bf16-resumed")["eval_loss"] == pytest.approx(reference_summary["eval_loss"], rel=1e-6)
+
+
+def test_ddp_bf16_sends_fp32_gradients_and_holds_the_predicted_states(ddp):
+    """DDP buckets the bf16 weights, but each bucket all-reduces its masters' fp32 gradients: in 1 MiB buckets, the
+    bytes of fp32 DDP's 1 MiB buckets in fewer calls (twice the gradients a bucket). Each rank holds the bf16
+    weights 2, DDP's bf16 buckets 2 (its .grad are views of them) beside the masters' fp32 gradients 4, the fp32
+    masters 4 and AdamW's moments 8 bytes a parameter: common.memory's MASTER_BF16 with DDP's buckets."""
+    bf16, fp32 = (summary(ddp / name)["collective_bytes_per_step"]["gloo:all_reduce"] for name in ("bf16", "2x1"))
+    assert bf16["bytes"] == fp32["bytes"] and bf16["calls"] < fp32["calls"]
+    run = summary(ddp / "bf16")
+    n = run["model"]["trainable_parameters"]
+    counters = 4 * run["master_weights"]["tensors"]  # AdamW's fp32 step, one per tensor, which it does not price
+    for held in run["state_bytes_per_rank"]:
+        assert held == {"weights": 2 * n, "grads": (2 + 4) * n, "optimizer": 8 * n + counters, "master": 4 * n}
+        assert {**held, "optimizer": held["optimizer"] - counters} == predict_state_bytes(run)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -394,10 +450,11 @@ def test_ddp_reduce_every_micro_batch_is_the_same_step_for_m_times_the_traffic(d
     assert all_reduce["calls"] == 2 * (once["collective_bytes_per_step"]["gloo:all_reduce"]["calls"] - 1) + 1
 
 
-@pytest.mark.parametrize("experiment,runs", [("ddp", ["1x2", "2x1", "1x2-every"]),
+@pytest.mark.parametrize("experiment,runs", [("ddp", ["1x2", "2x1", "1x2-every", "bf16"]),
                                              ("fsdp", ["1x2", "2x1", "bf16", "options", "gather-once"])])
 def test_collective_bytes_equal_the_formula(experiment, runs, request):
-    # ddp: the default 25 MiB bucket (one bucket) and 1 MiB buckets (9), GA 1 and 2, with and without no_sync();
+    # ddp: the default 25 MiB bucket (one bucket) and 1 MiB buckets (9; 6 of bf16 weights carrying fp32 master
+    # gradients), GA 1 and 2, with and without no_sync();
     # fsdp: GA 1 and 2, resharded after forward or not, gathered once per step, bf16 gathers, offload, checkpointing,
     # reduce per micro-batch.
     root = request.getfixturevalue(experiment)

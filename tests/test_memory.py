@@ -57,7 +57,9 @@ def test_project_precisions_are_what_the_scripts_keep():
     assert (PROJECT_BF16.weights, PROJECT_BF16.grads, PROJECT_BF16.optimizer, PROJECT_BF16.master,
             PROJECT_BF16.compute) == (4, 4, 8, 0, 2)
     assert (PROJECT_FP32.trainable, PROJECT_FP32.compute) == (16, 4)
-    ddp = estimate("qwen3-4b", "ddp")
+    # fp32 weights under autocast, one replica (tp-ft and pp-ft keep this layout; ddp-ft did before
+    # common/precision.py, and its committed runs are priced so).
+    ddp = estimate("qwen3-4b", "ddp", precision=PROJECT_BF16)
     assert ddp.model_states_bytes == QWEN3_4B_PARAMETERS * 16  # the "64 GB" of Qwen3-4B full SFT
     assert 64e9 < ddp.model_states_bytes < 65e9
     # Autocast's bf16 copy of every matmul weight (norm weights are never cast)
@@ -68,24 +70,28 @@ def test_project_precisions_are_what_the_scripts_keep():
     single = estimate("qwen3-4b", "single")
     assert single.precision is MASTER_BF16 and single.model_states_bytes == QWEN3_4B_PARAMETERS * 18
     assert single.compute_copy_bytes == 0 and single.step_bytes == QWEN3_4B_PARAMETERS * 16 == ddp.step_bytes
+    # ddp-ft keeps single-ft's layout, plus DDP's bf16 buckets (2), freed with the weights for the step.
+    masters = estimate("qwen3-4b", "ddp")
+    assert masters.precision is MASTER_BF16 and masters.model_states_bytes == QWEN3_4B_PARAMETERS * (18 + 2)
+    assert masters.compute_copy_bytes == 0 and masters.step_bytes == single.step_bytes
     # FSDP2's mixed-precision policy gathers bf16 layers instead: no autocast copies, bf16 buffers
     assert estimate("qwen3-4b", "fsdp", 2).compute_copy_bytes == 0
 
 
 def test_each_strategy_is_priced_as_its_experiment_runs_it():
     # zero-ft runs DeepSpeed's own bf16 mode (bf16 module, fp32 gradient accumulation, fp32 master, no autocast);
-    # with --dtype fp32 DeepSpeed still keeps a separate fp32 master partition. single-ft, tp-ft and tp-sp-ft
-    # compute in bf16 weights with fp32 masters (common/precision.py); every other experiment keeps fp32 weights that
-    # are their own master copy.
+    # with --dtype fp32 DeepSpeed still keeps a separate fp32 master partition. single-ft, ddp-ft, tp-ft, tp-sp-ft and
+    # pp-ft compute in bf16 weights with fp32 masters (common/precision.py); every other experiment keeps fp32
+    # weights that are their own master copy.
     def layout(p):
         return p.weights, p.grads, p.master, p.optimizer
 
     assert layout(DEEPSPEED_BF16) == (2, 4, 4, 8) and layout(DEEPSPEED_FP32) == (4, 4, 4, 8)
     for strategy in STRATEGIES:
         deepspeed = strategy.startswith("zero-")
+        masters = strategy in ("single", "ddp", "tp", "tp-sp", "pp")
         assert strategy_precision(strategy, "bf16") is (DEEPSPEED_BF16 if deepspeed else
-                                                        MASTER_BF16 if strategy in ("single", "tp", "tp-sp", "pp") else
-                                                        PROJECT_BF16)
+                                                        MASTER_BF16 if masters else PROJECT_BF16)
         assert strategy_precision(strategy, "fp32") is (DEEPSPEED_FP32 if deepspeed else PROJECT_FP32)
     with pytest.raises(ValueError, match="dtype"):
         strategy_precision("zero-2", "fp16")
@@ -214,10 +220,11 @@ def test_activation_formula_by_hand_for_qwen3_0_6b():
     outside = (4 * d + 4 * d + 4) + 2 * d + 2 * 128 * 4  # final norm, LM head's bf16 input, RoPE cos and sin
     assert outside_layers_bytes_per_token(shape, compute_bytes=2, autocast=True) == outside
 
-    single = estimate(shape, "ddp", seq_len=s)  # one process under autocast (single-ft's bf16 weights: no autocast)
+    # one process under autocast (single-ft's and ddp-ft's bf16 weights: no autocast)
+    single = estimate(shape, "ddp", seq_len=s, precision=PROJECT_BF16)
     assert single.activations_bytes == s * (28 * by_hand + outside)
     assert single.logits_bytes == s * 151_936 * (2 + 12)
-    checkpointed = estimate(shape, "ddp", seq_len=s, activation_checkpointing=True)
+    checkpointed = estimate(shape, "ddp", seq_len=s, activation_checkpointing=True, precision=PROJECT_BF16)
     assert checkpointed.activations_bytes == s * (28 * 4 * d + by_hand + outside)  # inputs + one recomputed layer
 
 
@@ -517,7 +524,9 @@ def test_lora_shrinks_grads_and_optimizer_to_the_adapters():
     # rank x (in + out) for q, k, v, o, gate, up, down, per layer
     adapters = 16 * 28 * ((1024 + 2048) + 2 * (1024 + 1024) + (2048 + 1024) + 2 * (1024 + 3072) + (3072 + 1024))
     assert shape.lora_parameters(16) == adapters == 10_092_544
-    full, lora = estimate(shape, "ddp"), estimate(shape, "ddp", lora_rank=16)  # one process under autocast
+    # one process under autocast
+    full, lora = estimate(shape, "ddp", precision=PROJECT_BF16), estimate(shape, "ddp", lora_rank=16,
+                                                                          precision=PROJECT_BF16)
     assert lora.grads_bytes == adapters * 4
     assert lora.optimizer_bytes == adapters * 8
     assert lora.weights_bytes == shape.total_parameters * 2 + adapters * 4  # a bf16 base, fp32 adapters
@@ -579,8 +588,11 @@ def test_ddp_gradients_are_its_buckets():
     # nothing beyond the fp32 gradients themselves (LoRA: the adapters' only).
     # The buckets exist from the first backward on, so the gradients are held at the start of every backward; one
     # process with zero_grad(set_to_none=True) and one micro-batch has none then.
+    # Under --dtype bf16 (common/precision.py) the buckets are bf16, of the bf16 weights', beside single-ft's layout:
+    # they are held at every backward, the fp32 masters' gradients (which they all-reduce) from a step's second
+    # micro-batch on, as single-ft's; the step frees them with the weights.
     for lora_rank in (0, 16):
-        ddp = estimate("qwen3-0.6b", "ddp", 2, lora_rank=lora_rank)
+        ddp = estimate("qwen3-0.6b", "ddp", 2, lora_rank=lora_rank, precision=PROJECT_BF16)  # fp32 weights, autocast
         single = estimate("qwen3-0.6b", "single", lora_rank=lora_rank, precision=PROJECT_BF16)  # ddp's layout
         assert ddp.buffers_bytes == 0 and ddp.model_states_bytes == single.model_states_bytes
         assert ddp.grads_held_bytes == ddp.grads_bytes and single.grads_held_bytes == 0
@@ -588,6 +600,13 @@ def test_ddp_gradients_are_its_buckets():
         # with two micro-batches the single process holds the first one's gradients too
         assert estimate("qwen3-0.6b", "single", lora_rank=lora_rank, grad_accum=2,
                         precision=PROJECT_BF16).total_bytes == ddp.total_bytes
+        for grad_accum in (1, 2):
+            masters = estimate("qwen3-0.6b", "ddp", 2, lora_rank=lora_rank, grad_accum=grad_accum)
+            alone = estimate("qwen3-0.6b", "single", lora_rank=lora_rank, grad_accum=grad_accum)
+            buckets = alone.grads_bytes / 4 * 2
+            assert masters.buffers_bytes == 0 and masters.grads_bytes == alone.grads_bytes + buckets
+            assert masters.grads_held_bytes == alone.grads_held_bytes + buckets
+            assert masters.forward_bytes == alone.forward_bytes + buckets and masters.step_bytes == alone.step_bytes
 
 
 def test_fsdp_units_and_gradients_by_hand():
@@ -610,7 +629,9 @@ def test_fsdp_units_and_gradients_by_hand():
     # DDP's buckets and DeepSpeed's flat buffers hold the gradients whatever the micro-batch count: no change;
     # tensor parallelism holds its gradients between micro-batches like one process does
     for strategy in ("ddp", "zero-2", "zero-3"):
-        assert estimate(shape, strategy, 2, grad_accum=4) == estimate(shape, strategy, 2)
+        precision = PROJECT_BF16 if strategy == "ddp" else "bf16"  # fp32 DDP buckets (bf16: see above)
+        assert estimate(shape, strategy, 2, grad_accum=4, precision=precision) == estimate(shape, strategy, 2,
+                                                                                          precision=precision)
     tp, tp_accumulating = estimate(shape, "tp", 2), estimate(shape, "tp", 2, grad_accum=4)
     assert tp_accumulating.forward_bytes == tp.forward_bytes + tp.grads_bytes
     # --no-reshard-after-forward (and the gather-once setting) keeps every layer gathered until its backward
@@ -938,28 +959,32 @@ def test_qwen3_4b_on_one_80gb_gpu_peaks_at_the_optimizer_step():
 
 
 def test_qwen3_4b_on_two_80gb_gpus_the_margin_refuses_ddp_and_fsdp_fits():
-    # DDP's buckets hold the fp32 gradients from the first backward on: 16 P + 2 P of autocast copies = 67.4 GiB
-    # before any activation, so no micro-batch fits without checkpointing. With it, 2 rows per micro-batch peak at
-    # 70.5 GiB of 72.0 usable on 2 x 80 GiB: within the usable share, but not with the model's 15% margin (81.0), so
-    # FSDP, which shards the states, is the answer. On two H100 NVL (93.6 GiB), 4 rows of DDP with checkpointing fit
-    # with their margin (8 would not), and DDP's flag is tried before FSDP.
-    states_and_copies = 16 * QWEN3_4B_PARAMETERS + 2 * (QWEN3_4B_PARAMETERS - QWEN3_4B_NORMS)
-    assert states_and_copies / GIB == pytest.approx(67.43, abs=0.01)
-    ddp_2 = estimate("qwen3-4b", "ddp", 2, micro_batch_size=2, grad_accum=4, activation_checkpointing=True,
-                     attention="flash", loss_chunk_tokens=1024, compile=True)
-    assert ddp_2.total_gib <= 80 * USABLE_FRACTION < ddp_2.needed_gib and not ddp_2.fits(80)
+    # ddp-ft under --dtype bf16 (common/precision.py): bf16 weights 2, fp32 masters 4, AdamW 8 and DDP's bf16 buckets
+    # 2, held from the first backward on: 16 P = 59.9 GiB before any activation, and from a step's second
+    # micro-batch on the masters' fp32 gradients too (4 P more): 2 rows x 4 micro-batches with checkpointing peak
+    # beyond the 72.0 usable on 2 x 80 GiB. One micro-batch of 8 rows peaks at 64.45 GiB: within the usable share,
+    # but not with the model's 15% margin, so FSDP, which shards the states, is the answer. On two H100 NVL
+    # (93.6 GiB), 8 rows of DDP in one micro-batch with checkpointing fit with their margin (4 x 2 would not), and
+    # DDP's flag is tried before FSDP.
+    states_and_buckets = (2 + 4 + 8 + 2) * QWEN3_4B_PARAMETERS
+    assert states_and_buckets / GIB == pytest.approx(59.94, abs=0.01)
+    fast = dict(activation_checkpointing=True, attention="flash", loss_chunk_tokens=1024, compile=True)
+    ddp_2 = estimate("qwen3-4b", "ddp", 2, micro_batch_size=2, grad_accum=4, **fast)
+    assert ddp_2.grads_held_bytes == (2 + 4) * QWEN3_4B_PARAMETERS and ddp_2.total_gib > 80 * USABLE_FRACTION
+    ddp_8 = estimate("qwen3-4b", "ddp", 2, micro_batch_size=8, grad_accum=1, **fast)
+    assert ddp_8.grads_held_bytes == 2 * QWEN3_4B_PARAMETERS
+    assert ddp_8.total_gib <= 80 * USABLE_FRACTION < ddp_8.needed_gib and not ddp_8.fits(80)
     advice = recommend("qwen3-4b", 2, 80, kv_expanded=False, model="Qwen/Qwen3-4B-Base")
     assert (advice.strategy, advice.activation_checkpointing, advice.rung.micro_batch_size) == ("fsdp", False, 8)
-    assert "the leanest option tried before, ddp + activation checkpointing, needs " in advice.reason
-    assert "GiB per GPU with its margin (69.96 predicted) of 72.00 usable" in advice.reason  # 1 row x 8
+    assert "the leanest option tried before, ddp + activation checkpointing, micro-batch 8, needs " in advice.reason
+    assert "GiB per GPU with its margin (64.45 predicted) of 72.00 usable" in advice.reason  # 8 rows x 1
     nvl = recommend("qwen3-4b", 2, GPU_MEMORY_GIB["H100 NVL"], kv_expanded=False, model="Qwen/Qwen3-4B-Base")
     assert (nvl.strategy, nvl.activation_checkpointing) == ("ddp", True)
-    assert (nvl.rung.micro_batch_size, nvl.rung.grad_accum) == (4, 2)
-    assert not estimate("qwen3-4b", "ddp", 2, micro_batch_size=8, grad_accum=1, activation_checkpointing=True,
-                        attention="flash", loss_chunk_tokens=1024, compile=True).fits(GPU_MEMORY_GIB["H100 NVL"])
+    assert (nvl.rung.micro_batch_size, nvl.rung.grad_accum) == (8, 1)
+    assert not estimate("qwen3-4b", "ddp", 2, micro_batch_size=4, grad_accum=2, **fast).fits(GPU_MEMORY_GIB["H100 NVL"])
     assert nvl.command() == (
         "uv run torchrun --nproc_per_node=2 experiments/ddp-ft/train.py --model Qwen/Qwen3-4B-Base --seq-len 1024 "
-        "--micro-batch-size 4 --grad-accum 2 --attn varlen --loss-chunk-tokens 1024 --compile "
+        "--micro-batch-size 8 --grad-accum 1 --attn varlen --loss-chunk-tokens 1024 --compile "
         "--activation-checkpointing --dtype bf16")
 
 
@@ -1001,12 +1026,13 @@ def test_qwen3_0_6b_fits_a_replica(gpus, gpu_mem_gib, expected):
 
 def test_the_micro_batch_is_the_largest_that_fits():
     # One 27 GiB GPU (24.3 usable): 8 rows of Qwen3-0.6B in one micro-batch (20.6 GiB, 23.7 with the margin: no
-    # gradient held, GA 1). Two: DDP holds its 2.2 GiB of bucketed gradients at every backward, so 8 rows no longer
-    # fit and 4 x 2 is the answer.
+    # gradient held, GA 1). Two: DDP holds its 1.1 GiB of bf16 buckets at every backward, and the masters' fp32
+    # gradients only from a step's second micro-batch on: 8 rows in one micro-batch still fit (19.8 GiB, 22.8 with
+    # the margin), where two micro-batches of 4 would hold those gradients too.
     one, two = recommend("qwen3-0.6b", 1, 27), recommend("qwen3-0.6b", 2, 27)
     assert (one.rung.micro_batch_size, one.rung.grad_accum) == (8, 1)
-    assert (two.rung.micro_batch_size, two.rung.grad_accum) == (4, 2)
-    assert two.choice.grads_held_bytes == 4 * 596_049_920
+    assert (two.rung.micro_batch_size, two.rung.grad_accum) == (8, 1)
+    assert two.choice.grads_held_bytes == 2 * 596_049_920
     fixed = recommend("qwen3-0.6b", 2, 24, micro_batch_size=2, grad_accum=3, fast=False)
     assert (fixed.rung.micro_batch_size, fixed.rung.grad_accum, fixed.rung.fast) == (2, 3, (False, False, False))
     assert "--micro-batch-size 2 --grad-accum 3" in fixed.command() and "--attn" not in fixed.command()
@@ -1049,14 +1075,16 @@ def test_qlora_when_lora_fits_nowhere_on_the_gpu():
 
 
 def test_a_given_lora_rank_walks_the_ladder():
-    # On 2 x 24 GB with LoRA r16 DDP's replica keeps the frozen base in bf16 (2 P = 7.5 GiB) and the fp32 adapters:
+    # On 2 x 24 GB with LoRA r16 DDP's replica keeps the frozen base in bf16 (2 P = 7.5 GiB), the adapters in bf16
+    # with fp32 masters:
     # DDP, the first rung, fits. Without checkpointing only 2 rows fit in one micro-batch (2,048 tokens, where the
     # GPU step is host-bound); with it, all 8: checkpointing it is.
     advice = recommend("qwen3-4b", 2, 24, lora_rank=16, kv_expanded=False, model="Qwen/Qwen3-4B-Base")
     adapters = model_shape("qwen3-4b").lora_parameters(16)
     assert (advice.strategy, advice.lora_rank, advice.activation_checkpointing) == ("ddp", 16, True)
     assert (advice.rung.micro_batch_size, advice.rung.plain_micro_batch_size) == (8, 2)
-    assert advice.choice.weights_bytes == 2 * QWEN3_4B_PARAMETERS + 4 * adapters
+    assert advice.choice.weights_bytes == 2 * QWEN3_4B_PARAMETERS + 2 * adapters
+    assert advice.choice.master_bytes == 4 * adapters
     assert advice.command().endswith("--model Qwen/Qwen3-4B-Base --seq-len 1024 --micro-batch-size 8 --grad-accum 1 "
                                      "--attn varlen --loss-chunk-tokens 1024 --compile --activation-checkpointing "
                                      "--lora-rank 16 --lora-fused --dtype bf16")
@@ -1096,8 +1124,13 @@ def test_cli_prints_the_table_and_the_recommendation(capsys):
           "--micro-batch-size", "1", "--grad-accum", "1"])
     out = capsys.readouterr().out
     assert "recommendation: ddp" in out and "experiments/ddp-ft/train.py" in out
-    assert "88,232 bytes/token" in out  # the eager terms at sdpa-packed, by hand above
-    assert "deepspeed-bf16" in out and "project-bf16" in out  # which rows use which bytes per parameter
+    # ddp computes without autocast (bf16 weights, common/precision.py): the by-hand terms above, bf16 throughout
+    no_autocast = sum(layer_activation_terms(model_shape("qwen3-0.6b"), compute_bytes=2, autocast=False,
+                                             seq_len=1024).values())
+    assert no_autocast < 88_232 and f"= {no_autocast:,} bytes/token" in out
+    assert "activations per layer of ddp (no autocast, sdpa-packed)" in out
+    # which rows use which bytes per parameter
+    assert "master-bf16" in out and "deepspeed-bf16" in out and "project-bf16" in out
     main(["--model", "qwen3-4b", "--gpus", "2", "--gpu", "RTX 4090"])
     out = capsys.readouterr().out
     assert "on 2 x 23.99 GiB" in out and "zero-2-offload" in out and "GiB in CPU memory per rank" in out
@@ -1116,13 +1149,13 @@ def test_cli_prints_the_table_and_the_recommendation(capsys):
 
 
 def test_the_lora_answer_for_4b_on_two_24gb_gpus(capsys):
-    """The question a user asks: LoRA of Qwen3-4B on 2 x 24 GB. The frozen base is priced at 2 bytes per weight,
-    and the answer is a command that names the model."""
+    """The question a user asks: LoRA of Qwen3-4B on 2 x 24 GB. The frozen base is priced at 2 bytes per weight
+    (the adapters too, beside their fp32 masters), and the answer is a command that names the model."""
     main(["--model", "qwen3-4b", "--gpus", "2", "--gpu-mem-gib", "24", "--lora-rank", "16"])
     out = capsys.readouterr().out
     adapters = model_shape("qwen3-4b").lora_parameters(16)
     (ddp_row,) = [line for line in out.splitlines() if line.startswith("ddp ")]
-    assert float(ddp_row.split()[2]) == pytest.approx((2 * QWEN3_4B_PARAMETERS + 4 * adapters) / GIB, abs=0.005)
+    assert float(ddp_row.split()[2]) == pytest.approx((2 * QWEN3_4B_PARAMETERS + 2 * adapters) / GIB, abs=0.005)
     (run,) = [line for line in out.splitlines() if line.startswith("run: ")]
     assert "experiments/ddp-ft/train.py --model Qwen/Qwen3-4B-Base" in run and "--lora-rank 16" in run
     assert "predicted peak: " in out
@@ -1564,10 +1597,17 @@ def test_predict_run_prices_single_ft_by_the_layout_its_run_had():
     assert "master_weights" not in run and run["config"]["dtype"] == "bf16"
     before = predict_run(run)
     assert before.precision is PROJECT_BF16 and before.compute_copy_bytes > 0
-    after = predict_run({**run, "master_weights": {"compute_dtype": "bfloat16", "master_dtype": "float32"}})
+    masters = {"compute_dtype": "bfloat16", "master_dtype": "float32"}
+    after = predict_run({**run, "master_weights": masters})
     assert after.precision is MASTER_BF16 and after.compute_copy_bytes == 0
     assert after.activations_bytes < before.activations_bytes  # a bf16 residual stream, no autocast casts saved
     assert after.step_bytes == before.step_bytes  # the bf16 weights are freed for the step: 16 bytes either way
+    # ddp-ft likewise: a committed run from before its bf16 weights is priced by its fp32 weights under autocast.
+    ddp = json.loads((REPO_ROOT / "devlog" / "data" / "2026-11-27-bf16-bytes" / "ddp-ft-ga1" /
+                      "summary.json").read_text())
+    assert "master_weights" not in ddp and ddp["config"]["dtype"] == "bf16"
+    assert predict_run(ddp).precision is PROJECT_BF16
+    assert predict_run({**ddp, "master_weights": masters}).precision is MASTER_BF16
 
 
 def test_predict_run_prices_pp_ft_by_the_layout_its_run_had():

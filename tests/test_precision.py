@@ -1,5 +1,7 @@
 """common/precision.py: bf16 weights for compute, fp32 masters that AdamW updates, gradients accumulated in fp32."""
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 from torch import nn
@@ -144,3 +146,52 @@ def test_state_bytes_count_the_masters_gradients():
     model(torch.randint(0, 32, (2, 4))).backward()
     held = state_bytes(model.parameters(), None, masters.copies)
     assert held == dict(weights=2 * n, grads=4 * n, optimizer=0, master=4 * n)
+
+
+def test_under_ddp_the_buckets_carry_the_masters_fp32_gradients_and_are_freed_with_the_weights(tmp_path):
+    """ddp-ft's all_reduce_masters: DDP buckets the bf16 weights, and this comm hook all-reduces (mean) each bucket's
+    fp32 master gradients, this rank's sum of the micro-batches, once per synchronised backward. In a gloo group of
+    one the mean is the sum itself, so the masters end as single-ft's; DDP's bf16 buckets, which its .grad are views
+    of, are released by free_weights and allocated again by copy_to_model. The first step reduces one bucket of
+    everything (DDP has not seen backward's order yet); then 512-byte buckets in backward's order: the proj weight
+    fills one, the norm and the tied embedding (ready last) share the next."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from common.metrics import state_bytes
+    from conftest import load_experiment
+
+    ddp_ft = load_experiment("ddp-ft")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        model, reference = make_model(), make_model()
+        masters, plain = MasterWeights(model), MasterWeights(reference)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=512 / 2**20, gradient_as_bucket_view=True)
+        ddp.register_comm_hook(masters, ddp_ft.all_reduce_masters)
+        n = sum(m.numel() for m in masters.parameters)
+        for step in range(2):  # the second after DDP has rebuilt its buckets in backward's order
+            batches = [torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(10 * step + k))
+                       for k in range(3)]
+            for k, ids in enumerate(batches):
+                with ddp.no_sync() if k < len(batches) - 1 else nullcontext():
+                    ddp(ids).backward()
+                reference(ids).backward()
+            assert len(masters.buckets) == 1 + step and {b.dtype for b in masters.buckets} == {torch.bfloat16}
+            for master, expected in zip(masters.parameters, plain.parameters):
+                assert torch.equal(master.grad, expected.grad)  # each micro-batch added once, in fp32
+            views = [p.grad for p in model.parameters()]  # what DDP wrote back: views of its buckets, zeros
+            assert all(v is not None and v.dtype == torch.bfloat16 and not v.any() for v in views)
+            # The bf16 weights 2, DDP's bf16 buckets 2 beside the masters' fp32 gradients 4, the masters 4.
+            assert state_bytes(model.parameters(), None, masters.copies) == dict(
+                weights=2 * n, grads=(2 + 4) * n, optimizer=0, master=4 * n)
+            buckets = masters.buckets
+            masters.free_weights()
+            assert all(p.grad is None for p in model.parameters())
+            assert all(v.untyped_storage().size() == 0 for v in [*views, *buckets])  # the buckets are DDP's own
+            for master, expected in zip(masters.parameters, plain.parameters):
+                master.grad, expected.grad = None, None
+            masters.copy_to_model()
+            plain.copy_to_model()
+            assert all(b.untyped_storage().size() == b.numel() * 2 for b in buckets) and masters.buckets == []
+    finally:
+        dist.destroy_process_group()

@@ -6,14 +6,16 @@ The peak. A step passes through two high points, and the estimate is the larger:
   already exist then, autocast's weight copies, every layer's activations, the loss's buffers (logits and the
   cross-entropy's fp32 tensors) and the temporary buffers of section 1. Which gradients exist then: with more
   than one micro-batch per step (--grad-accum > 1) those of the earlier ones; under ddp and DeepSpeed's engines
-  always, since their gradients live in buffers allocated once (DDP's buckets, with gradient_as_bucket_view=True;
-  DeepSpeed's flat fp32 buffers); in a pipeline always (1F1B runs backward while later micro-batches are in
-  flight); under FSDP none (its unsharded accumulation is a buffer of section 1, and each rank's shard of a
-  gradient is written only by the last reduce-scatter). With one micro-batch and `zero_grad(set_to_none=True)`,
+  always, since their gradients live in buffers allocated once (DDP's buckets, with gradient_as_bucket_view=True:
+  under --dtype bf16 only those, bf16, the fp32 masters' gradients as under single; DeepSpeed's flat fp32
+  buffers); in a pipeline always (1F1B runs backward while later micro-batches are in flight); under FSDP none
+  (its unsharded accumulation is a buffer of section 1, and each rank's shard of a gradient is written only by the
+  last reduce-scatter). With one micro-batch and `zero_grad(set_to_none=True)`,
   single, tp and ep start backward without gradients: they grow while the activations shrink, layer by layer, so
   the backward's memory lies between its two ends.
 - the optimizer step (`step_bytes`): every model state, and the buffers that outlive backward (DeepSpeed's);
-  single-ft's bf16 weights are freed for it (common/precision.py: rebuilt from the fp32 masters after it).
+  single-ft's and ddp-ft's bf16 weights (and ddp-ft's bf16 buckets) are freed for it (common/precision.py: rebuilt
+  from the fp32 masters after it).
 The estimate's columns (weights, grads, ...) list everything a step ever holds; `total_bytes` is that peak.
 Not counted: the CUDA context and NCCL's own buffers (outside `max_memory_reserved`, hence USABLE_FRACTION), the
 caching allocator's fragmentation (reserved beyond allocated: the committed GPU runs put it at a few percent, the
@@ -23,7 +25,8 @@ the input ids and labels. tests/test_memory.py holds every GPU run committed und
 1. Temporary buffers, in the `buffers` column (symbols: c compute bytes, w the weights' bytes, T trainable
    parameters, E elements of the largest trainable parameter, B = reduce_bucket_size = 5e8 elements):
    - ddp: none. ddp-ft passes gradient_as_bucket_view=True, so the gradients are views into the all-reduce buckets
-     (the default, False, would copy every gradient into a second, bucketed copy).
+     (the default, False, would copy every gradient into a second, bucketed copy). Under --dtype bf16 the buckets
+     are the bf16 weights' (c T, counted with the gradients) and only the masters' fp32 gradients are reduced.
    - zero-1 under bf16: BF16_Optimizer all-reduces its fp32 gradient buffer in place, one param group at a time;
      only when the group of matrices has at most 5e8 elements (the engine's all-reduce bucket) are both groups
      flattened into one copy first, 4 T (small models only).
@@ -455,7 +458,11 @@ def _estimate_slice(shape: ModelShape, piece: DeviceSlice, strategy: str, world_
     if strategy == "ep":
         # The dispatch inside one expert block: sorted rows, received rows, their copy regrouped by expert.
         buffers += tokens * 3 * (FP32_BYTES if autocast else c) * shape.experts_per_token * shape.hidden
-    # ddp: gradient_as_bucket_view=True makes the gradients views into the all-reduce buckets: no second copy.
+    # ddp: gradient_as_bucket_view=True makes the gradients views into the all-reduce buckets: no second copy. With
+    # bf16 weights and fp32 masters (common/precision.py) the buckets are bf16, beside the masters' fp32 gradients,
+    # and are freed with the weights for the optimizer step.
+    bf16_buckets = piece.trainable * c if strategy == "ddp" and precision.name == MASTER_BF16.name else 0.0
+    states["grads"] += bf16_buckets
     if uses_bf16_optimizer(strategy, precision):
         # BF16_Optimizer keeps the bf16 gradients autograd writes in the module beside its own fp32 ones
         # (immediate_grad_update is off by default), and all-reduces the fp32 gradients of each param group in
@@ -511,7 +518,7 @@ def _estimate_slice(shape: ModelShape, piece: DeviceSlice, strategy: str, world_
         for state in OFFLOADED_STATES[strategy]:
             cpu += states[state]
             states[state] = 0.0
-    held = grad_accum > 1 and strategy not in FSDP_STRATEGIES or strategy in GRADIENTS_ALWAYS_HELD
+    held = grad_accum > 1 and strategy not in FSDP_STRATEGIES or strategy in GRADIENTS_ALWAYS_HELD and not bf16_buckets
     return MemoryEstimate(
         strategy=strategy, world_size=world_size, precision=precision,
         activation_checkpointing=activation_checkpointing, lora_rank=lora_rank,
@@ -519,10 +526,11 @@ def _estimate_slice(shape: ModelShape, piece: DeviceSlice, strategy: str, world_
         optimizer_bytes=states["optimizer"], master_bytes=states["master"], compute_copy_bytes=compute_copy,
         activations_bytes=tokens * per_token, logits_bytes=logits, buffers_bytes=buffers + step_buffers,
         cpu_bytes=cpu + cpu_buffers, cpu_buffers_bytes=cpu_buffers, note=piece.label,
-        grads_held_bytes=states["grads"] if held else 0.0, step_buffers_bytes=step_buffers, qlora=qlora,
+        grads_held_bytes=states["grads"] if held else bf16_buckets, step_buffers_bytes=step_buffers, qlora=qlora,
         micro_batch_size=micro_batch_size, seq_len=seq_len, loss_chunk_tokens=loss_chunk_tokens, compiled=compiled,
-        # single-ft's bf16 weights are freed before the step and rebuilt from the masters after (common/precision.py)
-        released_at_step_bytes=piece.trainable * precision.weights if precision.name == MASTER_BF16.name else 0.0)
+        # bf16 weights (and ddp's buckets) are freed before the step and rebuilt after it (common/precision.py)
+        released_at_step_bytes=piece.trainable * precision.weights + bf16_buckets
+        if precision.name == MASTER_BF16.name else 0.0)
 
 
 # The strategy each experiment runs, as its summary.json names it (zero-ft's and fsdp-ft's flags refine it).

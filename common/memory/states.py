@@ -12,17 +12,17 @@ ZeRO-3 keeps gathered. (common/memory/__init__.py says how the parts fit togethe
      For Psi = 7.5e9 and N_d = 64 that is 120 GB, 31.4 GB, 16.6 GB and 1.9 GB (GB = 1e9 bytes), the paper's numbers.
    - BF16_RULE_OF_THUMB: bf16 weights 2 + bf16 gradients 2 + fp32 AdamW moments 8 = 12 bytes per parameter, no
      master copy (the usual back-of-envelope figure: a 7B model needs 84 GB before activations).
-   - PROJECT_BF16: what ddp, fsdp and fsdp-tp do under `--dtype bf16`: the weights stay fp32 and
+   - PROJECT_BF16: what ep, fsdp and fsdp-tp do under `--dtype bf16`: the weights stay fp32 and
      are the master copy (4), fp32 gradients (4), fp32 AdamW m and v (8): 16 bytes per parameter. The bf16 copies
-     the matrix multiplies read are made by torch.autocast (ddp), which caches the cast of every
+     the matrix multiplies read are made by torch.autocast (ep), which caches the cast of every
      trainable weight for the whole forward, or by FSDP2's MixedPrecisionPolicy(param_dtype=bf16,
      reduce_dtype=fp32) (fsdp), which all-gathers each layer in bf16 just before it runs. PROJECT_FP32
      (`--dtype fp32`): 4 + 4 + 8, no copies.
-   - MASTER_BF16: what single, tp, tp-sp and pp do under `--dtype bf16` (common/precision.py): the weights
+   - MASTER_BF16: what single, ddp, tp, tp-sp and pp do under `--dtype bf16` (common/precision.py): the weights
      themselves are bf16 (2) and the forward reads them without autocast, AdamW updates a separate fp32 master copy
-     (4), gradients accumulate in fp32 (4), AdamW m and v (8): 18 bytes per parameter, DeepSpeed's bf16 bytes. A
-     summary.json of theirs without `master_weights` is of a run from before this layout (fp32 weights under
-     autocast): predict_run prices it PROJECT_BF16.
+     (4), gradients accumulate in fp32 (4), AdamW m and v (8): 18 bytes per parameter, DeepSpeed's bf16 bytes (ddp
+     adds DDP's bf16 buckets, 2, estimate.py). A summary.json of theirs without `master_weights` is of a run from
+     before this layout (fp32 weights under autocast): predict_run prices it PROJECT_BF16.
    - DEEPSPEED_BF16: what zero-ft does under `--dtype bf16`, DeepSpeed's own bf16 mode (no autocast): the module
      itself is bf16 (2), gradients accumulate in fp32 (4, data_types.grad_accum_dtype), the optimizer keeps an fp32
      master copy (4) and AdamW m and v (8): 18 bytes per parameter. DEEPSPEED_FP32 (`--dtype fp32`): the module
@@ -199,9 +199,9 @@ DEEPSPEED_FP32 = BytesPerParam("deepspeed-fp32", weights=4, grads=4, optimizer=8
 QLORA = BytesPerParam("qlora", weights=4, grads=4, optimizer=8, master=0, compute=2, frozen=4,
                       description="--qlora: fp32 adapters 4 + grads 4 + AdamW m, v 8; NF4 linear weights "
                                   f"{NF4_BYTES_PER_WEIGHT:.4f}, other frozen weights fp32 4")
-# single-ft, tp-ft, tp-sp-ft and pp-ft under --dtype bf16 (common/precision.py): bf16 weights read without autocast,
-# fp32 gradients accumulated from the bf16 ones, an fp32 master copy that AdamW updates, AdamW m and v; a frozen (LoRA
-# base) weight bf16.
+# single-ft, ddp-ft, tp-ft, tp-sp-ft and pp-ft under --dtype bf16 (common/precision.py): bf16 weights read without
+# autocast, fp32 gradients accumulated from the bf16 ones, an fp32 master copy that AdamW updates, AdamW m and v; a
+# frozen (LoRA base) weight bf16.
 MASTER_BF16 = BytesPerParam("master-bf16", weights=2, grads=4, optimizer=8, master=4, compute=2, frozen=2,
                             description="--dtype bf16, no autocast: bf16 weights 2 + fp32 grads 4 + fp32 master 4 "
                                         "+ AdamW m, v 8; a frozen (LoRA base) weight 2")
@@ -211,15 +211,15 @@ PRECISIONS = {p.name: p for p in (PROJECT_BF16, PROJECT_FP32, ZERO_PAPER, BF16_R
 # bitsandbytes' packed weights).
 QLORA_STRATEGIES = ("single", "ddp")
 # Where --dtype bf16 computes in bf16 weights with fp32 masters (common/precision.py), not under autocast.
-MASTER_WEIGHT_STRATEGIES = ("single", "tp", "tp-sp", "pp")
+MASTER_WEIGHT_STRATEGIES = ("single", "ddp", "tp", "tp-sp", "pp")
 
 
 def strategy_precision(strategy: str, dtype: str = "bf16") -> BytesPerParam:
     """The bytes per parameter that the experiment running `strategy` keeps under `--dtype dtype`: DeepSpeed's own
-    layouts for zero-ft (DeepSpeed's bf16 mode, no autocast), bf16 weights with fp32 masters for single-ft, tp-ft,
-    tp-sp-ft and pp-ft (common/precision.py, no autocast), fp32 weights that are their own master copy for every
-    other experiment (autocast or FSDP2's mixed-precision policy make the bf16 copies). The one place the command
-    line, recommend() and predict_run() take it from."""
+    layouts for zero-ft (DeepSpeed's bf16 mode, no autocast), bf16 weights with fp32 masters for single-ft, ddp-ft,
+    tp-ft, tp-sp-ft and pp-ft (common/precision.py, no autocast), fp32 weights that are their own master copy for
+    every other experiment (autocast or FSDP2's mixed-precision policy make the bf16 copies). The one place the
+    command line, recommend() and predict_run() take it from."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if strategy in DEEPSPEED_STRATEGIES:

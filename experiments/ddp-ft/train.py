@@ -41,6 +41,7 @@ from common.metrics import MetricsLogger, Recorder
 from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
     is_preset, load_model, load_model_4bit, load_tokenizer, qlora_unavailable, record_adapter_base, \
     resolve_model_name, weights_dtype
+from common.precision import MasterWeights
 from common.step import clip_grad_norm
 
 EXPERIMENT = "ddp-ft"
@@ -122,6 +123,23 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
+def all_reduce_masters(masters: MasterWeights, bucket):  # no annotations: DDP compares them with types, not strings
+    """--dtype bf16: DDP's comm hook. Its buckets are the bf16 weights', but a bucket all-reduces its parameters' fp32
+    master gradients, this rank's sum of the step's micro-batches (README), averaged in place. Under
+    --reduce-every-micro-batch that sum holds the earlier ones' mean, the same on every rank: each is added once."""
+    master_of = dict(zip(map(id, masters.weights), masters.copies))
+    grads = [master_of[id(param)].grad for param in bucket.parameters()]
+    masters.buckets.append(bucket.buffer())  # zeros, freed with the bf16 weights (common/precision.py)
+
+    def average(future):
+        averaged = future.value()[0].div_(dist.get_world_size()).split([grad.numel() for grad in grads])
+        for grad, part in zip(grads, averaged):
+            grad.copy_(part.view_as(grad))
+        return bucket.buffer()  # what DDP copies into its .grad views: unchanged
+    flat = torch.cat([grad.flatten() for grad in grads])
+    return dist.all_reduce(flat, async_op=True).get_future().then(average)
+
+
 def main(argv: list[str] | None = None) -> dict:
     config = parse_config(Config, argv)  # a flag mistake stops with one line (common/cli.py)
     MetricsLogger.check_report_to(config.report_to)  # a missing package stops the run before anything starts
@@ -138,8 +156,8 @@ def main(argv: list[str] | None = None) -> dict:
     print0(f"config: {json.dumps(asdict(config))}")
     torch.manual_seed(config.seed)
     attention = setup_attention(device, config.attn, print_fn=print0)
-    # bf16: fp32 weights, gradients and AdamW state (the "master weights"), matmuls in bf16 under autocast.
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if config.dtype == "bf16" else nullcontext
+    # bf16: the weights themselves are bf16 (fp32 masters below), no autocast; --qlora's fp32 adapters keep autocast.
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if config.qlora else nullcontext
 
     # ---------------------------------------------------------------------------------------------------------
     # Data: every row of every step is fixed by (seed, data, seq_len); see common/data.py.
@@ -162,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---------------------------------------------------------------------------------------------------------
     # Model
-    # fp32 weights, their own master copy; a LoRA base under --dtype bf16 is frozen and stored in bf16 (--qlora: 4-bit).
+    # Loaded in fp32; a LoRA base under --dtype bf16 is frozen and stored in bf16 (--qlora: 4-bit).
     model = load_model_4bit(config.model, tokenizer, attention.impl, device) if config.qlora else \
         load_model(config.model, tokenizer, attention.impl, device=device,
                    dtype=weights_dtype(config.dtype, config.lora_rank))
@@ -179,8 +197,10 @@ def main(argv: list[str] | None = None) -> dict:
     # --loss-chunk-tokens applies the LM head itself, to the hidden states DDP's forward returns (README).
     lm_head, no_positions = model.get_output_embeddings(), torch.empty(0, dtype=torch.long, device=device)
     model.train()
+    # --dtype bf16: the trainable weights become bf16, AdamW updates fp32 master copies (common/precision.py).
+    masters = MasterWeights(model, torch.bfloat16 if config.dtype == "bf16" and not config.qlora else None)
     n_params = count_parameters(model.config)["total"]
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    trainable = masters.parameters  # the fp32 masters, or the model's own trainable weights (fp32, --qlora)
     n_trainable = sum(p.numel() for p in trainable)
     model_flops_per_token = flops_per_token(model.config, config.seq_len, config.lora_rank)
     print0(f"model: {config.model} | {n_params:,} parameters, {n_trainable:,} trainable | "
@@ -195,6 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
         model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=config.bucket_cap_mb,
         gradient_as_bucket_view=True,  # .grad are views into the buckets: no second full copy of the gradients
         forward_sync_buffers=False)  # the only buffers are RoPE's constant inv_freq: no broadcast before every forward
+    if masters.copies:  # --dtype bf16: each bucket all-reduces its fp32 master gradients instead (README)
+        model.register_comm_hook(masters, all_reduce_masters)
     print0(f"ddp: {world_size} replicas | {n_trainable * 4 / 2**20:,.1f} MiB of fp32 gradients all-reduced once per "
            f"step, in buckets of {config.bucket_cap_mb:g} MiB | backend {dist.get_backend()}")
 
@@ -212,8 +234,9 @@ def main(argv: list[str] | None = None) -> dict:
     # Training loop
     sample_messages = sample_prompt(data)  # --sample-every: the turns before the first held-out answer
     # The step count is the whole data position: step k always consumes the same rows.
-    start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
+    start_step = load_checkpoint(config.resume, masters.module, optimizer, scheduler) if config.resume else 0
     if config.resume:
+        masters.copy_to_model()  # the loaded fp32 masters, rounded into the weights the forward reads
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
     # Step clock, comm_ms, the step line, metrics.jsonl, summary.json; the garbage collector on a schedule from here.
     rec = Recorder(EXPERIMENT, config, device, model.module.config, data, rows_per_step, world_size=world_size,
@@ -253,13 +276,15 @@ def main(argv: list[str] | None = None) -> dict:
                     loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
             (loss * world_size).backward()  # DDP averages over ranks: world_size x the average is the sum
             step_loss += loss.detach()
-        rec.state(step, model.parameters(), optimizer)  # every weight, its gradient, AdamW's state
+        rec.state(step, model.parameters(), optimizer, masters.copies)  # weights, gradients, AdamW, masters
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
         # The norm before clipping; the clipping itself rides on fused AdamW's step (GPU), or is done here (CPU).
         grad_norm = clip_grad_norm(optimizer, trainable, max_norm)
+        masters.free_weights()  # the bf16 weights are not read again before the next forward (common/precision.py)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        masters.copy_to_model()  # the updated fp32 masters, rounded into the weights the next forward reads
         dist.all_reduce(step_loss)  # each rank holds its rows' share of the step loss: the log line wants the sum
         rec.stop()
         # The one host-device synchronisation of the step: the step line's loss and gradient norm, read together.
@@ -271,7 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
             completion = generate(model.module, tokenizer, sample_messages, device, autocast=autocast)
             print0(f"sample step {step + 1}: {completion!r}")
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
-            saved = save_checkpoint(config.out_dir, step + 1, model, optimizer, scheduler, run=plan.identity,
+            saved = save_checkpoint(config.out_dir, step + 1, masters.module, optimizer, scheduler, run=plan.identity,
                                     keep=config.keep_checkpoints)
             print0(f"checkpoint: {saved}")
 
@@ -280,10 +305,11 @@ def main(argv: list[str] | None = None) -> dict:
     eval_loss = evaluate(model.module, data, config.micro_batch_size, device, autocast)
     rec.eval(config.steps, eval_loss)
     # summary.json: what was measured, and the settings the predictions read from it afterwards (not in this run).
-    summary = rec.finish(attention=asdict(attention), eval_loss=eval_loss)
+    summary = rec.finish(attention=asdict(attention), eval_loss=eval_loss, master_weights=masters.summary())
 
     if config.save_hf and rank == 0:  # the replicas are identical: rank 0 writes its own
         save_dir = Path(config.save_hf)
+        masters.restore_masters()  # the fp32 weights, as an export under autocast wrote them
         model = model.module
         if config.lora_rank and config.merge_lora:
             model = model.merge_and_unload()
