@@ -9,24 +9,21 @@
 The targets (full SFT of Qwen3-0.6B at sequence 1024, and LoRA r16 at sequence 2048, each >= 100,000 tokens/s on
 one H100, with per-step losses equal to the reference path within the bf16 tolerance at the same global batch)
 decide the order: what decides them and loses the least when the machine is cut off runs first.
-1. Full SFT at sequence 1024 with every fast flag (varlen attention, the fused loss, compile; fused AdamW with the
-   clipping folded in, pinned batches, the garbage-collection schedule and one host read per step are always on in
-   single-ft) at micro-batch 16, 30 steps: mean, median and slowest step, gc_ms, recompiles, the steps until the
-   time settled. Inside its timing warm-up, which the averages leave out, the same process profiles three steps
-   (torch.profiler: device time by kernel and category, the idle share against the run's median step) and counts
-   the host syncs of three more (torch.cuda.set_sync_debug_mode): no second start-up. Then the same-global-batch
-   eager reference (8 x 2: SDPA with the packed rows' mask, the plain loss, no compile), whose per-step losses the
-   fast rungs must equal within BF16_TOLERANCE over the first FIRST_STEPS steps.
+1. Full SFT at sequence 1024 with every fast flag (varlen attention, the fused loss, compile; the rest is always on
+   in single-ft) at micro-batch 16, 30 steps: mean, median and slowest step, gc_ms, recompiles, the steps until the
+   time settled. Inside its timing warm-up the same process profiles three steps (torch.profiler: device time by
+   kernel and category, the idle share) and counts the host syncs of three more: no second start-up. Then the
+   same-global-batch eager reference (8 x 2: SDPA with the packed rows' mask, the plain loss, no compile), whose
+   per-step losses the fast rungs must equal within BF16_TOLERANCE over the first FIRST_STEPS steps.
 2. The same for LoRA r16 at sequence 2048, micro-batch 8, and its reference at 4 x 2.
 3. FlexAttention (--attn flex) in place of varlen at both targets; then LoRA's fast rung with --lora-fused.
 4. The probe, a process of its own (assets/gpu_probe.py: versions, every attention kernel against masked SDPA,
    the LM-head losses on the real shapes, the loss libraries where installed), after the targets: nothing it does
    can end the call before them.
-5. Beyond the targets: QLoRA on Qwen3-4B as `python -m common.memory` recommends it for one 24 GB card (its peak
-   against the prediction; bitsandbytes from `--wheels`), the mixture-of-experts preset on one GPU, what is left of
-   the earlier ladder (eager micro-batch-1 rungs adding one feature at a time, sequence 4096, LoRA at 1024),
-   fsdp-ft on one rank, and TRL's SFTTrainer beside single-ft (assets/peer_baseline.py, with its wheels): reached by
-   a longer budget or `--only`.
+5. Beyond the targets, reached by a longer budget or `--only`: QLoRA on Qwen3-4B as `python -m common.memory`
+   recommends it for one 24 GB card (bitsandbytes from `--wheels`), the mixture-of-experts preset, ddp-ft on one rank
+   with the full-SFT fast flags (its bf16 masters' comm hook on CUDA), the earlier one-feature-per-rung ladder,
+   fsdp-ft on one rank, and TRL's SFTTrainer beside single-ft (assets/peer_baseline.py, with its wheels).
 
 Each run is the experiment's own command line (`python3 experiments/<x>/train.py ...`), launched as a user would,
 with the repository on PYTHONPATH so that it needs nothing but torch, transformers and peft. Every run that
@@ -150,9 +147,8 @@ class Plan:
 
 
 # Predictions for the targets, before any run of this plan, from devlog/2026-11-27-gpu-suite-nvidia-h100-80gb-hbm3.md
-# (five H100s, which differed by up to ~5% on the same code; compare rungs within one machine). Since its first runs
-# single-ft's --dtype bf16 computes in bf16 weights with fp32 masters (common/precision.py) instead of autocast; the
-# fifth machine measured the full-SFT fast rung under it and LoRA's fused + flex rung, the others ran under autocast.
+# (five H100s, up to ~5% apart on the same code: compare rungs within one machine). The fifth ran single-ft's bf16
+# weights with fp32 masters (common/precision.py: full SFT's fast rung, LoRA's fused + flex), the others autocast.
 # On an H200 (1.4x the memory bandwidth, the same bf16 peak) the memory-bound half of the step runs ~1.3x faster.
 FULL_PREDICTION = (
     "102,000-112,000 tok/s by the median step on an H100 (107,377 measured under bf16 weights with fp32 masters), "
@@ -194,6 +190,12 @@ MOE_PREDICTION = (
     "the mixture-of-experts preset trains on one GPU (transformers' per-expert loop in bf16 weights with fp32 "
     "masters): a few thousand tok/s, host-bound at this size; aux_loss and the per-expert token counts logged")
 
+DDP_PREDICTION = (
+    "ddp-ft on one rank with the full-SFT fast rung's flags: bf16 weights with fp32 masters whose gradients DDP's comm "
+    "hook flattens, all-reduces (NCCL, a group of one) and copies back, ~10 GB of extra memory traffic per step: "
+    "2-5% longer median step than single-ft's fast rung on the same machine; peak ~1.1 GiB above it (DDP's bf16 "
+    "buckets); the same losses as single-ft's reference within the bf16 tolerance")
+
 PROBE_ESTIMATE_S = 60  # a process of its own: imports, the kernel check, each loss timed (Triton and compile first)
 PROBE_PREDICTION = (
     "every kernel within 3x masked SDPA's own bf16 rounding, FlexAttention over rows included (forward and "
@@ -211,9 +213,8 @@ GPU_PLAN = Plan(
     bench_tokens=8192, bench_hidden=1024, bench_vocab=151_936, bench_chunks=(1024, 4096, 8192),
     ladders=[("s1024-full", 1024, 0, (4, 8)), ("s4096-full", 4096, 0, (2,)), ("s4096-lora16", 4096, 16, (2,)),
              ("s1024-lora16", 1024, 16, (4, 8))])
-# The dry run: one target with its instrumented fast rung and its reference, the probe, TRL (skipped without its
-# wheels). Each rung is a process that spends most of its time importing; compile, flex, the extras and the earlier
-# ladder are left to the tests that cover them (tests/test_loss.py, test_attention.py, test_ddp_fsdp.py).
+# The dry run: one target's instrumented fast rung and its reference, the probe, TRL (skipped without its wheels);
+# compile, flex, the extras and the ladder are left to the tests that cover them (test_loss, test_attention, ...).
 DRY_PLAN = Plan(
     model="qwen3-tiny", dtype="fp32", steps=6, warmup=1 + PROFILE_STEPS, chunk=32,
     targets=[Target("s64-full", 64, 0, 2, "fp32 on a CPU: the same losses as the reference", (1, 2),
@@ -280,6 +281,9 @@ def rungs(plan: Plan) -> list[Rung]:
         out.append(Rung("single-ft-moe-tiny", "single-ft", (
             *run_args(plan, 20, 5)[:1], "qwen3-moe-tiny", *run_args(plan, 20, 5)[2:]), MOE_PREDICTION,
             ladder="beyond the targets", estimate_s=45))
+        full = plan.targets[0]  # ddp-ft's bf16 layout on CUDA: its comm hook over NCCL, in a group of one
+        out.append(Rung(f"ddp-ft-{full.label}-fast-m{full.micro}-1rank", "ddp-ft", fast_of[full.label], DDP_PREDICTION,
+                        ladder="beyond the targets", estimate_s=75, reference=f"single-ft-{full.label}-reference"))
     out += ladder_rungs(plan)
     if plan.fsdp_seq:
         out.append(Rung(f"fsdp-ft-s{plan.fsdp_seq}-full-1rank", "fsdp-ft", (
