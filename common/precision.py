@@ -1,5 +1,5 @@
-"""bf16 weights for compute, fp32 master copies for the update: --dtype bf16 in single-ft, tp-ft, tp-sp-ft (their
-DTensor shards too) and pp-ft; the story is in common/README.md."""
+"""bf16 weights for compute, fp32 master copies for the update: --dtype bf16 in single-ft, tp-ft, tp-sp-ft, ep-ft
+(their DTensor shards too) and pp-ft; the story is in common/README.md."""
 
 from __future__ import annotations
 
