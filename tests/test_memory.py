@@ -80,18 +80,20 @@ def test_project_precisions_are_what_the_scripts_keep():
 
 def test_each_strategy_is_priced_as_its_experiment_runs_it():
     # zero-ft runs DeepSpeed's own bf16 mode (bf16 module, fp32 gradient accumulation, fp32 master, no autocast);
-    # with --dtype fp32 DeepSpeed still keeps a separate fp32 master partition. single-ft, ddp-ft, tp-ft, tp-sp-ft and
-    # pp-ft compute in bf16 weights with fp32 masters (common/precision.py); every other experiment keeps fp32
-    # weights that are their own master copy.
+    # with --dtype fp32 DeepSpeed still keeps a separate fp32 master partition. single-ft, ddp-ft, tp-ft, tp-sp-ft,
+    # pp-ft and ep-ft compute in bf16 weights with fp32 masters (common/precision.py); every other experiment keeps
+    # fp32 weights that are their own master copy.
     def layout(p):
         return p.weights, p.grads, p.master, p.optimizer
+
+    masters = ("single", "ddp", "tp", "tp-sp", "pp", "ep")
 
     assert layout(DEEPSPEED_BF16) == (2, 4, 4, 8) and layout(DEEPSPEED_FP32) == (4, 4, 4, 8)
     for strategy in STRATEGIES:
         deepspeed = strategy.startswith("zero-")
-        masters = strategy in ("single", "ddp", "tp", "tp-sp", "pp")
         assert strategy_precision(strategy, "bf16") is (DEEPSPEED_BF16 if deepspeed else
-                                                        MASTER_BF16 if masters else PROJECT_BF16)
+                                                        MASTER_BF16 if strategy in masters else
+                                                        PROJECT_BF16)
         assert strategy_precision(strategy, "fp32") is (DEEPSPEED_FP32 if deepspeed else PROJECT_FP32)
     with pytest.raises(ValueError, match="dtype"):
         strategy_precision("zero-2", "fp16")
@@ -1301,16 +1303,17 @@ def test_dense_strategies_refuse_a_mixture_of_experts():
 
 def test_ep_model_states_by_hand():
     # Qwen3-30B-A3B over 8 ranks: each holds the 1.54B dense parameters and 1/8 of the 29.0B expert ones, 16 bytes
-    # each (fp32 weights, gradients, AdamW m and v); one rank holds what single does.
+    # each in ep-ft's runs from before its bf16 weights (fp32 weights, gradients, AdamW m and v, autocast:
+    # PROJECT_BF16); one rank holds what single does.
     shape = model_shape("qwen3-30b-a3b")
     experts = 48 * 128 * 3 * 2048 * 768
     dense = shape.total_parameters - experts
     assert dense == 1_541_093_376
-    ep = estimate(shape, "ep", 8)
+    ep = estimate(shape, "ep", 8, precision=PROJECT_BF16)
     held = dense + experts // 8
     assert (ep.weights_bytes, ep.grads_bytes, ep.optimizer_bytes, ep.master_bytes) == (4 * held, 4 * held,
                                                                                       8 * held, 0)
-    one = estimate(shape, "ep", 1)
+    one = estimate(shape, "ep", 1, precision=PROJECT_BF16)
     assert one.model_states_bytes == 16 * shape.total_parameters
     assert estimate(shape, "single").model_states_bytes == 18 * shape.total_parameters  # bf16 weights, fp32 masters
     # bf16 copies: autocast's of the attention, routers and LM head; ep-ft's own of its experts, every layer's
@@ -1319,24 +1322,34 @@ def test_ep_model_states_by_hand():
     lm_head = 151_936 * 2048
     assert estimate(shape, "single").compute_copy_bytes == 0
     assert ep.compute_copy_bytes == 2 * (attention_and_router + lm_head + experts // 8)
-    assert estimate(shape, "ep", 8, activation_checkpointing=True).compute_copy_bytes == 2 * (
+    assert estimate(shape, "ep", 8, activation_checkpointing=True, precision=PROJECT_BF16).compute_copy_bytes == 2 * (
         attention_and_router + lm_head + experts // 8 // 48)
     # the dispatch: sorted, received and regrouped rows, fp32 under autocast, k = 8 per token
     assert ep.buffers_bytes == 1024 * 3 * 4 * 8 * 2048
+    # ep-ft's --dtype bf16 today: bf16 weights (its experts too) with fp32 masters, 18 bytes per held parameter, no
+    # copies; the dispatched rows in bf16
+    masters = estimate(shape, "ep", 8)
+    assert masters.precision is MASTER_BF16
+    assert (masters.weights_bytes, masters.grads_bytes, masters.optimizer_bytes, masters.master_bytes) == (
+        2 * held, 4 * held, 8 * held, 4 * held)
+    assert masters.compute_copy_bytes == 0 and masters.buffers_bytes == 1024 * 3 * 2 * 8 * 2048
     assert estimate(shape, "ep", 8, precision="fp32").precision is PROJECT_FP32
 
 
 def _moe_saved_bytes_per_token(layers: int, autocast: bool, packed: bool, expert_parallel: bool,
-                               seq_len: int = 96) -> float:
+                               seq_len: int = 96, bf16_weights: bool = False) -> float:
     """As _saved_bytes_per_token (each storage held while counting), for qwen3-moe-tiny with common.moe's
     load-balancing loss; `expert_parallel`: ep-ft's expert block on a one-rank group (needs torch.distributed
-    initialised). The load-balancing loss saves each layer's top-k expert ids for a topk backward that the loss
-    never uses: they are freed layer by layer, their address reused by the next layer's softmax output."""
+    initialised); `bf16_weights`: the model in bf16, as common/precision.py leaves it (no autocast). The
+    load-balancing loss saves each layer's top-k expert ids for a topk backward that the loss never uses: they are
+    freed layer by layer, their address reused by the next layer's softmax output."""
     from common.moe import RouterStats
 
     torch.manual_seed(0)
     config = _tiny_moe(layers)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    if bf16_weights:
+        model.to(torch.bfloat16)
     if expert_parallel:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -1371,12 +1384,14 @@ def _moe_saved_bytes_per_token(layers: int, autocast: bool, packed: bool, expert
     return _unique_bytes(saved) / seq_len
 
 
-def _moe_activation_check(autocast: bool, packed: bool, expert_parallel: bool) -> None:
+def _moe_activation_check(autocast: bool, packed: bool, expert_parallel: bool, bf16_weights: bool = False) -> None:
     shape = model_shape(_tiny_moe())
-    seq_len, compute_bytes = 96, 2 if autocast else 4
+    seq_len, compute_bytes = 96, 2 if autocast or bf16_weights else 4
     terms = layer_activation_terms(shape, compute_bytes=compute_bytes, autocast=autocast, seq_len=seq_len,
-                                   attention="sdpa-packed" if packed else "sdpa", expert_parallel=expert_parallel)
-    two, three = (_moe_saved_bytes_per_token(n, autocast, packed, expert_parallel) for n in (2, 3))
+                                   attention="sdpa-packed" if packed else "sdpa", expert_parallel=expert_parallel,
+                                   weight_bytes=2 if bf16_weights else 4)
+    two, three = (_moe_saved_bytes_per_token(n, autocast, packed, expert_parallel, bf16_weights=bf16_weights)
+                  for n in (2, 3))
     # Besides the formula: the grouped products' int32 offsets, one per expert (E here, E / W in ep-ft) per layer
     offsets = 4 * shape.experts / seq_len
     assert three - two == pytest.approx(sum(terms.values()) + offsets, abs=1e-9)
@@ -1398,7 +1413,8 @@ def test_moe_activation_formula_matches_what_autograd_keeps(autocast, packed):
 
 
 def _ep_block(out_dir: str) -> dict:
-    """In a one-rank group: ep-ft's expert block against the activation formula (fp32 and autocast), then what a
+    """In a one-rank group: ep-ft's expert block against the activation formula (fp32, and bf16 weights as
+    common/precision.py leaves them; its runs under autocast kept the formula's autocast terms), then what a
     rank of ep-ft holds after a step (dense parameters, its experts as DTensors, AdamW as ep-ft groups it)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -1406,8 +1422,8 @@ def _ep_block(out_dir: str) -> dict:
     from common.metrics import state_bytes
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    for autocast, packed in ((False, False), (True, True)):
-        _moe_activation_check(autocast, packed, expert_parallel=True)
+    _moe_activation_check(False, False, expert_parallel=True)
+    _moe_activation_check(False, True, expert_parallel=True, bf16_weights=True)
     sys.path.insert(0, str(REPO_ROOT / "tests"))
     from conftest import load_experiment
 
@@ -1447,7 +1463,7 @@ def test_ep_ft_block_and_states_on_one_rank(tmp_path):
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-5000:]
     measured = json.loads(result.stdout.strip().splitlines()[-1])
-    predicted = estimate(_tiny_moe(), "ep", 1, precision="bf16").state_bytes()
+    predicted = estimate(_tiny_moe(), "ep", 1, precision=PROJECT_BF16).state_bytes()  # fp32 weights, autocast
     assert measured["held"] == {**predicted, "optimizer": predicted["optimizer"] + 4 * measured["tensors"]}
 
 
@@ -1478,7 +1494,7 @@ def test_an_ep_rank_holds_the_predicted_states(world_size):
     optimizer = _ep_optimizer(torch.nn.ParameterList(held), experts)
     optimizer.step()
     measured = state_bytes(held, optimizer)
-    predicted = estimate(config, "ep", world_size).state_bytes()
+    predicted = estimate(config, "ep", world_size, precision=PROJECT_BF16).state_bytes()  # fp32 weights, autocast
     assert measured == {**predicted, "optimizer": predicted["optimizer"] + 4 * len(held)}
     shape = model_shape(config)
     assert measured["weights"] == 4 * (shape.total_parameters - shape.layers * shape.layer_expert_parameters
@@ -1624,5 +1640,21 @@ def test_predict_run_prices_pp_ft_by_the_layout_its_run_had():
     for measured, predicted in zip(run["state_bytes_per_rank"], old):  # what the committed run measured
         assert {key: measured[key] for key in ("weights", "grads", "master")} == \
             {key: predicted[key] for key in ("weights", "grads", "master")}
+    assert [rank["weights"] for rank in new] == [rank["weights"] // 2 for rank in old]
+    assert [rank["master"] for rank in new] == [rank["grads"] for rank in old]
+
+
+def test_predict_run_prices_ep_ft_by_the_layout_its_run_had():
+    """ep-ft's bf16 weights with fp32 masters (MASTER_BF16) where summary.json names them; a bf16 run without
+    `master_weights` ran fp32 weights under autocast and keeps that price (PROJECT_BF16), its own expert casts too."""
+    run = json.loads((REPO_ROOT / "devlog" / "data" / "2026-11-26-moe" / "ep-ft" / "summary.json").read_text())
+    autocast = {**run, "config": {**run["config"], "dtype": "bf16"}}
+    masters = {**autocast, "master_weights": {"compute_dtype": "bfloat16", "master_dtype": "float32"}}
+    before, after = predict_run(autocast), predict_run(masters)
+    assert before.precision is PROJECT_BF16 and after.precision is MASTER_BF16
+    assert after.compute_copy_bytes == 0 < before.compute_copy_bytes
+    assert after.buffers_bytes == before.buffers_bytes / 2  # the dispatched rows in bf16, not fp32
+    assert after.activations_bytes < before.activations_bytes  # a bf16 residual stream
+    old, new = predict_state_bytes(autocast), predict_state_bytes(masters)
     assert [rank["weights"] for rank in new] == [rank["weights"] // 2 for rank in old]
     assert [rank["master"] for rank in new] == [rank["grads"] for rank in old]

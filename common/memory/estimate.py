@@ -84,14 +84,15 @@ the input ids and labels. tests/test_memory.py holds every GPU run committed und
    the experts' 3-D weights (ParamWrapper) this module does not model.
    - Model states. ep: each rank holds the dense part (embedding, LM head, attention, routers, norms) whole and E / W
      experts of every layer (DTensor Shard(0)), with their fp32 gradients and AdamW state: 16 bytes per held
-     parameter under --dtype bf16 and fp32 alike, no reduce bucket counted (ep-ft all-reduces the dense gradients
-     in 25 MiB flat copies, section 1's "none counted" for tp/pp). single: the whole model, as for a dense one.
-   - Compute copies. Autocast (ep) caches its bf16 casts of the attention projections, the routers and the LM head,
-     as for a dense model; single computes in its bf16 weights (common/precision.py) and makes no copy. torch's
-     grouped_mm is not autocast-aware: transformers' experts (single) cast the tokens to the weights' dtype, bf16
-     under --dtype bf16 (fp32 in single-ft's runs from before its bf16 weights, priced so); ep-ft casts its
-     rows and its E / W experts of each layer to bf16 itself, copies that backward keeps (the grouped product saves
-     its weight) until the layer's backward: every layer's, or with checkpointing one layer's (the recomputed one).
+     parameter under fp32, 18 under --dtype bf16 (bf16 weights, fp32 masters: common/precision.py), no reduce bucket
+     counted (ep-ft all-reduces the dense gradients in 25 MiB flat copies, section 1's "none counted" for tp/pp).
+     single: the whole model, as for a dense one.
+   - Compute copies. single and ep compute in their bf16 weights (common/precision.py) and make no copy. In their
+     runs from before those (fp32 weights under autocast, priced so): autocast cached its bf16 casts of the attention
+     projections, the routers and the LM head, as for a dense model; torch's grouped_mm is not autocast-aware:
+     transformers' experts (single) cast the tokens to the weights' dtype, fp32; ep-ft cast its rows and its E / W
+     experts of each layer to bf16 itself, copies that backward kept (the grouped product saves its weight) until the
+     layer's backward: every layer's, or with checkpointing one layer's (the recomputed one).
    - Activations, per token of one sparse layer, in place of the dense MLP's 4 c I (symbols of activations.py, and e the
      bytes of the weights, the dtype transformers' experts compute in):
        linear inputs  autocast: 4 c d (q, k, v and the router each save their cast); otherwise 2 r d, as dense
@@ -183,8 +184,9 @@ def device_slices(shape: ModelShape, strategy: str, world_size: int, lora_rank: 
         return DeviceSlice(layers, linears + layer_norms, 0.0, 0.0, linears, 0.0, root, 0.0, root_matmul, **kwargs)
 
     if shape.is_moe:
-        # single: the whole model; ep: the dense part whole and E / W experts of every layer (section 3). Autocast
-        # casts the attention projections, the routers and the LM head; ep-ft casts its experts itself.
+        # single: the whole model; ep: the dense part whole and E / W experts of every layer (section 3). Under
+        # autocast (ep-ft's earlier bf16 runs) the attention projections, routers and LM head were cast, and ep-ft
+        # cast its experts itself.
         experts = shape.layer_expert_parameters / (world_size if strategy == "ep" else 1)
         dense = shape.layer_parameters - shape.layer_expert_parameters
         return [DeviceSlice(shape.layers, dense + experts, 0.0, 0.0, dense - layer_norms, 0.0, shape.root_parameters,

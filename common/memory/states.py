@@ -211,14 +211,14 @@ PRECISIONS = {p.name: p for p in (PROJECT_BF16, PROJECT_FP32, ZERO_PAPER, BF16_R
 # bitsandbytes' packed weights).
 QLORA_STRATEGIES = ("single", "ddp")
 # Where --dtype bf16 computes in bf16 weights with fp32 masters (common/precision.py), not under autocast.
-MASTER_WEIGHT_STRATEGIES = ("single", "ddp", "tp", "tp-sp", "pp")
+MASTER_WEIGHT_STRATEGIES = ("single", "ddp", "tp", "tp-sp", "pp", "ep")
 
 
 def strategy_precision(strategy: str, dtype: str = "bf16") -> BytesPerParam:
     """The bytes per parameter that the experiment running `strategy` keeps under `--dtype dtype`: DeepSpeed's own
     layouts for zero-ft (DeepSpeed's bf16 mode, no autocast), bf16 weights with fp32 masters for single-ft, ddp-ft,
-    tp-ft, tp-sp-ft and pp-ft (common/precision.py, no autocast), fp32 weights that are their own master copy for
-    every other experiment (autocast or FSDP2's mixed-precision policy make the bf16 copies). The one place the
+    tp-ft, tp-sp-ft, pp-ft and ep-ft (common/precision.py, no autocast), fp32 weights that are their own master copy
+    for every other experiment (autocast or FSDP2's mixed-precision policy make the bf16 copies). The one place the
     command line, recommend() and predict_run() take it from."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")

@@ -42,6 +42,7 @@ from common.models import TINY_PRESETS, checkpoint_activations, count_parameters
     is_preset, load_model, load_tokenizer, model_config, record_adapter_base, resolve_model_name, weights_dtype
 from common.ep import Dispatches, all_reduce_in_buckets, clip_expert_parallel_grad_norm, grouped_linear
 from common.moe import RouterStats
+from common.precision import MasterWeights
 
 EXPERIMENT = "ep-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -147,15 +148,10 @@ class ExpertParallelExperts(nn.Module):
         k = top_k_index.shape[1]
         W, L = self.world, self.local_experts
 
-        # Under autocast the rows travel and are multiplied in its dtype (bf16: half the bytes of fp32); grouped_mm
-        # is not autocast-aware, so the casts are explicit.
-        dtype = torch.get_autocast_dtype(hidden_states.device.type) \
-            if torch.is_autocast_enabled(hidden_states.device.type) else hidden_states.dtype
-
         # 1. Dispatch. Sort the rank's (token, slot) pairs by expert: the rows for rank r's experts are one block.
         expert_ids = top_k_index.reshape(-1)
         order = torch.argsort(expert_ids, stable=True)
-        rows = hidden_states[order // k].to(dtype)
+        rows = hidden_states[order // k]  # in the weights' dtype: bf16 under --dtype bf16
         per_expert = torch.bincount(expert_ids, minlength=self.num_experts)  # [E] = W blocks of L
         # Every rank tells every other how many rows it sends to each of that rank's experts...
         incoming = torch.empty_like(per_expert)
@@ -176,7 +172,7 @@ class ExpertParallelExperts(nn.Module):
         counts = [sum(per_expert_in[s * L + e] for s in range(W)) for e in range(L)]
         offsets = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
         x = received[regroup]
-        gate_up, down = self.gate_up_proj.to_local().to(dtype), self.down_proj.to_local().to(dtype)
+        gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()
         gate, up = grouped_linear(x, gate_up, offsets, counts).chunk(2, dim=-1)
         out = grouped_linear(self.act_fn(gate) * up, down, offsets, counts)
         out = out[torch.argsort(regroup)]  # back in the order the rows arrived
@@ -223,8 +219,8 @@ def main(argv: list[str] | None = None) -> dict:
     print0(f"config: {json.dumps(asdict(config))}")
     torch.manual_seed(config.seed)
     attention = setup_attention(device, config.attn, print_fn=print0)
-    # bf16: fp32 weights, gradients and AdamW state (the "master weights"), matmuls in bf16 under autocast.
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if config.dtype == "bf16" else nullcontext
+    # bf16: the weights themselves are bf16 (fp32 masters below): no autocast, in evaluation and sampling neither.
+    autocast = nullcontext
 
     # ---------------------------------------------------------------------------------------------------------
     # Data: every rank builds the same rows and takes its own slice of each step (as ddp-ft).
@@ -264,13 +260,15 @@ def main(argv: list[str] | None = None) -> dict:
     decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
     moe = RouterStats.attach(model)  # a mixture of experts: each forward's load-balancing loss and expert load
     model.train()
+    # --dtype bf16: the trainable weights become bf16, AdamW updates fp32 master copies (common/precision.py).
+    masters = MasterWeights(model, torch.bfloat16 if config.dtype == "bf16" else None)  # DTensors: their placements
     n_params = count_parameters(model.config)["total"]
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    trainable = masters.parameters  # the fp32 masters, or the model's own trainable weights (fp32)
     n_trainable = sum(p.numel() for p in trainable)
     model_flops_per_token = flops_per_token(model.config, config.seq_len, config.lora_rank)
     print0(f"model: {config.model} | {n_params:,} parameters, {n_trainable:,} trainable | "
            f"{model_flops_per_token / 1e9:.3f} GFLOP/token (training) | dtype {config.dtype}")
-    experts = [p for module in ep_layers for p in module.parameters()]  # DTensors: each rank holds its shard
+    experts = masters.of([p for module in ep_layers for p in module.parameters()])  # DTensors: each rank's shard
     dense = [p for p in trainable if not isinstance(p, DTensor)]  # replicated, as in ddp-ft
     local_expert_params = sum(p.to_local().numel() for p in experts)
     print0(f"ep: {world_size} ranks, each with {ep_layers[0].local_experts} experts of every layer "
@@ -294,8 +292,9 @@ def main(argv: list[str] | None = None) -> dict:
     # Training loop
     sample_messages = sample_prompt(data)  # --sample-every: the turns before the first held-out answer
     # The step count is the whole data position: step k always consumes the same rows.
-    start_step = load_checkpoint(config.resume, model, optimizer, scheduler) if config.resume else 0
+    start_step = load_checkpoint(config.resume, masters.module, optimizer, scheduler) if config.resume else 0
     if config.resume:
+        masters.copy_to_model()  # the loaded fp32 masters, rounded into the weights the forward reads
         print0(f"resumed from {config.resume}: continuing at step {start_step + 1}")
     # Step clock, comm_ms, the step line, metrics.jsonl, summary.json; the garbage collector on a schedule from here.
     rec = Recorder(EXPERIMENT, config, device, model.config, data, rows_per_step, world_size=world_size, rank=rank,
@@ -339,13 +338,15 @@ def main(argv: list[str] | None = None) -> dict:
             step_loss += loss.detach()
         # The dense gradients: one sum over the ranks per step (after the last micro-batch, as ddp-ft's no_sync).
         all_reduce_in_buckets([p.grad for p in dense if p.grad is not None], int(config.dense_bucket_mb * 2**20))
-        rec.state(step, model.parameters(), optimizer)  # dense whole, experts their shard, AdamW's state
+        rec.state(step, model.parameters(), optimizer, masters.copies)  # weights, gradients, AdamW, masters
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
         # The norm before clipping: the dense part counted once, the experts' squares summed over their owners.
         grad_norm = clip_expert_parallel_grad_norm(trainable, max_norm)
+        masters.free_weights()  # the bf16 weights are not read again before the next forward (common/precision.py)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        masters.copy_to_model()  # the updated fp32 masters, rounded into the weights the next forward reads
         # The step's loss, aux loss and expert load, summed over the ranks in one call.
         logged = torch.cat([step_loss.reshape(1), moe.step_values()])
         dist.all_reduce(logged)
@@ -361,7 +362,7 @@ def main(argv: list[str] | None = None) -> dict:
             completion = generate(model, tokenizer, sample_messages, device, autocast=autocast)
             print0(f"sample step {step + 1}: {completion!r}")
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
-            saved = save_checkpoint(config.out_dir, step + 1, model, optimizer, scheduler, run=plan.identity,
+            saved = save_checkpoint(config.out_dir, step + 1, masters.module, optimizer, scheduler, run=plan.identity,
                                     keep=config.keep_checkpoints)
             print0(f"checkpoint: {saved}")
 
@@ -370,9 +371,11 @@ def main(argv: list[str] | None = None) -> dict:
     eval_loss = evaluate(model, data, config.micro_batch_size, device, autocast)
     rec.eval(config.steps, eval_loss)
     # summary.json: what was measured, and the settings the predictions read from it afterwards (not in this run).
-    summary = rec.finish(attention=asdict(attention), eval_loss=eval_loss, **dispatches.summary())
+    summary = rec.finish(attention=asdict(attention), eval_loss=eval_loss, master_weights=masters.summary(),
+                         **dispatches.summary())
 
     if config.save_hf:
+        masters.restore_masters()  # the fp32 weights, as an export under autocast wrote them
         # Each expert weight gathered from its shards (a collective: every rank calls); rank 0 writes the model.
         full = {name: p.full_tensor() if isinstance(p, DTensor) else p for name, p in model.state_dict().items()}
     if config.save_hf and rank == 0:
