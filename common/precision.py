@@ -1,5 +1,4 @@
-"""bf16 weights for compute, fp32 master copies for the update: --dtype bf16 in single-ft, ddp-ft (DDP's bf16 buckets
-freed with the weights), tp-ft, tp-sp-ft, ep-ft (their DTensor shards too) and pp-ft (common/README.md)."""
+"""bf16 weights for compute, fp32 master copies for the update, under --dtype bf16 (common/README.md says where)."""
 
 from __future__ import annotations
 

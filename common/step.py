@@ -1,9 +1,10 @@
-"""A fast step's two helpers: garbage collection between steps, never inside one, and gradient clipping folded
-into the fused AdamW step (common/README.md)."""
+"""The step's helpers: garbage collection between steps, never inside one, gradient clipping folded into the fused
+AdamW step, and the learning-rate schedule every experiment shares (common/README.md)."""
 
 from __future__ import annotations
 
 import gc
+import math
 
 import torch
 import torch.distributed
@@ -86,3 +87,11 @@ def _clip_sharded_grad_norm(parameters: list[torch.Tensor], max_norm: float) -> 
     for group in groups.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm)
     return total_norm
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
+    """Linear warm-up to the peak over `warmup_steps`, then cosine decay to 0 at the last step."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))

@@ -262,7 +262,7 @@ def test_a_copied_script_runs_from_an_empty_folder_with_an_installed_common(laun
 
 # What a train.py reaches of common/ is what a reader of it may have to open, and what a copy of it needs: the runtime
 # stays thin. The predictions and the commands (NOT_RUNTIME) read runs afterwards and are reached by no train.py.
-RUNTIME_LINES_CEILING = 3_950
+RUNTIME_LINES_CEILING = 4_000
 
 
 def common_modules_reached(script: Path) -> set[Path]:

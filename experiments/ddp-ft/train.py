@@ -18,7 +18,6 @@ Strategy flags: --bucket-cap-mb (size of the gradient buckets DDP all-reduces), 
 from __future__ import annotations
 
 import json
-import math
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,7 +41,7 @@ from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_
     is_preset, load_model, load_model_4bit, load_tokenizer, qlora_unavailable, record_adapter_base, \
     resolve_model_name, weights_dtype
 from common.precision import MasterWeights
-from common.step import clip_grad_norm
+from common.step import clip_grad_norm, lr_factor
 
 EXPERIMENT = "ddp-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -113,14 +112,6 @@ def resolve(config: Config) -> Config:
         config.lora_alpha = 2.0 * config.lora_rank
     resolve_paths(config, EXPERIMENT)  # --data found, --out-dir under the working directory, --resume
     return config
-
-
-def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
-    """Linear warm-up to the peak over `warmup_steps`, then cosine decay to 0 at the last step."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
 def all_reduce_masters(masters: MasterWeights, bucket):  # no annotations: DDP compares them with types, not strings

@@ -15,7 +15,6 @@ Strategy flags: --dense-bucket-mb (size of the all-reduce buckets of the dense g
 from __future__ import annotations
 
 import json
-import math
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,6 +42,7 @@ from common.models import TINY_PRESETS, checkpoint_activations, count_parameters
 from common.ep import Dispatches, all_reduce_in_buckets, clip_expert_parallel_grad_norm, grouped_linear
 from common.moe import RouterStats
 from common.precision import MasterWeights
+from common.step import lr_factor
 
 EXPERIMENT = "ep-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -107,14 +107,6 @@ def resolve(config: Config) -> Config:
         config.lr = 1e-3 if is_preset(config.model) else (1e-4 if config.lora_rank else 2e-5)
     resolve_paths(config, EXPERIMENT)  # --data found, --out-dir under the working directory, --resume
     return config
-
-
-def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
-    """Linear warm-up to the peak over `warmup_steps`, then cosine decay to 0 at the last step."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ Strategy flags: --no-reshard-after-forward, --no-reshard-after-backward, --cpu-o
 from __future__ import annotations
 
 import json
-import math
 import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -47,7 +46,7 @@ from common.metrics import MetricsLogger, Recorder
 from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
     is_preset, load_model, load_tokenizer, model_config, record_adapter_base, refuse_moe, resolve_model_name, \
     weights_dtype
-from common.step import clip_grad_norm
+from common.step import clip_grad_norm, lr_factor
 
 EXPERIMENT = "fsdp-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -125,14 +124,6 @@ def resolve(config: Config) -> Config:
         raise InputError("--no-reshard-after-backward keeps the gathered weights from one micro-batch to the next only "
                          "if forward keeps them too: add --no-reshard-after-forward")
     return config
-
-
-def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
-    """Linear warm-up to the peak over `warmup_steps`, then cosine decay to 0 at the last step."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
 def build_model(config: Config, tokenizer, attn_implementation: str, on_meta: bool):

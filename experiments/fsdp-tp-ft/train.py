@@ -30,7 +30,6 @@ Strategy flags: --tp-degree (default 2), --loss-parallel / --no-loss-parallel, -
 from __future__ import annotations
 
 import json
-import math
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -57,6 +56,7 @@ from common.metrics import MetricsLogger, Recorder
 from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
     is_preset, load_model, load_tokenizer, model_config, record_adapter_base, refuse_moe, resolve_model_name, \
     weights_dtype
+from common.step import lr_factor
 from common.tp import FullLogits, local, on_tp_mesh, replica_drift
 
 EXPERIMENT = "fsdp-tp-ft"
@@ -136,14 +136,6 @@ def resolve(config: Config) -> Config:
         raise InputError(f"{EXPERIMENT} has no --loss-chunk-tokens: loss parallelism already splits the logits over "
                          "the vocabulary; chunking them too is not built yet (see tp-ft's README)")
     return config
-
-
-def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
-    """Linear warm-up to the peak over `warmup_steps`, then cosine decay to 0 at the last step."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
 def build_model(config: Config, tokenizer, attn_implementation: str, on_meta: bool):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,7 +49,7 @@ from common.metrics import MetricsLogger, Recorder  # noqa: E402
 from common.models import add_lora, count_parameters, flops_per_token, is_preset, load_model, load_tokenizer, \
     record_adapter_base, resolve_model_name, share_export  # noqa: E402
 from common.pipeline_trace import per_rank_measures  # noqa: E402
-from common.step import clip_grad_norm  # noqa: E402
+from common.step import clip_grad_norm, lr_factor  # noqa: E402
 
 EXPERIMENT = "pp-ds-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -138,14 +137,6 @@ def resolve(config: Config, world_size: int) -> Config:
         raise InputError("--dtype bf16 needs --zero-stage 1 here: DeepSpeed accumulates bf16 gradients in fp32 only "
                          "in its ZeRO-1 bf16 optimizer (with one data-parallel replica it shards nothing)")
     return config
-
-
-def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
-    """Linear warm-up to the peak over `warmup_steps`, then cosine decay to 0 at the last step."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
 def deepspeed_config(config: Config, data_parallel_size: int) -> dict:

@@ -19,7 +19,6 @@ explains the stages, the replicas (--stages) and what summary.json holds per ran
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -47,7 +46,7 @@ from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_
     is_preset, load_model, load_tokenizer, record_adapter_base, resolve_model_name, share_export, weights_dtype
 from common.pipeline_trace import PipelineTrace
 from common.precision import MasterWeights
-from common.step import clip_grad_norm
+from common.step import clip_grad_norm, lr_factor
 
 EXPERIMENT = "pp-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -133,14 +132,6 @@ def resolve(config: Config) -> Config:
                          "the input gradient and then the weights', while the fused loss computes both once, in its "
                          "forward (common/loss.py); use 1f1b, gpipe or interleaved-1f1b")
     return config
-
-
-def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
-    """Linear warm-up to the peak over `warmup_steps`, then cosine decay to 0 at the last step."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ as single-ft's; the tp degree is the number of processes (the README says more).
 from __future__ import annotations
 
 import json
-import math
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,7 +41,7 @@ from common.metrics import MetricsLogger, Recorder
 from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
     is_preset, load_model, load_tokenizer, record_adapter_base, resolve_model_name, weights_dtype
 from common.precision import MasterWeights
-from common.step import clip_grad_norm
+from common.step import clip_grad_norm, lr_factor
 from common.tp import FullLogits, SavedActivations, local, replica_drift
 
 EXPERIMENT = "tp-ft"
@@ -118,14 +117,6 @@ def resolve(config: Config) -> Config:
         raise InputError(f"{EXPERIMENT} has no --loss-chunk-tokens: loss parallelism already splits the logits over "
                          "the vocabulary; chunking them too is not built yet (see the README)")
     return config
-
-
-def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
-    """Linear warm-up to the peak over `warmup_steps`, then cosine decay to 0 at the last step."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
 def check_divisible(config, tp: int) -> None:

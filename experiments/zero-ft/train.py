@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -45,6 +44,7 @@ from common.loss import fused_linear_cross_entropy
 from common.metrics import MetricsLogger, Recorder, memory_label, peak_memory_gib
 from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
     is_preset, load_model, load_tokenizer, record_adapter_base, resolve_model_name
+from common.step import lr_factor
 
 # DeepSpeed picks its "accelerator" on import: without a CUDA/ROCm GPU, name the CPU one (no probing, no warning).
 if not torch.cuda.is_available():
@@ -124,14 +124,6 @@ def resolve(config: Config) -> Config:
         raise InputError("--compile needs --zero-stage 1 or 2: ZeRO-3 gathers each projection's weight in hooks that "
                          "break a compiled decoder layer into small graphs between the gathers (see README.md)")
     return config
-
-
-def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
-    """Linear warm-up to the peak over `warmup_steps`, then cosine decay to 0 at the last step."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
 def deepspeed_config(config: Config, world_size: int) -> dict:
