@@ -310,5 +310,6 @@ def probe_lines(probed: dict, data: str) -> list[str]:
                      f"{row['tolerance']:.1e}: {'ok' if row['ok'] else 'FAILED'})")
     return lines + [""]
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -377,9 +377,8 @@ def predict_before_launch(rung: Rung) -> float | None:
     impl = config.get("attn", "auto")
     attention = {"impl": impl, "expands_kv": impl == "varlen" and not torch_varlen_takes_gqa(), "reason": ""}
     pre_run = {"experiment": rung.experiment, "config": config, "hardware": {"world_size": rung.nproc},
-               "attention": attention, "model": {},  # bf16 weights and fp32 masters (common/precision.py)
-               "master_weights": rung.experiment in ("single-ft", "ddp-ft", "pp-ft") and config["dtype"] == "bf16"
-               and not config.get("qlora")}
+               "attention": attention, "model": {},  # bf16 weights and fp32 masters where the strategy keeps them
+               "master_weights": config["dtype"] == "bf16" and not config.get("qlora")}
     try:
         return predict_run(pre_run).total_gib
     except (ValueError, KeyError, TypeError, OSError):  # a model or setting the memory model cannot price

@@ -192,6 +192,7 @@ def provenance_footer(repo_url: str, commit: str) -> str:
 
 HOME_TITLE = "About the series"  # the home page in the sidebar and the tab title
 
+
 def stage(root: Path, docs: Path, repo_url: str, commit: str) -> list[str]:
     """Write the site's sources into `docs` (emptied first). Returns the problems found (the build stops on any)."""
     blogs = root / "blogs"

@@ -304,6 +304,7 @@ def document_boundaries(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     cu_seq_lens = torch.cat([first, first.new_tensor([rows * seq])]).to(torch.int32)
     return cu_seq_lens, int((cu_seq_lens[1:] - cu_seq_lens[:-1]).max())
 
+
 def document_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict:
     """The model call's kwargs that tell every varlen attention call where the documents are, computed once per
     micro-batch: cu_seq_lens_q/k and `longest_document`, an empty tensor whose length is the longest document's

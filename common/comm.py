@@ -177,7 +177,6 @@ def zero_bucket_flushes(numels: list[int], bucket_elements: int) -> int:
     return flushes + (1 if filled else 0)
 
 
-
 def zero_collectives(stage: int, *, group_numels: list[int], reduction_numels: list[int],
                      parameter_numels: list[int], world_size: int, grad_accum: int, bf16: bool,
                      reduce_bytes: int = 4, reduce_bucket_elements: int = DEEPSPEED_REDUCE_BUCKET_ELEMENTS,

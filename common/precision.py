@@ -6,10 +6,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (tensor parallelism's split weights); a plain tensor is all local."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+from common.metrics import local_tensor
 
 
 def _assign(param: nn.Parameter, value: torch.Tensor) -> None:
@@ -71,24 +68,30 @@ class MasterWeights:
         masters = {id(param): master for param, master in zip(self.weights, self.copies)}
         return [masters.get(id(param), param) for param in params]
 
+    def take_grads(self) -> None:
+        """Add into the masters the gradients written past their hooks (ZBV's weight pass sets .grad itself)."""
+        for param, master in zip(self.weights, self.copies):
+            if param.grad is not None:
+                _accumulate_into(master)(param)
+
     def free_weights(self) -> None:
         """Release the compute-dtype parameters' storage (after backward, before the optimizer step); the next
         copy_to_model() allocates it again."""
         for param in self.weights:
             param.grad = None  # under DDP, views of its bucket
-        for tensor in [*map(local, self.weights), *self.buckets]:
+        for tensor in [*map(local_tensor, self.weights), *self.buckets]:
             tensor.untyped_storage().resize_(0)
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
         """Round the masters into the compute-dtype parameters: after each optimizer step, and after a resume."""
-        weights = [local(param) for param in self.weights]  # a DTensor's shard (masters: the same placements)
+        weights = [local_tensor(param) for param in self.weights]  # a DTensor's shard (masters: the same placements)
         for tensor in [*weights, *self.buckets]:
             if tensor.untyped_storage().size() == 0:
                 tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
         self.buckets = []  # DDP rebuilds its buckets at the second step: the next backward names them again
         if self.copies:
-            torch._foreach_copy_(weights, [local(master) for master in self.copies])
+            torch._foreach_copy_(weights, [local_tensor(master) for master in self.copies])
 
     @torch.no_grad()
     def restore_masters(self) -> None:

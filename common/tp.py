@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from common.dist import print0
-from common.precision import local
+from common.metrics import local_tensor
 
 
 class SavedActivations:
@@ -75,7 +75,7 @@ def on_tp_mesh(parameter: torch.Tensor) -> bool:
 def replica_drift(parameters, tp_mesh) -> float:
     """Largest |difference| between any tp rank's and its group's first rank's copy (or FSDP shard) of the
     parameters replicated over "tp": 0.0 when the replicas are in sync. A collective: every rank calls it."""
-    copies = [local(p).detach() for p in parameters if not on_tp_mesh(p)]
+    copies = [local_tensor(p).detach() for p in parameters if not on_tp_mesh(p)]
     if not copies:
         return 0.0
     mine = torch.cat([copy.flatten() for copy in copies])

@@ -328,7 +328,6 @@ def test_bad_data_sources_stop_with_one_line(tmp_path, formats):
                         "--out-dir", str(tmp_path / "out")])
 
 
-
 def greedy_by_hand(folder, prompt: str, max_new_tokens: int) -> str:
     """Greedy decoding without transformers' generate: the whole sequence through the model at every step."""
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

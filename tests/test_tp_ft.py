@@ -252,6 +252,7 @@ def test_model_state_bytes_are_the_predicted_ones(experiment, request):
         assert measured == {"weights": 4 * local, "grads": 4 * local, "optimizer": 8 * local + counters, "master": 0}
         assert measured == {**predicted, "optimizer": predicted["optimizer"] + counters}
 
+
 @pytest.mark.parametrize("experiment", ["tp", "tp_sp"])
 def test_bf16_computes_single_ft_s_bf16_steps(experiment, request, single):
     """--dtype bf16: bf16 weights (each rank's shards) read without autocast, fp32 masters that AdamW updates, as

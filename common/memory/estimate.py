@@ -363,7 +363,6 @@ def estimate_stages(config_like, strategy: str, world_size: int = 1, *, seq_len:
             for piece in device_slices(shape, strategy, world_size, lora_rank, tensor_parallel, qlora)]
 
 
-
 def estimate_stages_per_rank(config_like, stage_rank: list[int], *, seq_len: int, micro_batch_size: int,
                              lora_rank: int = 0, dtype: str = "bf16", replicas: int = 1,
                              master_weights: bool = True) -> list[dict]:
@@ -385,6 +384,7 @@ def estimate_stages_per_rank(config_like, stage_rank: list[int], *, seq_len: int
         for key, value in estimate_.state_bytes().items():
             per_rank[rank][key] += value
     return per_rank * replicas  # global rank = replica x pipeline ranks + rank in the pipeline
+
 
 def uses_autocast(strategy: str, precision: BytesPerParam) -> bool:
     """Autocast runs wherever the kept weights are wider than the compute dtype, except under FSDP/ZeRO-3, whose

@@ -151,6 +151,7 @@ OFFLOADED_STATES = {"zero-2-offload": ("grads", "optimizer", "master"),
                     "fsdp-offload": ("weights", "grads", "optimizer", "master")}
 DTYPES = ("bf16", "fp32")  # the experiments' --dtype
 
+
 # ---------------------------------------------------------------------------------------------------------------
 # Bytes per parameter
 @dataclass(frozen=True)

@@ -118,8 +118,7 @@ def all_reduce_masters(masters: MasterWeights, bucket):  # no annotations: DDP c
     """--dtype bf16: DDP's comm hook. Its buckets are the bf16 weights', but a bucket all-reduces its parameters' fp32
     master gradients, this rank's sum of the step's micro-batches (README), averaged in place. Under
     --reduce-every-micro-batch that sum holds the earlier ones' mean, the same on every rank: each is added once."""
-    master_of = dict(zip(map(id, masters.weights), masters.copies))
-    grads = [master_of[id(param)].grad for param in bucket.parameters()]
+    grads = [master.grad for master in masters.of(bucket.parameters())]
     masters.buckets.append(bucket.buffer())  # zeros, freed with the bf16 weights (common/precision.py)
 
     def average(future):

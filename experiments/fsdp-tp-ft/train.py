@@ -52,12 +52,12 @@ from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import DataError, build_data, describe, evaluate, sample_text, to_device, token_loss_sum
 from common.dist import init_distributed, print0, record_collectives_in, teardown
-from common.metrics import MetricsLogger, Recorder
+from common.metrics import MetricsLogger, Recorder, local_tensor
 from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
     is_preset, load_model, load_tokenizer, model_config, record_adapter_base, refuse_moe, resolve_model_name, \
     weights_dtype
 from common.step import lr_factor
-from common.tp import FullLogits, local, on_tp_mesh, replica_drift
+from common.tp import FullLogits, on_tp_mesh, replica_drift
 
 EXPERIMENT = "fsdp-tp-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> dict:
                 # averages over the dp ranks, so backward runs on dp x loss (README: the loss).
                 loss = token_loss_sum(logits, batch["labels"]) / loss_tokens
                 (loss * dp).backward()
-            step_loss += local(loss.detach())
+            step_loss += local_tensor(loss.detach())
         rec.state(step, model.parameters(), optimizer)  # this rank's (dp, tp) blocks, 1/dp of the norms, grads, AdamW
         all_reduce_partial_grads(partial_grad_params, tp_mesh)
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")

@@ -169,7 +169,6 @@ def deepspeed_config(config: Config, data_parallel_size: int) -> dict:
     }
 
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # The model as a list of pipe layers: each one's output, (hidden states, position_ids), is the next one's input and
 # is sent between stages as is; each decoder layer rebuilds the rotary cos/sin and the block-diagonal mask from it.

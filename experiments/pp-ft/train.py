@@ -261,10 +261,7 @@ def into_masters_after(weight_pass, masters: MasterWeights):
     """ZBV's weight pass writes .grad itself, not through the hooks that feed the masters: moved after each pass."""
     def run(*args, **kwargs):
         weight_pass(*args, **kwargs)
-        for weight, master in zip(masters.weights, masters.copies):
-            if weight.grad is not None:
-                master.grad = weight.grad.float() if master.grad is None else master.grad.add_(weight.grad)
-                weight.grad = None
+        masters.take_grads()
     return run
 
 

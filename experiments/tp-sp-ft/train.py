@@ -48,12 +48,12 @@ from common.attention import setup_attention
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import DataError, build_data, describe, evaluate, sample_text, to_device, token_loss_sum
 from common.dist import init_distributed, print0, record_collectives_in, teardown
-from common.metrics import MetricsLogger, Recorder
+from common.metrics import MetricsLogger, Recorder, local_tensor
 from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_parameters, flops_per_token, \
     is_preset, load_model, load_tokenizer, record_adapter_base, resolve_model_name, weights_dtype
 from common.precision import MasterWeights
 from common.step import clip_grad_norm, lr_factor
-from common.tp import FullLogits, SavedActivations, local, replica_drift
+from common.tp import FullLogits, SavedActivations, replica_drift
 
 EXPERIMENT = "tp-sp-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> dict:
                                    attention_mask=None, use_cache=False, **packed).logits
                 loss = token_loss_sum(logits, batch["labels"]) / loss_tokens  # a Replicate DTensor under loss parallel
                 loss.backward()
-            step_loss += local(loss.detach())
+            step_loss += local_tensor(loss.detach())
         rec.state(step, model.parameters(), optimizer, masters.copies)  # weights, gradients, AdamW, masters
         all_reduce_partial_grads(partial_grad_params, trainable, tp_mesh)
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
