@@ -73,7 +73,7 @@ FIGURES = {figure.name: figure for figure in (
     Figure("memory_predicted", "Qwen3-0.6B on one GPU: max_memory_reserved beside common/memory's prediction",
            ("devlog/data/*-gpu-suite-*/*",), memory_predicted_data, draw_memory_predicted),
     Figure("state_bytes", "Qwen3-0.6B: model-state bytes per rank by kind, measured vs predicted",
-           (SERIES + "memory-0.6b/*",), state_bytes_data, draw_state_bytes),
+           ("devlog/data/2026-11-28-memory-0.6b/*",), state_bytes_data, draw_state_bytes),
     Figure("memory_breakdown", "Predicted memory per GPU by strategy, Qwen3-0.6B and 4B on 2 x 24 GiB (a prediction)",
            (), memory_breakdown_data, draw_memory_breakdown),
     Figure("collective_bytes", "Collective bytes per optimizer step by strategy on the workload (measured, log scale)",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from plotting.data import STATE_KINDS
+from plotting.data import STATE_KINDS, collective_formulas
 from run_files import Run
 
 from ..engine import RegionError
@@ -17,12 +17,17 @@ PARITY_FIRST_STEPS = 5
 GPU_KINDS = ("cuda", "rocm")
 
 
-def run_fields(run: Run, prediction: bool = False) -> dict:
+def run_fields(run: Run, prediction: bool = False, formula: bool = False) -> dict:
     """What a path in a region can read: summary.json's fields, `steps` (metrics.jsonl), `timed` (the steps the
     summary's averages count: after the timing warm-up, profiled steps left out), `name` (the folder) and, asked
-    for, `prediction` (current_prediction: common.memory's peak for the run's settings, as the code prices it now)."""
+    for, `prediction` (current_prediction: common.memory's peak for the run's settings, as the code prices it now)
+    and `formula` (common.comm's collectives per step of rank 0 for the run's settings, as the code prices it now)."""
     fields = {**run.summary, "steps": run.steps, "timed": timed_steps(run), "name": run.name}
-    return {**fields, "prediction": current_prediction(run)} if prediction else fields
+    if prediction:
+        fields["prediction"] = current_prediction(run)
+    if formula:
+        fields["formula"] = collective_formulas(run.summary)[0]
+    return fields
 
 
 def current_prediction(run: Run) -> float | None:

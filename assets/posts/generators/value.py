@@ -15,7 +15,9 @@ def evaluate_runs(expression: str, runs: dict[str, Run]) -> float:
     def read(name: str, path: str):
         if name not in runs:
             raise RegionError(f"expr: '{name}' is not a run: give {name}=<run folder>")
-        return lookup(run_fields(runs[name], prediction=path.split(".")[0] == "prediction"), path, f"{name}.")
+        first = path.split(".")[0]
+        return lookup(run_fields(runs[name], prediction=first == "prediction", formula=first == "formula"), path,
+                      f"{name}.")
 
     return evaluate(expression, read)
 
