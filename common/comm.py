@@ -426,7 +426,7 @@ def predict_bubble(summary: dict) -> tuple[float, str] | None:
 
 
 def dense_buckets(grad_bytes: list[int], bucket_bytes: int) -> list[int]:
-    """common.ep.all_reduce_in_buckets (ep-ft's dense gradients): in order, a bucket sent once it holds
+    """common.step.all_reduce_in_buckets (ep-ft's dense gradients): in order, a bucket sent once it holds
     bucket_bytes or more."""
     buckets, size = [], 0
     for n_bytes in grad_bytes:

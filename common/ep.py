@@ -20,22 +20,6 @@ def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tens
     return torch.cat([chunk @ w.T for chunk, w in zip(rows.split(counts), weight)])
 
 
-def all_reduce_in_buckets(tensors: list[torch.Tensor], bucket_bytes: int, group=None) -> None:
-    """Sum `tensors` over the ranks in place, a few large calls instead of one per tensor: in order, a bucket is sent
-    once it holds `bucket_bytes` or more (common.comm.dense_buckets counts them the same way)."""
-    bucket, size = [], 0
-    for tensor in [*tensors, None]:
-        if tensor is not None:
-            bucket.append(tensor)
-            size += tensor.numel() * tensor.element_size()
-        if bucket and (tensor is None or size >= bucket_bytes):
-            flat = torch.cat([t.reshape(-1) for t in bucket])
-            dist.all_reduce(flat, group=group)
-            for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
-                t.copy_(part.view_as(t))
-            bucket, size = [], 0
-
-
 def clip_expert_parallel_grad_norm(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """common.step.clip_grad_norm for expert parallelism: the plain gradients (replicated, the same on every rank)
     count once; the DTensor ones are sharded on the experts of a 1-D mesh, each shard complete on its owner, so their

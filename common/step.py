@@ -1,5 +1,6 @@
 """The step's helpers: garbage collection between steps, never inside one, gradient clipping folded into the fused
-AdamW step, and the learning-rate schedule every experiment shares (common/README.md)."""
+AdamW step, a bucketed all-reduce of gradients, and the learning-rate schedule every experiment shares
+(common/README.md)."""
 
 from __future__ import annotations
 
@@ -87,6 +88,23 @@ def _clip_sharded_grad_norm(parameters: list[torch.Tensor], max_norm: float) -> 
     for group in groups.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm)
     return total_norm
+
+
+def all_reduce_in_buckets(tensors: list[torch.Tensor], bucket_bytes: int, group=None) -> None:
+    """Sum `tensors` over the ranks in place, a few large calls instead of one per tensor: in order, a bucket is sent
+    once it holds `bucket_bytes` or more (common.comm.dense_buckets counts them the same way;
+    ep-ft's dense gradients, pp-ft's replicas under --dtype bf16)."""
+    bucket, size = [], 0
+    for tensor in [*tensors, None]:
+        if tensor is not None:
+            bucket.append(tensor)
+            size += tensor.numel() * tensor.element_size()
+        if bucket and (tensor is None or size >= bucket_bytes):
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            torch.distributed.all_reduce(flat, group=group)
+            for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
+                t.copy_(part.view_as(t))
+            bucket, size = [], 0
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:

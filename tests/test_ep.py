@@ -9,7 +9,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from common.comm import dense_buckets
-from common.ep import Dispatches, all_reduce_in_buckets, clip_expert_parallel_grad_norm, grouped_linear
+from common.ep import Dispatches, clip_expert_parallel_grad_norm, grouped_linear
+from common.step import all_reduce_in_buckets
 
 
 @pytest.fixture

@@ -39,10 +39,10 @@ from common.loss import fused_linear_cross_entropy
 from common.metrics import MetricsLogger, Recorder
 from common.models import TINY_PRESETS, checkpoint_activations, count_parameters, flops_per_token, is_moe, \
     is_preset, load_model, load_tokenizer, model_config, record_adapter_base, resolve_model_name, weights_dtype
-from common.ep import Dispatches, all_reduce_in_buckets, clip_expert_parallel_grad_norm, grouped_linear
+from common.ep import Dispatches, clip_expert_parallel_grad_norm, grouped_linear
 from common.moe import RouterStats
 from common.precision import MasterWeights
-from common.step import lr_factor
+from common.step import all_reduce_in_buckets, lr_factor
 
 EXPERIMENT = "ep-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)

@@ -46,7 +46,7 @@ from common.models import TINY_PRESETS, add_lora, checkpoint_activations, count_
     is_preset, load_model, load_tokenizer, record_adapter_base, resolve_model_name, share_export, weights_dtype
 from common.pipeline_trace import PipelineTrace
 from common.precision import MasterWeights
-from common.step import clip_grad_norm, lr_factor
+from common.step import all_reduce_in_buckets, clip_grad_norm, lr_factor
 
 EXPERIMENT = "pp-ft"
 SCRIPT_DIR = Path(__file__).resolve().parent  # a copy of this script runs from any folder (README)
@@ -572,9 +572,9 @@ def main(argv: list[str] | None = None) -> dict:
                       target_mbs=labels, losses=micro_losses, loss_kwargs={"step_loss_tokens": loss_tokens},
                       return_outputs=False)
         trace.stop(step)
-        if replicas > 1 and masters.copies:  # bf16: no DDP (the masters' hooks take each gradient first), its mean here
-            for master in trainable:
-                dist.all_reduce(master.grad.div_(replicas), group=dp_group)
+        if replicas > 1 and masters.copies:  # bf16: no DDP (the masters' hooks take each gradient first): the mean
+            # here, in DDP's 25 MiB buckets, not overlapped with the backward
+            all_reduce_in_buckets([master.grad.div_(replicas) for master in trainable], 25 * 2**20, group=dp_group)
         # The replicas' gradients averaged (by DDP inside the schedule, or just above); the tied copies next, the norm.
         sum_tied_gradients(embedding, lm_head, tie_group)
         rec.state(step, module.parameters(), optimizer, masters.copies)  # weights, gradients, AdamW, masters
