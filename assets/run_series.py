@@ -135,6 +135,9 @@ def bf16_bytes_runs() -> list[Run]:
     return specs
 
 
+# The workload under --dtype bf16, the setting a GPU user runs: every strategy with its own bf16 layout (bf16 weights
+# and fp32 masters, FSDP2's bf16 gathers, DeepSpeed's bf16 mode) against single-ft's bf16 steps.
+BF16_WORKLOAD = ("--model", "qwen3-tiny", "--seq-len", "256", "--dtype", "bf16", "--steps", "40")
 SHORT = (*TINY, "--steps", "12")
 MOE = ("--model", "qwen3-moe-tiny", "--seq-len", "256", "--dtype", "fp32", "--steps", "40")
 SERIES: dict[str, list[Run] | Tool] = {
@@ -142,6 +145,7 @@ SERIES: dict[str, list[Run] | Tool] = {
     "lora": lora_runs(),
     "memory-0.6b": memory_runs(),
     "bf16-bytes": bf16_bytes_runs(),
+    "bf16-workload": workload_runs(base=BF16_WORKLOAD),
     "ddp": [Run(f"ddp-ft-bucket{mb}", "ddp-ft", 2, (*TINY, "--steps", "20", "--grad-accum", "2", "--bucket-cap-mb",
                                                      str(mb))) for mb in (1, 5, 25)]
            + [Run(f"ddp-ft-ga{ga}{suffix}", "ddp-ft", 2, (*TINY, "--steps", "20", "--grad-accum", str(ga), *flag))
