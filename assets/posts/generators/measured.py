@@ -13,13 +13,20 @@ from run_files import STEP_SETTINGS
 from ..engine import RegionError, generator
 from ..markup import markdown_table
 from ..site import Context
-from .runs import PARITY_FIRST_STEPS, PARITY_TOLERANCE, PARITY_TOLERANCE_TEXT, loss_differences, rank0_collectives, \
+from .runs import PARITY_FIRST_STEPS, PARITY_TOLERANCE_TEXT, loss_differences, rank0_collectives, \
     relative_difference, show, small, state_total, world_size
 
 
-@generator("parity", ("runs", "ref"))
+@generator("parity", ("runs", "ref"), ("tolerance",))
 def gen_parity(ctx: Context, args: dict) -> str:
+    """Per-step loss agreement with `ref`; `tolerance` (default the fp32 tests' 1e-5) for runs that round otherwise,
+    as bf16 runs do."""
     runs, ref = ctx.site.runs(args["runs"]), ctx.site.run(args["ref"])
+    tolerance_text = args.get("tolerance", PARITY_TOLERANCE_TEXT)
+    try:
+        tolerance = float(tolerance_text)
+    except ValueError:
+        raise RegionError(f"parity: tolerance={tolerance_text!r} is not a number") from None
     names = ("model", "t_eff", *STEP_SETTINGS)
     rows = []
     for run in runs:
@@ -33,12 +40,12 @@ def gen_parity(ctx: Context, args: dict) -> str:
         if not differences:
             raise RegionError(f"parity: {run.name} and {ref.name} have no step in common (metrics.jsonl)")
         everywhere, first = max(differences), max(differences[:PARITY_FIRST_STEPS])
-        within = f"{show(everywhere <= PARITY_TOLERANCE)} / {show(first <= PARITY_TOLERANCE)}"
+        within = f"{show(everywhere <= tolerance)} / {show(first <= tolerance)}"
         rows.append([run.name, str(len(differences)), small(everywhere), small(first),
                      small(relative_difference(run.summary.get("eval_loss"), ref.summary.get("eval_loss"))), within])
     headers = ["run", "steps compared", "max rel. loss difference, all steps",
                f"same, first {PARITY_FIRST_STEPS} steps", "eval loss rel. difference",
-               f"within {PARITY_TOLERANCE_TEXT} (all / first {PARITY_FIRST_STEPS})"]
+               f"within {tolerance_text} (all / first {PARITY_FIRST_STEPS})"]
     table = markdown_table(headers, rows, [False, True, True, True, True, False])
     return f"{table}\n\nRelative difference: |loss - {ref.name}'s| / {ref.name}'s, per step."
 

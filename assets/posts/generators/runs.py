@@ -11,8 +11,7 @@ from run_files import Run
 
 from ..engine import RegionError
 
-PARITY_TOLERANCE = 1e-5  # the tests' bound on fp32 per-step losses against single-ft (relative)
-PARITY_TOLERANCE_TEXT = "1e-5"
+PARITY_TOLERANCE_TEXT = "1e-5"  # the tests' bound on fp32 per-step losses against single-ft (relative)
 PARITY_FIRST_STEPS = 5
 GPU_KINDS = ("cuda", "rocm")
 
