@@ -478,6 +478,15 @@ def test_value_field_and_expression(site):
     assert values == ["0.06", f"{WEIGHTS:,}", "2", "2.9%", f"{5.0 - 3.0000006 + 1:.4f}", "1.85", "-3.00"]
 
 
+def test_value_reads_the_collective_formula_as_the_code_prices_it_now(site):
+    from plotting.data import collective_formulas
+
+    run = make_plots.load_run(site / DDP)
+    formula = collective_formulas(run.summary)[0]["gloo:all_reduce"]
+    assert evaluate_runs("d.formula.gloo:all_reduce.bytes / d.formula.gloo:all_reduce.calls", {"d": run}) == \
+        formula["bytes"] / formula["calls"]
+
+
 @pytest.mark.parametrize("expression, message", [
     ("__import__('os').system('true')", "only numbers"),
     ("a.tokens_per_s.real", "indexes a float"),
@@ -500,6 +509,12 @@ def test_parity(site):
         "| pp-ft | 7 | 0 | 0 | 1.6e-02 | yes / yes |",
     ]
     assert "within 1e-5 (all / first 5)" in text.splitlines()[0]
+    # Runs that round otherwise (bf16) are held to the tolerance the region names: ddp-ft's 3e-5 passes 1e-4.
+    looser = generated(site, f"parity runs={SERIES}/* ref={SINGLE} tolerance=1e-4").splitlines()
+    assert "within 1e-4 (all / first 5)" in looser[0] and looser[2].endswith("| yes / yes |")
+    (site / "blogs" / "01-first.md").write_text("# P\n\n" + region(f"parity runs={PP} ref={SINGLE} tolerance=tight"))
+    problems, lines = build(site, check=True)
+    assert problems == 1 and "tolerance='tight' is not a number" in lines[0]
     other = json.loads((site / PP / "summary.json").read_text())
     other["config"]["seq_len"] = 128
     (site / PP / "summary.json").write_text(json.dumps(other))
